@@ -1,0 +1,29 @@
+# Bootstraps .venv (Python 3.12 from pyenv) idempotently, then runs the main job or the tests.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: train test venv torch-env clean-cache
+
+$(STAMP): pyproject.toml scripts/bootstrap_venv.sh
+	bash scripts/bootstrap_venv.sh $(VENV)
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+## make train: trains configs/cpu_tiny.yaml on the CPython standard-library corpus (ARGS="key=value ...").
+train: $(STAMP)
+	$(VENV)/bin/minicpm4 train --config configs/cpu_tiny.yaml $(ARGS)
+
+## make test: the whole suite CI runs.
+test: $(STAMP)
+	bash scripts/run_tests.sh $(PY)
+
+## make torch-env: the Python 3.11 CPU PyTorch environment used by parity tests and benchmarks.
+torch-env:
+	bash scripts/bootstrap_torch_env.sh
+
+clean-cache:
+	rm -rf .cache

@@ -1,0 +1,1 @@
+"""Evaluation (``minicpm4_jax.eval``): filled by the evaluation issue."""

@@ -1,0 +1,703 @@
+"""Typed, frozen configuration for MiniCPM4 models and training runs.
+
+One place holds every knob: frozen dataclasses (model, sparse attention, optimizer/schedule, data,
+mesh, checkpoint, train), YAML presets in ``configs/``, dotted ``key=value`` overrides from the
+command line, and :func:`validate`, the single place where a configuration is checked.
+
+``ModelConfig.from_hf_config`` / ``ModelConfig.to_hf_config`` bridge the official MiniCPM
+``config.json`` (spec ``minicpm4_model.md`` §1, incl. the constructor defaults that apply when a key
+is missing: ``tie_word_embeddings`` True, ``rope_theta`` 10000).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "RopeScalingConfig",
+    "SparseConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "DataConfig",
+    "MeshConfig",
+    "CheckpointConfig",
+    "TrainConfig",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "apply_overrides",
+    "validate",
+    "diff_configs",
+    "CONFIG_DIR",
+]
+
+#: The repository's ``configs/`` folder (presets are looked up here by name).
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the value and the fix in one line."""
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """LongRoPE scaling (spec §4).
+
+    ``short_factor``/``long_factor`` hold ``head_dim // 2`` per-frequency divisors. The factor set is
+    chosen once from the configured lengths: long iff ``max_position_embeddings >
+    original_max_position_embeddings`` (as the official MiniCPM code does), so a KV cache never mixes
+    rotations. ``rope_type`` must be ``"longrope"``; anything else raises rather than silently falling
+    back to plain RoPE (field fault B09).
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    rope_type: str = "longrope"
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """InfLLM v2 block-sparse attention settings (spec §1.3, the official ``sparse_config`` block).
+
+    ``variant`` picks the official generation: ``"gen2"`` (MiniCPM4.1, LSE-approximated stage 1,
+    topk + window//block selected blocks) or ``"gen1"`` (MiniCPM4 June 2025, exact stage-1 softmax,
+    in-kernel local window). ``dense_len``: sequences with total KV length ``< dense_len`` use dense
+    attention; ``-1`` forces the sparse path.
+    """
+
+    kernel_size: int = 32
+    kernel_stride: int = 16
+    init_blocks: int = 1
+    block_size: int = 64
+    window_size: int = 2048
+    topk: int = 64
+    use_nope: bool = False
+    dense_len: int = 8192
+    variant: str = "gen2"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """MiniCPM4 architecture (spec §1-§4).
+
+    Field names follow the official ``config.json``. ``head_dim`` ``None`` means
+    ``hidden_size // num_attention_heads`` (the official configs carry no ``head_dim`` key).
+    ``dtype`` is the compute dtype of activations and matmuls; parameters are kept in
+    ``param_dtype`` (float32); softmax, norm statistics and logits are always float32.
+    ``attention`` selects the algorithm (``dense`` | ``infllmv2``), ``attention_impl`` the
+    implementation (``xla`` | ``pallas`` | ``auto``). ``remat``: ``none`` | ``full`` |
+    ``dots`` (save matmul outputs only).
+    """
+
+    vocab_size: int = 73448
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig | None = None
+    tie_word_embeddings: bool = True
+    scale_emb: float = 12.0
+    dim_model_base: int = 256
+    scale_depth: float = 1.4
+    initializer_range: float = 0.1
+    hidden_act: str = "silu"
+    bos_token_id: int = 1
+    eos_token_id: tuple[int, ...] = (2,)
+    pad_token_id: int | None = None
+    attention: str = "dense"
+    attention_impl: str = "auto"
+    sparse_config: SparseConfig | None = None
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    scan_layers: bool = True
+    remat: str = "none"
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def resolved_head_dim(self) -> int:
+        """Per-head width d (``head_dim`` or ``hidden_size // num_attention_heads``)."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def width_mult(self) -> float:
+        """μP width multiplier ``hidden_size / dim_model_base`` (spec §3.2); logits are divided by it."""
+        return self.hidden_size / self.dim_model_base
+
+    @property
+    def residual_scale(self) -> float:
+        """Residual-branch multiplier ``scale_depth / sqrt(num_hidden_layers)`` (spec §2)."""
+        return self.scale_depth / math.sqrt(self.num_hidden_layers)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the dense model (no MTP head)."""
+        h, d = self.hidden_size, self.resolved_head_dim
+        nq, nkv = self.num_attention_heads, self.num_key_value_heads
+        attn = h * nq * d + 2 * h * nkv * d + nq * d * h
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        total = self.num_hidden_layers * per_layer + h
+        if include_embedding:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        elif not self.tie_word_embeddings:
+            total += self.vocab_size * h
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), matmuls incl. attention scores.
+
+        Standard 6N + 12·L·d_attn·T (PaLM appendix B, causal attention counted as full as MaxText does).
+        """
+        n = self.num_params(include_embedding=False)
+        if self.tie_word_embeddings:
+            n += self.vocab_size * self.hidden_size  # the head matmul still runs
+        attn = 12 * self.num_hidden_layers * self.num_attention_heads * self.resolved_head_dim * seq_len
+        return 6.0 * n + attn
+
+    # ---- Hugging Face bridge ------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> "ModelConfig":
+        """Build from an official MiniCPM ``config.json`` dict (spec §1.1 constructor defaults).
+
+        Raises:
+            ConfigError: unsupported ``hidden_act``, unknown ``rope_scaling.rope_type``.
+        """
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act={act!r} is not supported; MiniCPM4 uses 'silu'")
+        rs = hf.get("rope_scaling")
+        rope_scaling = None
+        if rs is not None:
+            rtype = rs.get("rope_type", rs.get("type"))
+            if rtype != "longrope":
+                raise ConfigError(
+                    f"rope_scaling.rope_type={rtype!r} is not supported; use 'longrope' or remove rope_scaling"
+                )
+            orig = rs.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+            rope_scaling = RopeScalingConfig(
+                short_factor=tuple(float(x) for x in rs["short_factor"]),
+                long_factor=tuple(float(x) for x in rs["long_factor"]),
+                original_max_position_embeddings=int(orig),
+            )
+        eos = hf.get("eos_token_id", 2)
+        eos_t = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        sparse = hf.get("sparse_config")
+        sparse_cfg = None
+        if sparse is not None:
+            known = {f.name for f in dataclasses.fields(SparseConfig)}
+            sparse_cfg = SparseConfig(**{k: v for k, v in sparse.items() if k in known})
+        nq = int(hf.get("num_attention_heads", 32))
+        kw: dict[str, Any] = dict(
+            vocab_size=int(hf.get("vocab_size", 32000)),
+            hidden_size=int(hf.get("hidden_size", 4096)),
+            intermediate_size=int(hf.get("intermediate_size", 11008)),
+            num_hidden_layers=int(hf.get("num_hidden_layers", 32)),
+            num_attention_heads=nq,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or nq),
+            head_dim=hf.get("head_dim"),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            scale_emb=float(hf.get("scale_emb", 1)),
+            dim_model_base=int(hf.get("dim_model_base", 1)),
+            scale_depth=float(hf.get("scale_depth", 1)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
+            bos_token_id=int(hf.get("bos_token_id", 1)),
+            eos_token_id=eos_t,
+            pad_token_id=hf.get("pad_token_id"),
+            attention="infllmv2" if sparse_cfg is not None else "dense",
+            sparse_config=sparse_cfg,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The official MiniCPM ``config.json`` dict for this model (inverse of ``from_hf_config``)."""
+        out: dict[str, Any] = {
+            "architectures": ["MiniCPMForCausalLM"],
+            "model_type": "minicpm",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0],
+            "hidden_act": self.hidden_act,
+            "hidden_size": self.hidden_size,
+            "initializer_range": self.initializer_range,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "scale_emb": _int_if_integral(self.scale_emb),
+            "dim_model_base": self.dim_model_base,
+            "scale_depth": self.scale_depth,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "bfloat16" if self.dtype == "bfloat16" else "float32",
+        }
+        if self.head_dim is not None:
+            out["head_dim"] = self.head_dim
+        if self.pad_token_id is not None:
+            out["pad_token_id"] = self.pad_token_id
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {
+                "rope_type": self.rope_scaling.rope_type,
+                "long_factor": list(self.rope_scaling.long_factor),
+                "short_factor": list(self.rope_scaling.short_factor),
+                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
+            }
+        if self.attention == "infllmv2" and self.sparse_config is not None:
+            out["sparse_config"] = dataclasses.asdict(self.sparse_config)
+        return out
+
+
+def _int_if_integral(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with MiniCPM μP learning-rate rules and the WSD schedule (spec §3.2-§3.3).
+
+    ``learning_rate`` is the base (peak) LR: embedding, head and norms train at it, hidden
+    matrices at ``learning_rate / width_mult`` when ``mup`` is on. Schedule: linear warmup over
+    ``warmup_steps``, stable, then decay over ``decay_steps`` (or ``decay_fraction`` of the run when
+    ``decay_steps`` is ``None``) to ``min_lr_ratio * learning_rate`` with shape ``decay_style``
+    (``exponential`` | ``linear``).
+    """
+
+    learning_rate: float = 1e-2
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup_steps: int = 100
+    decay_steps: int | None = None
+    decay_fraction: float = 0.1
+    decay_style: str = "exponential"
+    min_lr_ratio: float = 0.1
+    mup: bool = True
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data: sources, tokenizer, windows.
+
+    ``sources``: ``stdlib`` (the CPython standard library of the running interpreter), or paths to
+    ``.txt``/``.jsonl``/``.parquet`` files, folders of them, or a Hugging Face ``save_to_disk``
+    dataset folder. ``tokenizer``: ``train`` (SentencePiece BPE with byte fallback trained on the
+    corpus, ``tokenizer_vocab_size`` pieces) or a path to ``tokenizer.model`` / ``tokenizer.json``.
+    ``cache_dir`` ``None`` means ``<repo>/.cache/data`` (gitignored).
+    """
+
+    sources: tuple[str, ...] = ("stdlib",)
+    text_field: str = "text"
+    tokenizer: str = "train"
+    tokenizer_vocab_size: int = 8192
+    seq_len: int = 512
+    batch_size: int = 16
+    val_fraction: float = 0.02
+    seed: int = 0
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh ``(data, fsdp, tensor)``; ``-1`` on one axis takes the remaining devices."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    axis_types: str = "auto"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """orbax checkpointing: ``directory`` ``None`` means ``<out_dir>/checkpoints``."""
+
+    directory: str | None = None
+    save_every: int = 200
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    steps: int = 1000
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    out_dir: str = "runs/default"
+    tensorboard: bool = True
+    max_train_minutes: float | None = None
+    sample_prompt: str = "def "
+    sample_tokens: int = 64
+
+
+# ------------------------------------------------------------------------------------------------
+# dict <-> dataclass
+# ------------------------------------------------------------------------------------------------
+
+
+def _suggest(key: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    base, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}=None is not allowed; give a value of type {getattr(base, '__name__', base)}")
+    if dataclasses.is_dataclass(base):
+        if isinstance(value, base):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return _from_dict(base, value, where)
+    origin = typing.get_origin(base)
+    if origin is tuple:
+        (elem, *_rest) = typing.get_args(base)
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return tuple(_coerce(v, elem, f"{where}[{i}]") for i, v in enumerate(value))
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if base is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        return int(value)
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        return float(value)
+    if base is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a string")
+        return str(value)
+    return value
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown config key {path!r}{_suggest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build a :class:`TrainConfig` from a nested dict (YAML layout); unknown keys raise ConfigError."""
+    return _from_dict(TrainConfig, data or {}, "")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain-Python dict (tuples as lists) of a config dataclass, for YAML/JSON."""
+
+    def conv(x: Any) -> Any:
+        if dataclasses.is_dataclass(x):
+            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, (list, tuple)):
+            return [conv(v) for v in x]
+        return x
+
+    return conv(cfg)
+
+
+def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> dict[str, Any]:
+    """Apply dotted ``key=value`` overrides (values parsed as YAML) to a nested config dict.
+
+    Raises:
+        ConfigError: a malformed override or a key that does not exist (with the closest match).
+    """
+    data = _deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. model.hidden_size=256)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        try:
+            value = yaml.safe_load(raw) if raw.strip() != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({e.__class__.__name__})") from None
+        parts = key.split(".")
+        cls: Any = TrainConfig
+        node = data
+        for i, part in enumerate(parts):
+            names = [f.name for f in dataclasses.fields(cls)]
+            if part not in names:
+                prefix = ".".join(parts[:i])
+                where = f" in section {prefix!r}" if prefix else ""
+                raise ConfigError(f"unknown config key {key!r}{where}{_suggest(part, names)}")
+            ftype, _ = _unwrap_optional(typing.get_type_hints(cls)[part])
+            if i == len(parts) - 1:
+                node[part] = value
+            else:
+                if not dataclasses.is_dataclass(ftype):
+                    raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is a value, not a section")
+                if not isinstance(node.get(part), dict):
+                    node[part] = {} if node.get(part) is None else node[part]
+                node = node[part]
+                cls = ftype
+    return data
+
+
+def _deepcopy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deepcopy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deepcopy(v) for v in d]
+    return d
+
+
+def resolve_preset(path_or_name: str) -> Path:
+    """A preset path, or a bare name looked up in ``configs/`` (``cpu_tiny`` -> ``configs/cpu_tiny.yaml``).
+
+    Raises:
+        ConfigError: no such file (lists the presets available).
+    """
+    p = Path(path_or_name)
+    if p.is_file():
+        return p
+    for cand in (CONFIG_DIR / path_or_name, CONFIG_DIR / f"{path_or_name}.yaml"):
+        if cand.is_file():
+            return cand
+    names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {path_or_name!r} not found; give a YAML path or one of the presets {names}")
+
+
+def load_config(path_or_name: str | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    """Load a YAML preset (path or name in ``configs/``), apply overrides, validate.
+
+    A preset may name another with ``base: <preset>``; its keys are merged over the base.
+
+    Raises:
+        ConfigError: unreadable preset, unknown key, bad value or inconsistent settings.
+    """
+    data: dict[str, Any] = {}
+    if path_or_name is not None:
+        data = _load_yaml_with_base(resolve_preset(path_or_name), seen=())
+    data = apply_overrides(data, overrides)
+    cfg = config_from_dict(data)
+    validate(cfg)
+    return cfg
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path in seen:
+        raise ConfigError(f"preset {path} includes itself through 'base'")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"preset {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {path} must be a YAML mapping of sections")
+    base = data.pop("base", None)
+    if base is not None:
+        base_path = resolve_preset(base) if not (path.parent / base).is_file() else path.parent / base
+        data = _merge(_load_yaml_with_base(base_path, seen + (path,)), data)
+    return data
+
+
+# ------------------------------------------------------------------------------------------------
+# validation: the one place
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_model(m: ModelConfig) -> None:
+    """Check a model config's internal consistency. Raises ConfigError with the fix."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings", "dim_model_base"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_key_value_heads={m.num_key_value_heads}; pick kv heads that divide the query heads"
+        )
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; change one or set model.head_dim"
+        )
+    if m.resolved_head_dim % 2:
+        raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for rotary embeddings")
+    if m.rms_norm_eps <= 0:
+        raise ConfigError(f"model.rms_norm_eps={m.rms_norm_eps} must be > 0")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0")
+    if m.rope_scaling is not None:
+        rs = m.rope_scaling
+        if rs.rope_type != "longrope":
+            raise ConfigError(f"model.rope_scaling.rope_type={rs.rope_type!r} is not supported; use 'longrope'")
+        half = m.resolved_head_dim // 2
+        for nm in ("short_factor", "long_factor"):
+            lst = getattr(rs, nm)
+            if len(lst) != half:
+                raise ConfigError(
+                    f"model.rope_scaling.{nm} has {len(lst)} values but head_dim/2={half}; give one factor per frequency"
+                )
+            if any(not (f > 0) for f in lst):
+                raise ConfigError(f"model.rope_scaling.{nm} must be all positive")
+        if rs.original_max_position_embeddings <= 0:
+            raise ConfigError("model.rope_scaling.original_max_position_embeddings must be positive")
+        if m.max_position_embeddings < rs.original_max_position_embeddings:
+            raise ConfigError(
+                f"model.max_position_embeddings={m.max_position_embeddings} is below "
+                f"rope_scaling.original_max_position_embeddings={rs.original_max_position_embeddings}; raise it"
+            )
+    if m.hidden_act != "silu":
+        raise ConfigError(f"model.hidden_act={m.hidden_act!r} is not supported; use 'silu'")
+    if m.attention not in ("dense", "infllmv2"):
+        raise ConfigError(f"model.attention={m.attention!r}; use 'dense' or 'infllmv2'")
+    if m.attention_impl not in ("xla", "pallas", "auto"):
+        raise ConfigError(f"model.attention_impl={m.attention_impl!r}; use 'xla', 'pallas' or 'auto'")
+    if m.attention == "infllmv2" and m.sparse_config is None:
+        raise ConfigError("model.attention='infllmv2' needs a model.sparse_config section")
+    if m.sparse_config is not None:
+        s = m.sparse_config
+        if s.variant not in ("gen1", "gen2"):
+            raise ConfigError(f"model.sparse_config.variant={s.variant!r}; use 'gen1' or 'gen2'")
+        for nm in ("kernel_size", "kernel_stride", "block_size", "window_size", "topk"):
+            if getattr(s, nm) <= 0:
+                raise ConfigError(f"model.sparse_config.{nm}={getattr(s, nm)} must be positive")
+        if s.init_blocks < 0:
+            raise ConfigError(f"model.sparse_config.init_blocks={s.init_blocks} must be >= 0")
+        if s.block_size % s.kernel_stride:
+            raise ConfigError(
+                f"model.sparse_config.block_size={s.block_size} must be a multiple of kernel_stride={s.kernel_stride}"
+            )
+        if s.kernel_size % s.kernel_stride:
+            raise ConfigError(
+                f"model.sparse_config.kernel_size={s.kernel_size} must be a multiple of kernel_stride={s.kernel_stride}"
+            )
+        if s.window_size % s.block_size:
+            raise ConfigError(
+                f"model.sparse_config.window_size={s.window_size} must be a multiple of block_size={s.block_size}"
+            )
+        if s.dense_len < -1:
+            raise ConfigError(f"model.sparse_config.dense_len={s.dense_len}; use -1 (always sparse) or a length >= 0")
+    for nm in ("dtype", "param_dtype"):
+        if getattr(m, nm) not in _DTYPES:
+            raise ConfigError(f"model.{nm}={getattr(m, nm)!r}; use one of {list(_DTYPES)}")
+    if m.remat not in ("none", "full", "dots"):
+        raise ConfigError(f"model.remat={m.remat!r}; use 'none', 'full' or 'dots'")
+    if not m.eos_token_id:
+        raise ConfigError("model.eos_token_id must name at least one token id")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check a whole run's configuration. Raises :class:`ConfigError` naming the bad value and the fix."""
+    validate_model(cfg.model)
+    d, o = cfg.data, cfg.optimizer
+    if d.seq_len <= 0 or d.batch_size <= 0:
+        raise ConfigError(f"data.seq_len={d.seq_len} and data.batch_size={d.batch_size} must be positive")
+    if d.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={d.seq_len} is above model.max_position_embeddings={cfg.model.max_position_embeddings}; "
+            "lower data.seq_len or raise the model's maximum"
+        )
+    if not d.sources:
+        raise ConfigError("data.sources is empty; give 'stdlib' or paths to .txt/.jsonl/.parquet files")
+    if not 0.0 < d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    if d.tokenizer == "train" and d.tokenizer_vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}"
+        )
+    if cfg.steps <= 0:
+        raise ConfigError(f"steps={cfg.steps} must be positive")
+    if o.learning_rate <= 0:
+        raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be > 0")
+    if o.decay_style not in ("exponential", "linear"):
+        raise ConfigError(f"optimizer.decay_style={o.decay_style!r}; use 'exponential' or 'linear'")
+    if not 0.0 < o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in (0, 1]")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    decay = o.decay_steps if o.decay_steps is not None else int(round(o.decay_fraction * cfg.steps))
+    if decay < 0 or o.warmup_steps + decay > cfg.steps:
+        raise ConfigError(
+            f"optimizer.warmup_steps={o.warmup_steps} + decay steps={decay} exceed steps={cfg.steps}; shorten them"
+        )
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise ConfigError(f"optimizer.decay_fraction={o.decay_fraction} must be in [0, 1]")
+    mesh = cfg.mesh
+    if mesh.axis_types not in ("auto", "explicit"):
+        raise ConfigError(f"mesh.axis_types={mesh.axis_types!r}; use 'auto' or 'explicit'")
+    sizes = (mesh.data, mesh.fsdp, mesh.tensor)
+    if sum(1 for s in sizes if s == -1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"mesh sizes {sizes} invalid: positive sizes, at most one -1")
+    if cfg.checkpoint.keep < 1 or cfg.checkpoint.save_every < 1:
+        raise ConfigError("checkpoint.keep and checkpoint.save_every must be >= 1")
+    if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:
+        raise ConfigError("log_every, eval_every and eval_batches must be >= 1")
+
+
+def diff_configs(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two config dataclasses, with both values."""
+    out: list[str] = []
+    da, db = config_to_dict(a), config_to_dict(b)
+
+    def walk(x: Any, y: Any, p: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{p}.{k}" if p else k)
+        elif x != y:
+            out.append(f"{p}: {x!r} != {y!r}")
+
+    walk(da, db, prefix)
+    return out

@@ -1,0 +1,52 @@
+"""The one attention entry point of the model.
+
+Two config switches choose what runs: ``model.attention`` (the algorithm: ``dense`` | ``infllmv2``)
+and ``model.attention_impl`` (the implementation: ``xla`` | ``pallas`` | ``auto``). Every decoder
+layer calls :func:`attend`; no attention code is duplicated per layer.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from minicpm4_jax.config import ConfigError, ModelConfig
+from minicpm4_jax.ops.attention_ref import dense_attention
+
+__all__ = ["attend"]
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    cfg: ModelConfig,
+    kv_valid: jax.Array | None = None,
+) -> jax.Array:
+    """Causal GQA attention dispatched on ``cfg.attention`` / ``cfg.attention_impl``.
+
+    Args:
+        q: ``[batch, q_len, num_attention_heads, head_dim]`` (post-RoPE).
+        k, v: ``[batch, kv_len, num_key_value_heads, head_dim]`` (k post-RoPE).
+        q_positions, kv_positions: int32 ``[batch, q_len]`` / ``[batch, kv_len]``.
+        cfg: model config.
+        kv_valid: optional bool ``[batch, kv_len]`` (False = padding / empty cache slot).
+
+    Returns:
+        ``[batch, q_len, num_attention_heads, head_dim]`` in ``q.dtype``.
+
+    Raises:
+        ConfigError: an algorithm/implementation this build does not provide.
+    """
+    if cfg.attention == "dense":
+        if cfg.attention_impl in ("xla", "auto"):
+            return dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid)
+        raise ConfigError(
+            f"model.attention_impl={cfg.attention_impl!r} has no dense kernel in this version; use 'xla' or 'auto'"
+        )
+    raise ConfigError(
+        f"model.attention={cfg.attention!r} is not available in this version (InfLLM v2 lands with its own issue); "
+        "use model.attention=dense"
+    )

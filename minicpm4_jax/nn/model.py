@@ -1,0 +1,170 @@
+"""The MiniCPM4 decoder (Flax NNX, used functionally).
+
+Dense forward exactly as spec ``minicpm4_model.md`` §2:
+
+1. ``x = embed_tokens[ids] * scale_emb``
+2. per layer: ``x += attn(RMSNorm(x)) * scale_depth/sqrt(L)``; ``x += mlp(RMSNorm(x)) * scale_depth/sqrt(L)``
+   (pre-RMSNorm, GQA, LongRoPE, SwiGLU, no biases)
+3. ``x = RMSNorm_final(x)``
+4. ``logits = lm_head(x / (hidden_size / dim_model_base))`` in float32 (tied: the embedding table).
+
+Parameters are float32 with logical axis names; activations run in ``cfg.dtype``. The decoder
+layers are one stacked module (leading ``layers`` axis) run with ``jax.lax.scan`` (or a Python
+loop over the same stacked parameters when ``scan_layers`` is false), with an optional
+rematerialisation policy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.nn.attention import attend
+from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm, swiglu
+from minicpm4_jax.nn.rope import apply_rope, rope_tables
+
+__all__ = ["Embedder", "DecoderLayer", "MiniCPM4", "remat_policy"]
+
+
+class Embedder(nnx.Module):
+    """Token embedding ``[vocab, hidden]`` with ``encode`` (lookup) and ``attend`` (logits).
+
+    One table serves both directions when the head is tied (no shared Variables).
+    Init N(0, initializer_range) (μP: embeddings at the plain init_std, spec §3.2).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.initializer_range,
+                               ("vocab", "embed"), dtype_of(cfg.param_dtype))
+
+    def encode(self, ids: jax.Array, dtype) -> jax.Array:
+        """``ids`` int ``[batch, seq]`` -> ``[batch, seq, hidden]`` in ``dtype`` (unscaled)."""
+        return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[batch, seq, hidden]`` -> float32 logits ``[batch, seq, vocab]``."""
+        return jnp.einsum("bth,vh->btv", x, self.embedding[...].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-RMSNorm decoder layer: GQA attention with LongRoPE, then a SwiGLU MLP.
+
+    Weights (Flax layout, ``y = x @ W``): ``q_proj`` ``[hidden, heads, head_dim]``, ``k_proj``/``v_proj``
+    ``[hidden, kv_heads, head_dim]``, ``o_proj`` ``[heads, head_dim, hidden]``, ``gate_proj``/``up_proj``
+    ``[hidden, intermediate]``, ``down_proj`` ``[intermediate, hidden]``, norms ``[hidden]``.
+    Hidden matrices init N(0, initializer_range/sqrt(width_mult)) (μP, spec §3.2).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, d, f = cfg.hidden_size, cfg.resolved_head_dim, cfg.intermediate_size
+        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        std = hidden_init_std(cfg)
+        pd = dtype_of(cfg.param_dtype)
+        self.input_layernorm = param(None, (h,), None, ("norm",), pd)
+        self.q_proj = param(rngs, (h, nq, d), std, ("embed", "q_heads", "head_dim"), pd)
+        self.k_proj = param(rngs, (h, nkv, d), std, ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = param(rngs, (h, nkv, d), std, ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = param(rngs, (nq, d, h), std, ("q_heads", "head_dim", "embed"), pd)
+        self.post_attention_layernorm = param(None, (h,), None, ("norm",), pd)
+        self.gate_proj = param(rngs, (h, f), std, ("embed", "mlp"), pd)
+        self.up_proj = param(rngs, (h, f), std, ("embed", "mlp"), pd)
+        self.down_proj = param(rngs, (f, h), std, ("mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+                 cfg: ModelConfig) -> jax.Array:
+        """``x`` ``[batch, seq, hidden]`` (compute dtype) -> same shape."""
+        dt = x.dtype
+        res = jnp.asarray(cfg.residual_scale, dt)
+        hs = rms_norm(x, self.input_layernorm[...], cfg.rms_norm_eps)
+        q = jnp.einsum("bth,hnd->btnd", hs, self.q_proj[...].astype(dt))
+        k = jnp.einsum("bth,hnd->btnd", hs, self.k_proj[...].astype(dt))
+        v = jnp.einsum("bth,hnd->btnd", hs, self.v_proj[...].astype(dt))
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        a = attend(q, k, v, q_positions=positions, kv_positions=positions, cfg=cfg)
+        a = jnp.einsum("btnd,ndh->bth", a, self.o_proj[...].astype(dt))
+        x = x + a * res
+        hs = rms_norm(x, self.post_attention_layernorm[...], cfg.rms_norm_eps)
+        g = jnp.einsum("bth,hf->btf", hs, self.gate_proj[...].astype(dt))
+        u = jnp.einsum("bth,hf->btf", hs, self.up_proj[...].astype(dt))
+        m = jnp.einsum("btf,fh->bth", swiglu(g, u), self.down_proj[...].astype(dt))
+        return x + m * res
+
+
+def remat_policy(name: str):
+    """``none`` -> no remat; ``full`` -> save nothing; ``dots`` -> save matmul outputs without batch dims."""
+    if name == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None
+
+
+class MiniCPM4(nnx.Module):
+    """MiniCPM4 causal LM.
+
+    Attributes:
+        embed_tokens: :class:`Embedder` ``[vocab, hidden]``.
+        layers: stacked :class:`DecoderLayer` (every Param has a leading ``[num_hidden_layers]`` axis).
+        norm: final RMSNorm weight ``[hidden]``.
+        lm_head: ``[hidden, vocab]`` when ``tie_word_embeddings`` is false (else absent).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = Embedder(cfg, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(r: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, rngs=r)
+
+        self.layers = make_layers(rngs)
+        self.norm = param(None, (cfg.hidden_size,), None, ("norm",), dtype_of(cfg.param_dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.initializer_range,
+                                 ("embed", "vocab"), dtype_of(cfg.param_dtype))
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Final-norm output ``[batch, seq, hidden]`` (compute dtype), before the ÷width_mult.
+
+        Args:
+            input_ids: int32 ``[batch, seq]``.
+            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row.
+        """
+        cfg = self.cfg
+        dt = dtype_of(cfg.dtype)
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.embed_tokens.encode(input_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
+        cos, sin = rope_tables(positions, cfg)
+        graphdef, layer_state = nnx.split(self.layers)
+
+        def body(carry: jax.Array, state) -> tuple[jax.Array, None]:
+            layer = nnx.merge(graphdef, state)
+            return layer(carry, cos, sin, positions, cfg), None
+
+        policy = remat_policy(cfg.remat)
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=policy)
+        if cfg.scan_layers:
+            x, _ = jax.lax.scan(body, x, layer_state)
+        else:
+            for i in range(cfg.num_hidden_layers):
+                x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], layer_state))
+        return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits ``[batch, seq, vocab]`` from final-norm hidden states (÷ width_mult first)."""
+        x = hidden / jnp.asarray(self.cfg.width_mult, hidden.dtype)
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(x)
+        return jnp.einsum("bth,hv->btv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """``input_ids`` int32 ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``."""
+        return self.logits(self.hidden_states(input_ids, positions))

@@ -1,0 +1,65 @@
+"""Pure-XLA dense causal GQA attention: the oracle for every kernel and the CPU fallback.
+
+Source: spec ``minicpm4_model.md`` §2 (causal softmax attention, scale 1/sqrt(d), query head j
+reads KV head ``j // G`` with G = num_attention_heads / num_key_value_heads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["dense_attention"]
+
+
+def dense_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    kv_valid: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention with fp32 softmax.
+
+    Args:
+        q: ``[batch, q_len, num_heads, head_dim]`` queries (post-RoPE), any float dtype.
+        k: ``[batch, kv_len, num_kv_heads, head_dim]`` keys (post-RoPE).
+        v: ``[batch, kv_len, num_kv_heads, head_dim]`` values.
+        q_positions: ``[batch, q_len]`` int32 absolute positions of the queries.
+        kv_positions: ``[batch, kv_len]`` int32 absolute positions of the keys.
+        kv_valid: optional ``[batch, kv_len]`` bool, False for padding / unwritten cache slots.
+        scale: softmax scale, default ``1/sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, q_len, num_heads, head_dim]`` in ``q.dtype``. Key ``s`` is visible to query ``t``
+        iff ``kv_positions[s] <= q_positions[t]`` (and ``kv_valid[s]``). A query with no visible key
+        returns zeros.
+
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads`` or mismatched shapes.
+    """
+    b, t, nq, d = q.shape
+    _, s, nkv, _ = k.shape
+    if nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    g = nq // nkv
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, t, nkv, g, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = kv_positions[:, None, :] <= q_positions[:, :, None]  # [b, t, s]
+    if kv_valid is not None:
+        mask = mask & kv_valid[:, None, :]
+    mask = mask[:, None, None, :, :]
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, nq, d).astype(q.dtype)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Runs the whole test suite; pytest's exit code 5 (no tests collected) is a failure.
+set -uo pipefail
+PY=${1:-.venv/bin/python}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax_compilation}
+"$PY" -m pytest -n 2 --durations=25 tests "${@:2}"
+rc=$?
+if [[ $rc -eq 5 ]]; then echo "error: pytest collected no tests" >&2; exit 1; fi
+exit $rc

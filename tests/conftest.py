@@ -1,0 +1,35 @@
+"""Test environment: CPU, 8 fake devices, float32, persistent compilation cache.
+
+Set before anything imports jax.
+"""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".cache" / "jax_compilation"))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+#: ``../shared`` beside the clone: present in CI, absent in a user's clone.
+SHARED = _REPO.parent / "shared"
+
+
+def shared_path(*parts: str) -> Path:
+    """Path under ``../shared``; skips the calling test (with the reason) when it is absent."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} is absent (../shared exists beside the CI clone only)")
+    return p
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return _REPO

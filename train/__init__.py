@@ -1,0 +1,1 @@
+"""Training: optimizer and schedules, data pipeline, train step, checkpoints, the loop (``minicpm4_jax.train``)."""
