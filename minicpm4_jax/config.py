@@ -410,6 +410,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}={value!r} must be an integer")
         return int(value)
     if base is float:
+        if isinstance(value, str):  # YAML 1.1 reads '3e-3' as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}={value!r} must be a number")
         return float(value)

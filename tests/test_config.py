@@ -1,0 +1,120 @@
+"""Configuration: presets, overrides, validation errors, HF config bridge."""
+
+import dataclasses
+
+import pytest
+
+from minicpm4_jax.config import (
+    ConfigError,
+    ModelConfig,
+    RopeScalingConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    diff_configs,
+    load_config,
+)
+
+
+def test_cpu_tiny_preset_loads_and_allows_8192_positions():
+    cfg = load_config("cpu_tiny")
+    assert cfg.model.max_position_embeddings >= 8192
+    assert 5e6 <= cfg.model.num_params() <= 20e6
+    assert cfg.model.num_attention_heads % cfg.model.num_key_value_heads == 0
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config("cpu_tiny", ["model.intermediate_size=512", "optimizer.learning_rate=3e-3", "data.sources=[a.txt, b.txt]"])
+    assert cfg.model.intermediate_size == 512
+    assert cfg.optimizer.learning_rate == pytest.approx(3e-3)
+    assert cfg.data.sources == ("a.txt", "b.txt")
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.hiden_size'.*did you mean 'hidden_size'"):
+        load_config("cpu_tiny", ["model.hiden_size=128"])
+    with pytest.raises(ConfigError, match="did you mean 'optimizer'"):
+        config_from_dict({"optimiser": {}})
+
+
+def test_override_syntax_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides({}, ["model.hidden_size"])
+
+
+def test_heads_not_divisible_by_kv_heads():
+    with pytest.raises(ConfigError, match="num_attention_heads=6 is not divisible by model.num_key_value_heads=4"):
+        load_config("cpu_tiny", ["model.num_attention_heads=6", "model.num_key_value_heads=4", "model.head_dim=32"])
+
+
+def test_hidden_not_divisible_by_heads():
+    with pytest.raises(ConfigError, match="hidden_size=250 is not divisible"):
+        load_config("cpu_tiny", ["model.hidden_size=250"])
+
+
+def test_seq_len_above_max_positions():
+    with pytest.raises(ConfigError, match="data.seq_len=9000 is above model.max_position_embeddings=8192"):
+        load_config("cpu_tiny", ["data.seq_len=9000"])
+
+
+def test_rope_factor_list_length_checked():
+    with pytest.raises(ConfigError, match="head_dim/2=32"):
+        load_config("cpu_tiny", ["model.rope_scaling.long_factor=[1.0, 2.0]"])
+
+
+def test_bad_types_are_reported():
+    with pytest.raises(ConfigError, match="model.num_hidden_layers='many' must be an integer"):
+        load_config("cpu_tiny", ["model.num_hidden_layers=many"])
+
+
+def test_wsd_lengths_checked():
+    with pytest.raises(ConfigError, match="exceed steps"):
+        load_config("cpu_tiny", ["steps=10", "optimizer.warmup_steps=50"])
+
+
+def test_unknown_preset_lists_available():
+    with pytest.raises(ConfigError, match="cpu_tiny"):
+        load_config("no_such_preset")
+
+
+def test_dict_round_trip():
+    cfg = load_config("minicpm4_8b")
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_diff_configs_names_fields():
+    a = load_config("cpu_tiny")
+    b = dataclasses.replace(a, model=dataclasses.replace(a.model, hidden_size=128, num_hidden_layers=3))
+    diffs = diff_configs(a.model, b.model)
+    assert any(d.startswith("hidden_size: 256 != 128") for d in diffs)
+    assert any(d.startswith("num_hidden_layers") for d in diffs)
+    assert len(diffs) == 2
+
+
+def test_hf_round_trip_synthetic():
+    m = ModelConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        rope_scaling=RopeScalingConfig(short_factor=tuple(1.0 + i for i in range(8)),
+                                       long_factor=tuple(2.0 + i for i in range(8)),
+                                       original_max_position_embeddings=64),
+        eos_token_id=(2, 7),
+    )
+    assert ModelConfig.from_hf_config(m.to_hf_config()) == m
+
+
+def test_unknown_rope_type_raises():
+    hf = load_config("minicpm4_0p5b").model.to_hf_config()
+    hf["rope_scaling"]["rope_type"] = "dynamic"
+    with pytest.raises(ConfigError, match="rope_type='dynamic' is not supported"):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_hf_defaults_when_keys_missing():
+    # spec §1.1: constructor defaults (tie True, rope_theta 10000, kv heads = heads)
+    m = ModelConfig.from_hf_config({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                    "intermediate_size": 128, "vocab_size": 100})
+    assert m.tie_word_embeddings is True
+    assert m.rope_theta == 10000.0
+    assert m.num_key_value_heads == 4
+    assert m.rms_norm_eps == 1e-6
