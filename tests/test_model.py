@@ -272,3 +272,25 @@ def test_bf16_compute_close_to_fp32():
     assert out.dtype == jnp.float32  # logits always fp32
     assert m16.embed_tokens.embedding[...].dtype == jnp.float32  # params stay fp32
     np.testing.assert_allclose(np.asarray(out), ref, atol=0.1 * np.abs(ref).max())
+
+
+def test_tree_mode_smoke(tmp_path):
+    """The model builds and runs under NNX tree mode (FLIP 5310): no shared Variables, no sow."""
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from flax import nnx\n"
+        "nnx.set_graph_mode(False)\n"
+        "from minicpm4_jax.config import ModelConfig\n"
+        "from minicpm4_jax.nn import MiniCPM4\n"
+        "cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+        "                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, dim_model_base=8)\n"
+        "m = MiniCPM4(cfg, rngs=nnx.Rngs(0))\n"
+        "y = jax.jit(lambda m, x: m(x))(m, jnp.zeros((1, 8), jnp.int32))\n"
+        "assert y.shape == (1, 8, 50) and bool(jnp.all(jnp.isfinite(y)))\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
