@@ -1,0 +1,205 @@
+"""Tokenizer: official MiniCPM4 SentencePiece model, trained BPE tokenizer, tokenizer.json export, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+from conftest import shared_path
+
+from minicpm4_jax.config import ConfigError
+from minicpm4_jax.tokenizer import Tokenizer, load_tokenizer, sentencepiece_to_hf_json, train_tokenizer
+
+SAMPLES = [
+    "def foo(x):\n\tif x:\n        return x  + 1\n\n\n    # trailing   \n",
+    "你好，世界！MiniCPM4 是一个高效的端侧大模型。",
+    "mixed: naïve café — “quotes” 🙂 1234567890 0x1F  \r\n end",
+    "   leading spaces and trailing spaces   ",
+    "",
+]
+
+
+def _code_corpus(seed: int = 0, n_lines: int = 3000) -> list[str]:
+    """Deterministic code-like documents (indentation, tabs, digits, a little Chinese)."""
+    rng = random.Random(seed)
+    words = ["def", "return", "self", "value", "data", "import", "class", "for", "in", "if", "else",
+             "print", "x", "y", "0", "1", "42", "None", "True", "(", ")", ":", "=", "+", "[", "]",
+             "'hello'", "你好", "name", "_private", "range", "len"]
+    docs, lines = [], []
+    for i in range(n_lines):
+        indent = rng.choice(["", "    ", "        ", "\t"])
+        lines.append(indent + " ".join(rng.choice(words) for _ in range(rng.randrange(2, 10))))
+        if i % 100 == 99:
+            docs.append("\n".join(lines) + "\n")
+            lines = []
+    return docs
+
+
+# ------------------------------------------------------------------------------------------------
+# official tokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_official_tokenizer_folder():
+    d = shared_path("data", "minicpm4-0.5b")
+    tok = load_tokenizer(d)
+    assert tok.kind == "sentencepiece"
+    assert tok.vocab_size == 73448  # 73440 pieces + 8 added chat/FIM tokens
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, None)
+    assert tok.id_to_token(1) == "<s>" and tok.id_to_token(2) == "</s>"
+    for text in SAMPLES:
+        ids = tok.encode(text)
+        assert 1 not in ids and 2 not in ids  # no BOS/EOS added
+        assert tok.decode(ids) == text
+    ids = tok.encode("<|im_start|>user\n你好<|im_end|>")
+    assert ids[0] == 73441 and ids[-1] == 73440
+    assert tok.decode(ids) == "<|im_start|>user\n你好<|im_end|>"
+
+
+def test_official_tokenizer_model_file_alone(tmp_path):
+    src = shared_path("data", "minicpm4-0.5b", "tokenizer.model")
+    shutil.copy(src, tmp_path / "tokenizer.model")
+    tok = load_tokenizer(tmp_path / "tokenizer.model")
+    assert tok.vocab_size == 73440
+    assert tok.encode("def f():\n    return 1") == load_tokenizer(src.parent).encode("def f():\n    return 1")
+
+
+def test_official_tokenizer_export_tokenizer_json_matches(tmp_path):
+    tok = load_tokenizer(shared_path("data", "minicpm4-0.5b"))
+    written = {p.name for p in tok.save(tmp_path)}
+    assert {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "added_tokens.json"} <= written
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "LlamaTokenizer"
+    hf = load_tokenizer(tmp_path / "tokenizer.json")
+    assert hf.kind == "hf" and hf.vocab_size == tok.vocab_size
+    for text in SAMPLES + ["<|im_start|>assistant\nok<|im_end|>"] + _code_corpus(1, 300):
+        assert hf.encode(text) == tok.encode(text)
+        assert hf.decode(tok.encode(text)) == text
+    # the saved folder reloads as the same SentencePiece tokenizer
+    again = load_tokenizer(tmp_path)
+    assert again.kind == "sentencepiece" and again.file_hash == tok.file_hash
+
+
+# ------------------------------------------------------------------------------------------------
+# trained tokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_train_tokenizer_recipe_roundtrip_and_ids(tmp_path):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    tok = train_tokenizer(_code_corpus(), 400, tmp_path, seed=0, log=lambda s: None)
+    assert tok.vocab_size == 400
+    assert (tok.unk_id, tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2, None)
+    m = pb.ModelProto()
+    m.ParseFromString(open(tok.source, "rb").read())
+    ts, ns = m.trainer_spec, m.normalizer_spec
+    assert ts.model_type == pb.TrainerSpec.BPE and ts.byte_fallback and ts.split_digits
+    assert ts.allow_whitespace_only_pieces and not ns.remove_extra_whitespaces and not ns.add_dummy_prefix
+    assert ns.name == "identity"
+    assert [p.piece for p in m.pieces[:5]] == ["<unk>", "<s>", "</s>", "\n", "\t"]
+    for text in SAMPLES + ["unseen chars: ∮ ß Ω 🙂"]:
+        assert tok.decode(tok.encode(text)) == text
+    # digits are split one by one (unseen digits fall back to one byte piece each)
+    assert len(tok.encode("4242")) == 4
+
+
+def test_train_tokenizer_deterministic_and_cached(tmp_path):
+    corpus = _code_corpus()
+    logs: list[str] = []
+    a = train_tokenizer(corpus, 400, tmp_path / "a", seed=0, log=logs.append)
+    b = train_tokenizer(corpus, 400, tmp_path / "b", seed=0, log=logs.append)
+    assert open(a.source, "rb").read() == open(b.source, "rb").read()
+    mtime = (tmp_path / "a").stat().st_mtime_ns
+    c = train_tokenizer(corpus, 400, tmp_path / "a", seed=0, log=logs.append)
+    assert c.source == a.source and c.file_hash == a.file_hash
+    assert "reusing cached" in logs[-1] and (tmp_path / "a").stat().st_mtime_ns == mtime
+    # a changed corpus or setting trains a new model under a new key
+    d = train_tokenizer(corpus[:-1], 400, tmp_path / "a", seed=0, log=logs.append)
+    e = train_tokenizer(corpus, 420, tmp_path / "a", seed=0, log=logs.append)
+    assert len({a.source, d.source, e.source}) == 3
+
+
+def test_train_tokenizer_sampling_is_seeded(tmp_path):
+    corpus = _code_corpus()
+    a = train_tokenizer(corpus, 400, tmp_path / "a", seed=1, max_sentences=1000, log=lambda s: None)
+    b = train_tokenizer(corpus, 400, tmp_path / "b", seed=1, max_sentences=1000, log=lambda s: None)
+    assert open(a.source, "rb").read() == open(b.source, "rb").read()
+
+
+def test_train_tokenizer_from_files_and_export(tmp_path):
+    files = []
+    for i, doc in enumerate(_code_corpus()[:10]):
+        p = tmp_path / f"doc{i}.txt"
+        p.write_text(doc, encoding="utf-8")
+        files.append(p)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8: skipped
+    files.append(tmp_path / "latin1.txt")
+    tok = train_tokenizer(files, 300, tmp_path / "cache", log=lambda s: None)
+    out = tmp_path / "export"
+    names = {p.name for p in tok.save(out)}
+    assert {"tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= names
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "LlamaTokenizer" and cfg["bos_token"] == "<s>" and cfg["eos_token"] == "</s>"
+    hf = load_tokenizer(out / "tokenizer.json")
+    assert (hf.bos_id, hf.eos_id, hf.unk_id, hf.vocab_size) == (1, 2, 0, 300)
+    for text in SAMPLES + _code_corpus(7, 200):
+        assert hf.encode(text) == tok.encode(text)
+        assert hf.decode(hf.encode(text)) == text
+
+
+def test_train_tokenizer_bad_input(tmp_path):
+    with pytest.raises(ConfigError, match="vocab_size=100"):
+        train_tokenizer(["abc"], 100, tmp_path)
+    with pytest.raises(ConfigError, match="no text"):
+        train_tokenizer(["", ""], 400, tmp_path)
+    with pytest.raises(ConfigError, match="vocab_size=5000"):
+        train_tokenizer(["tiny corpus\n"], 5000, tmp_path)
+    assert not any(p.name.startswith("spm-") for p in tmp_path.iterdir())
+
+
+def test_sentencepiece_to_hf_json_rejects_unigram(tmp_path):
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_code_corpus()[0].split("\n")), model_writer=buf, vocab_size=60,
+        model_type="unigram", minloglevel=2, num_threads=1,
+    )
+    with pytest.raises(ConfigError, match="BPE"):
+        sentencepiece_to_hf_json(buf.getvalue())
+
+
+# ------------------------------------------------------------------------------------------------
+# loading errors
+# ------------------------------------------------------------------------------------------------
+
+
+def test_load_tokenizer_errors(tmp_path):
+    missing = tmp_path / "nope" / "tokenizer.model"
+    with pytest.raises(ConfigError, match=str(missing)) as e:
+        load_tokenizer(missing)
+    assert "\n" not in str(e.value) and "data.tokenizer=train" in str(e.value)
+    with pytest.raises(ConfigError, match="neither tokenizer.model nor tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "vocab.txt").write_text("a b c")
+    with pytest.raises(ConfigError, match="neither a .model"):
+        load_tokenizer(tmp_path / "vocab.txt")
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ConfigError, match="not a valid SentencePiece model"):
+        load_tokenizer(tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer.json").write_text("{\"bogus\": 1}")
+    with pytest.raises(ConfigError, match="not a valid tokenizer.json"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="config file"):
+        load_tokenizer(tmp_path / "tokenizer_config.json")
+
+
+def test_tokenizer_class_requires_one_backend():
+    with pytest.raises(ValueError):
+        Tokenizer()

@@ -1,0 +1,830 @@
+"""Training data: corpus readers, tokenize-once token cache, validation split, grain pipelines, n-gram baselines.
+
+Flow of :func:`prepare_data`:
+
+1. **Corpus.** ``DataConfig.sources``: ``"stdlib"`` (every ``.py`` file under the running interpreter's
+   ``sysconfig.get_paths()["stdlib"]``, recursively, ``site-packages``/``dist-packages``/``__pycache__``
+   skipped, paths sorted), or paths to ``.txt`` (one document per file), ``.jsonl`` (one document per
+   record, field ``DataConfig.text_field``), ``.parquet`` (one document per row of that column) files,
+   folders of such files (recursive, sorted), or a Hugging Face ``save_to_disk`` folder
+   (``state.json`` + ``*.arrow`` IPC stream files, read with pyarrow; a ``DatasetDict`` folder uses
+   its ``train`` split). Files that are not valid UTF-8 are skipped and counted
+   (``manifest["skipped_files"]``); empty files inside a folder or the stdlib are skipped.
+2. **Hashes.** Every file's bytes are SHA-256 hashed; the corpus hash covers paths, sizes and content
+   hashes. The token cache key hashes the corpus hash, the tokenizer's file hash and every setting
+   that changes the tokens (``text_field``, ``val_fraction``, ``seed``, format version), so a changed
+   corpus byte, tokenizer or setting selects a different cache entry: a stale cache is never reused.
+3. **Validation split, by document, before tokenization** (so a trained tokenizer never sees it):
+   the documents are permuted with ``numpy.random.default_rng(seed)`` and taken in that order into
+   the validation set until they hold ``val_fraction`` of the corpus characters. If that is
+   impossible (one document, or the picked documents would exceed twice the target), the corpus is
+   split at its tail instead: the last ``val_fraction`` of the characters (cut at a line break).
+   ``manifest["val_split"]`` says which rule applied.
+4. **Tokenizer.** ``DataConfig.tokenizer == "train"``: :func:`~minicpm4_jax.tokenizer.train_tokenizer`
+   on the training documents (cached under ``<cache>/tokenizers``); otherwise a path for
+   :func:`~minicpm4_jax.tokenizer.load_tokenizer`.
+5. **Token cache** ``<cache>/tokens/<key>/``: ``train.bin`` / ``val.bin`` (uint16 when the vocabulary
+   fits, else uint32; each document followed by the EOS id) and ``manifest.json``. Built in a temp
+   folder and renamed into place, so a killed build never leaves a folder that looks valid.
+
+The cache root is ``DataConfig.cache_dir`` or ``<repo>/.cache/data`` (gitignored); when the package is
+installed outside a source checkout, ``$XDG_CACHE_HOME/minicpm4_jax/data`` (``~/.cache/...``). A cache
+inside the interpreter's folders is refused.
+
+Serving: :func:`train_iterator` is a grain ``MapDataset`` pipeline over non-overlapping windows of
+``seq_len + 1`` tokens (stride ``seq_len``), shuffled per epoch with the seed, repeated, sliced per
+process and batched; :func:`val_batches` is the first validation windows in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import minicpm4_jax
+from minicpm4_jax.config import ConfigError, DataConfig
+from minicpm4_jax.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+
+__all__ = [
+    "PreparedData",
+    "prepare_data",
+    "train_iterator",
+    "val_batches",
+    "corpus_entropies",
+    "heldout_ngram_xent",
+    "default_cache_dir",
+    "read_corpus",
+    "Corpus",
+]
+
+_FORMAT = 1  # bump when the token cache layout or the split/tokenization rules change
+_TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+# ------------------------------------------------------------------------------------------------
+# cache location
+# ------------------------------------------------------------------------------------------------
+
+
+def _interpreter_dirs() -> list[Path]:
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    for k in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(k)
+        if p:
+            dirs.add(p)
+    return [Path(d).resolve() for d in dirs if d]
+
+
+def _inside(path: Path, dirs: list[Path]) -> Path | None:
+    rp = path.resolve()
+    for d in dirs:
+        if rp == d or d in rp.parents:
+            return d
+    return None
+
+
+def default_cache_dir() -> Path:
+    """``<repo>/.cache/data`` in a source checkout (``<repo>`` holds ``pyproject.toml`` next to the
+    ``minicpm4_jax`` package), else ``$XDG_CACHE_HOME/minicpm4_jax/data`` (default ``~/.cache``)."""
+    repo = Path(minicpm4_jax.__file__).resolve().parent.parent
+    if (repo / "pyproject.toml").is_file() and _inside(repo / ".cache", _interpreter_dirs()) is None:
+        return repo / ".cache" / "data"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "minicpm4_jax" / "data"
+
+
+def _check_cache_dir(cfg: DataConfig) -> Path:
+    root = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+    root = root.absolute()
+    hit = _inside(root, _interpreter_dirs())
+    if hit is not None:
+        raise ConfigError(
+            f"data.cache_dir={root} is inside the Python installation ({hit}); point data.cache_dir at a project "
+            "or user folder (default <repo>/.cache/data)"
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"data.cache_dir={root} is not a writable folder ({e.strerror or e}); point data.cache_dir at a writable folder"
+        ) from None
+    return root
+
+
+# ------------------------------------------------------------------------------------------------
+# corpus reading
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _File:
+    path: Path
+    kind: str  # py | txt | jsonl | parquet | arrow
+    data: bytes
+    sha256: str
+    explicit: bool  # named directly in data.sources (an empty one is an error)
+
+
+@dataclasses.dataclass
+class Corpus:
+    """The documents of a corpus and what was skipped while reading it.
+
+    ``documents``: non-empty texts in corpus order. ``skipped_files``: paths of files that are not
+    valid UTF-8 (skipped). ``empty_files``: files with no text (skipped). ``corpus_hash``: SHA-256
+    over every file's path, size and content hash.
+    """
+
+    files: list[dict[str, Any]]
+    corpus_hash: str
+    documents: list[str] | None = None
+    skipped_files: list[str] = dataclasses.field(default_factory=list)
+    empty_files: list[str] = dataclasses.field(default_factory=list)
+    raw: list[_File] = dataclasses.field(default_factory=list, repr=False)  # file bytes, until decoded
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[Path] = []
+    for dp, dn, fn in os.walk(root):
+        dn[:] = sorted(d for d in dn if d not in ("site-packages", "dist-packages", "__pycache__"))
+        out.extend(Path(dp) / f for f in fn if f.endswith(".py"))
+    return sorted(out)
+
+
+def _hf_dataset_files(d: Path) -> list[Path] | None:
+    """Arrow files of a ``save_to_disk`` folder in order, or ``None`` when ``d`` is not one."""
+    if (d / "dataset_dict.json").is_file():
+        splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise ConfigError(
+                f"data.sources {d} is a DatasetDict without a 'train' split (splits: {splits}); point at one split's folder"
+            )
+        return _hf_dataset_files(d / "train")
+    if not (d / "state.json").is_file():
+        return None
+    state = json.loads((d / "state.json").read_text())
+    names = [f["filename"] for f in state.get("_data_files", [])]
+    if not names:
+        names = sorted(p.name for p in d.glob("*.arrow"))
+    return [d / n for n in names]
+
+
+def _kind_of(p: Path) -> str:
+    return {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".py": "py"}[p.suffix]
+
+
+def _resolve_sources(cfg: DataConfig) -> list[tuple[Path, str, bool]]:
+    if not cfg.sources:
+        raise ConfigError("data.sources is empty; give 'stdlib' or paths to .txt/.jsonl/.parquet files")
+    out: list[tuple[Path, str, bool]] = []
+    for src in cfg.sources:
+        if src == "stdlib":
+            out.extend((p, "py", False) for p in _stdlib_files())
+            continue
+        p = Path(os.path.expanduser(src))
+        if not p.exists():
+            raise ConfigError(
+                f"data.sources entry {src!r} does not exist; give 'stdlib' or an existing .txt/.jsonl/.parquet "
+                "file or folder"
+            )
+        if p.is_dir():
+            arrows = _hf_dataset_files(p)
+            if arrows is not None:
+                missing = [a for a in arrows if not a.is_file()]
+                if missing or not arrows:
+                    raise ConfigError(
+                        f"data.sources dataset folder {src!r} lists missing arrow files {[m.name for m in missing]}; "
+                        "re-save it with save_to_disk"
+                    )
+                out.extend((a, "arrow", True) for a in arrows)
+                continue
+            found = sorted(
+                q for q in p.rglob("*") if q.is_file() and q.suffix in _TEXT_SUFFIXES and not q.name.startswith(".")
+            )
+            if not found:
+                raise ConfigError(
+                    f"data.sources folder {src!r} holds no .txt/.jsonl/.parquet files; add some or point elsewhere"
+                )
+            out.extend((q, _kind_of(q), False) for q in found)
+        elif p.suffix in _TEXT_SUFFIXES + (".arrow",):
+            out.append((p, _kind_of(p), True))
+        else:
+            raise ConfigError(
+                f"data.sources entry {src!r} has an unsupported type {p.suffix or '(none)'}; "
+                "use .txt, .jsonl, .parquet, a folder of them, or a save_to_disk dataset folder"
+            )
+    return out
+
+
+def _read_files(cfg: DataConfig) -> list[_File]:
+    files: list[_File] = []
+    seen: set[Path] = set()
+    for path, kind, explicit in _resolve_sources(cfg):
+        rp = path.resolve()
+        if rp in seen:
+            continue
+        seen.add(rp)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"corpus file {path} cannot be read ({e.strerror}); fix its permissions or remove it") from None
+        if explicit and not data.strip():
+            raise ConfigError(f"corpus file {path} is empty; give a file with text or remove it from data.sources")
+        files.append(_File(path=path, kind=kind, data=data, sha256=hashlib.sha256(data).hexdigest(), explicit=explicit))
+    return files
+
+
+def _corpus_hash(files: list[_File]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.path}\0{len(f.data)}\0{f.sha256}\n".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
+def _table_texts(table, field: str, path: Path) -> list[str]:
+    if field not in table.column_names:
+        raise ConfigError(
+            f"{path} has no column {field!r} (columns: {table.column_names}); set data.text_field to the text column"
+        )
+    return [t for t in table.column(field).to_pylist() if isinstance(t, str)]
+
+
+def _documents(f: _File, field: str) -> list[str] | None:
+    """Texts of one file; ``None`` when the file is not valid UTF-8."""
+    if f.kind in ("py", "txt"):
+        try:
+            return [f.data.decode("utf-8")]
+        except UnicodeDecodeError:
+            return None
+    if f.kind == "jsonl":
+        try:
+            text = f.data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        docs: list[str] = []
+        n_records = 0
+        keys: set[str] = set()
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{f.path}:{lineno} is not valid JSON ({e.msg}); fix the line or remove the file") from None
+            n_records += 1
+            if isinstance(rec, dict):
+                keys.update(rec)
+                v = rec.get(field)
+                if isinstance(v, str):
+                    docs.append(v)
+        if n_records and not docs:
+            raise ConfigError(
+                f"{f.path} has no string field {field!r} in any record (fields: {sorted(keys)[:10]}); "
+                "set data.text_field to the text field"
+            )
+        return docs
+    import pyarrow as pa
+
+    try:
+        if f.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(pa.BufferReader(f.data))
+        else:  # arrow: datasets writes IPC streams; accept the file format too
+            try:
+                table = pa.ipc.open_stream(pa.BufferReader(f.data)).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_file(pa.BufferReader(f.data)).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"{f.path} cannot be read as {f.kind} ({e}); fix or remove the file") from None
+    return _table_texts(table, field, f.path)
+
+
+def _decode_files(files: list[_File], cfg: DataConfig, corpus: Corpus) -> None:
+    docs: list[str] = []
+    for f in files:
+        got = _documents(f, cfg.text_field)
+        if got is None:
+            corpus.skipped_files.append(str(f.path))
+            continue
+        got = [d for d in got if d.strip()]
+        if not got:
+            corpus.empty_files.append(str(f.path))
+        docs.extend(got)
+    if not docs:
+        raise ConfigError(
+            f"data.sources {list(cfg.sources)} hold no decodable text ({len(files)} files, "
+            f"{len(corpus.skipped_files)} not UTF-8, {len(corpus.empty_files)} empty); give UTF-8 text files "
+            f"or set data.text_field (now {cfg.text_field!r})"
+        )
+    corpus.documents = docs
+
+
+def read_corpus(cfg: DataConfig, *, with_documents: bool = True) -> Corpus:
+    """Read (and optionally decode) the corpus named by ``cfg.sources``.
+
+    Returns:
+        :class:`Corpus` with the file list (path, size, sha256), the corpus hash and, when
+        ``with_documents``, the non-empty documents in order.
+
+    Raises:
+        ConfigError: missing path, empty file/folder, unsupported file type, unreadable file, a
+            jsonl/parquet/arrow source without ``cfg.text_field``, or no decodable text at all.
+    """
+    files = _read_files(cfg)
+    corpus = Corpus(
+        files=[{"path": str(f.path), "size": len(f.data), "sha256": f.sha256} for f in files],
+        corpus_hash=_corpus_hash(files),
+    )
+    if with_documents:
+        _decode_files(files, cfg, corpus)
+    else:
+        corpus.raw = files
+    return corpus
+
+
+# ------------------------------------------------------------------------------------------------
+# validation split
+# ------------------------------------------------------------------------------------------------
+
+
+def _split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str], str]:
+    """(train docs, val docs, rule): seeded document selection, else a tail split (module docstring)."""
+    lens = np.array([len(d) for d in docs], dtype=np.int64)
+    total = int(lens.sum())
+    target = max(1, math.ceil(val_fraction * total))
+    if len(docs) >= 2:
+        order = np.random.default_rng(seed).permutation(len(docs))
+        cum = np.cumsum(lens[order])
+        k = int(np.searchsorted(cum, target)) + 1  # first k docs in permuted order reach the target
+        if k < len(docs) and cum[k - 1] <= 2 * target:
+            val_set = set(order[:k].tolist())
+            train = [d for i, d in enumerate(docs) if i not in val_set]
+            val = [docs[i] for i in sorted(val_set)]
+            return train, val, "documents"
+    # tail split: cut the concatenated corpus at total - target characters, at a line break if possible
+    cut = total - target
+    train, val = [], []
+    pos = 0
+    for d in docs:
+        if pos + len(d) <= cut:
+            train.append(d)
+        elif pos >= cut:
+            val.append(d)
+        else:
+            local = cut - pos
+            nl = d.rfind("\n", 0, local)
+            at = nl + 1 if nl > 0 else local
+            head, tail = d[:at], d[at:]
+            if head.strip():
+                train.append(head)
+            if tail.strip():
+                val.append(tail)
+        pos += len(d)
+    return train, val, "tail"
+
+
+# ------------------------------------------------------------------------------------------------
+# prepared data
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedData:
+    """A tokenized corpus ready to serve.
+
+    ``train_tokens``/``val_tokens``: read-only 1-D ``np.memmap`` (uint16 or uint32) of token ids,
+    each document followed by ``tokenizer.eos_id``. ``manifest``: the cache's ``manifest.json``
+    (``num_documents``, ``num_train_documents``, ``num_val_documents``, ``skipped_files`` (count of
+    non-UTF-8 files), ``skipped_file_paths``, ``empty_files``, ``num_train_tokens``,
+    ``num_val_tokens``, ``corpus_hash``, ``tokenizer_hash``, ``key``, ``settings``, ``val_split``,
+    ``dtype``, ``vocab_size``, ``timings``, ``files``). ``cache_dir``: the folder holding the token
+    files (``<cache root>/tokens/<key>``).
+    """
+
+    tokenizer: Tokenizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    manifest: dict
+    cache_dir: Path
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def _write_tokens(path: Path, tok: Tokenizer, docs: list[str], dtype: np.dtype, chunk: int = 256) -> int:
+    eos = tok.eos_id
+    if eos is None:
+        raise ConfigError(f"tokenizer {tok.source} has no EOS token to separate documents; use one with </s>")
+    n = 0
+    with open(path, "wb") as f:
+        for s in range(0, len(docs), chunk):
+            ids = tok.encode_batch(docs[s : s + chunk])
+            count = sum(len(x) for x in ids) + len(ids)
+            arr = np.fromiter(
+                itertools.chain.from_iterable(itertools.chain(x, (eos,)) for x in ids), dtype=np.int64, count=count
+            )
+            if arr.size and int(arr.max()) >= np.iinfo(dtype).max + 1:
+                raise ConfigError(f"token id {int(arr.max())} does not fit {dtype}; tokenizer vocab_size is wrong")
+            f.write(arr.astype(dtype).tobytes())
+            n += count
+    return n
+
+
+def _open_tokens(path: Path, dtype: str, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros((0,), dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def _load_cached(final: Path, key: str) -> dict | None:
+    """The manifest of a complete cache entry for ``key``, or ``None`` (absent or inconsistent)."""
+    mpath = final / "manifest.json"
+    if not mpath.is_file():
+        return None
+    try:
+        man = json.loads(mpath.read_text())
+        ok = man.get("key") == key and man.get("format") == _FORMAT
+        item = np.dtype(man["dtype"]).itemsize
+        ok = ok and (final / "train.bin").stat().st_size == man["num_train_tokens"] * item
+        ok = ok and (final / "val.bin").stat().st_size == man["num_val_tokens"] * item
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return man if ok else None
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    for d in root.glob(".tmp-*"):
+        try:
+            pid = int(d.name.rsplit("-", 2)[-2])
+        except (ValueError, IndexError):
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> PreparedData:
+    """Read, split, tokenize (once, cached) and open the corpus of ``cfg``.
+
+    See the module docstring for the sources, the split rule, the cache key and layout.
+
+    Returns:
+        :class:`PreparedData` with memmapped ``train_tokens``/``val_tokens`` (1-D uint16/uint32).
+
+    Raises:
+        ConfigError: (one line, naming the value and the fix) cache folder not writable or inside
+            the interpreter's folders; missing/empty/unsupported corpus paths; no decodable text or a
+            missing ``text_field``; a bad tokenizer path; a train or validation split shorter than one
+            window of ``seq_len + 1`` tokens.
+    """
+    if cfg.seq_len <= 0 or cfg.batch_size <= 0:
+        raise ConfigError(f"data.seq_len={cfg.seq_len} and data.batch_size={cfg.batch_size} must be positive")
+    if not 0.0 < cfg.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in (0, 0.5)")
+    root = _check_cache_dir(cfg)
+    t_start = time.perf_counter()
+    corpus = read_corpus(cfg, with_documents=False)
+    split_settings = {"text_field": cfg.text_field, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
+    timings: dict[str, float] = {}
+
+    docs_cache: dict[str, Any] = {}
+
+    def split() -> tuple[list[str], list[str], str]:
+        if "split" not in docs_cache:
+            _decode_files(corpus.raw, cfg, corpus)
+            corpus.raw = []
+            docs_cache["split"] = _split_documents(corpus.documents, cfg.val_fraction, cfg.seed)
+        return docs_cache["split"]
+
+    # ---- tokenizer ---------------------------------------------------------------------------
+    if cfg.tokenizer == "train":
+        tok_root = root / "tokenizers"
+        train_key = hashlib.sha256(
+            json.dumps({"corpus": corpus.corpus_hash, "split": split_settings, "format": _FORMAT}, sort_keys=True).encode()
+        ).hexdigest()
+
+        class _LazyDocs:
+            def __iter__(self):
+                return iter(split()[0])
+
+        t0 = time.perf_counter()
+        tok = train_tokenizer(_LazyDocs(), cfg.tokenizer_vocab_size, tok_root, cfg.seed, corpus_hash=train_key, log=log)
+        if hasattr(tok, "train_seconds"):
+            timings["tokenizer_train_s"] = round(time.perf_counter() - t0, 3)
+    else:
+        tok = load_tokenizer(cfg.tokenizer)
+
+    # ---- token cache -------------------------------------------------------------------------
+    settings = {"format": _FORMAT, **split_settings}
+    key = hashlib.sha256(
+        json.dumps({"corpus": corpus.corpus_hash, "tokenizer": tok.file_hash, **settings}, sort_keys=True).encode()
+    ).hexdigest()[:24]
+    tokens_root = root / "tokens"
+    tokens_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(tokens_root)
+    final = tokens_root / key
+    man = _load_cached(final, key)
+    if man is not None:
+        log(f"data: reusing token cache {final} ({man['num_train_tokens']:,} train / {man['num_val_tokens']:,} val tokens)")
+    else:
+        if final.exists():
+            log(f"data: token cache {final} is incomplete or inconsistent; rebuilding")
+            shutil.rmtree(final, ignore_errors=True)
+        train_docs, val_docs, rule = split()
+        dtype = _token_dtype(tok.vocab_size)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=tokens_root))
+        try:
+            t0 = time.perf_counter()
+            n_train = _write_tokens(tmp / "train.bin", tok, train_docs, dtype)
+            n_val = _write_tokens(tmp / "val.bin", tok, val_docs, dtype)
+            timings["tokenize_s"] = round(time.perf_counter() - t0, 3)
+            timings["prepare_total_s"] = round(time.perf_counter() - t_start, 3)
+            man = {
+                "format": _FORMAT,
+                "key": key,
+                "corpus_hash": corpus.corpus_hash,
+                "tokenizer_hash": tok.file_hash,
+                "tokenizer_source": tok.source,
+                "settings": settings,
+                "sources": list(cfg.sources),
+                "num_files": len(corpus.files),
+                "skipped_files": len(corpus.skipped_files),
+                "skipped_file_paths": corpus.skipped_files,
+                "empty_files": len(corpus.empty_files),
+                "num_documents": len(corpus.documents),
+                "num_train_documents": len(train_docs),
+                "num_val_documents": len(val_docs),
+                "val_split": rule,
+                "num_train_tokens": n_train,
+                "num_val_tokens": n_val,
+                "dtype": dtype.name,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                "timings": timings,
+                "files": corpus.files,
+            }
+            (tmp / "manifest.json").write_text(json.dumps(man, indent=1))
+            for name in ("train.bin", "val.bin", "manifest.json"):
+                with open(tmp / name, "rb") as fh:
+                    os.fsync(fh.fileno())
+            os.rename(tmp, final)
+        except OSError as e:
+            if _load_cached(final, key) is None:  # not a lost race with a concurrent writer
+                raise ConfigError(
+                    f"writing the token cache under {tokens_root} failed ({e.strerror or e}); free disk space or "
+                    "point data.cache_dir at a writable folder"
+                ) from None
+            man = _load_cached(final, key)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        log(
+            f"data: {man['num_files']} files ({man['skipped_files']} not UTF-8, skipped), {man['num_documents']} documents, "
+            f"{man['num_train_tokens']:,} train / {man['num_val_tokens']:,} val tokens ({rule} split), "
+            f"tokenized in {timings['tokenize_s']:.1f}s -> {final}"
+        )
+    window = cfg.seq_len + 1
+    for split_name, n in (("train", man["num_train_tokens"]), ("validation", man["num_val_tokens"])):
+        if n < window:
+            raise ConfigError(
+                f"the {split_name} split has {n} tokens, fewer than one window of data.seq_len+1={window}; "
+                "add text to data.sources or lower data.seq_len"
+                + (" / raise data.val_fraction" if split_name == "validation" else "")
+            )
+    return PreparedData(
+        tokenizer=tok,
+        train_tokens=_open_tokens(final / "train.bin", man["dtype"], man["num_train_tokens"]),
+        val_tokens=_open_tokens(final / "val.bin", man["dtype"], man["num_val_tokens"]),
+        manifest=man,
+        cache_dir=final,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# serving
+# ------------------------------------------------------------------------------------------------
+
+
+class _Windows:
+    """Random-access source of ``[seq_len + 1]`` int32 windows (stride ``seq_len``) of a token memmap.
+
+    Holds the file path (not the mapping) so it pickles cheaply; the mapping opens on first use.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self._path = getattr(tokens, "filename", None)
+        self._dtype = tokens.dtype.str
+        self._count = int(tokens.shape[0])
+        self._tokens = tokens
+        self._seq_len = seq_len
+        self._n = max(0, (self._count - 1) // seq_len)
+
+    def __getstate__(self):
+        st = dict(self.__dict__)
+        if self._path is not None:
+            st["_tokens"] = None
+        return st
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if self._tokens is None:
+            self._tokens = np.memmap(self._path, dtype=self._dtype, mode="r", shape=(self._count,))
+        i = int(i) % self._n
+        s = i * self._seq_len
+        return {"input_ids": np.asarray(self._tokens[s : s + self._seq_len + 1], dtype=np.int32)}
+
+
+def train_iterator(
+    data: PreparedData,
+    cfg: DataConfig,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    num_epochs: int | None = None,
+):
+    """The training batches of this process, as a checkpointable grain ``DatasetIterator``.
+
+    Pipeline: ``MapDataset.source(windows).seed(cfg.seed).shuffle().repeat(num_epochs)`` (a different
+    permutation each epoch; ``None`` repeats forever) ``[process_index::process_count]``
+    ``.batch(cfg.batch_size // process_count, drop_remainder=True).to_iter_dataset()``. Windows are
+    non-overlapping ``seq_len + 1`` token slices at stride ``seq_len`` (the train step shifts).
+
+    ``cfg.batch_size`` is the **global** batch: each process yields ``batch_size // process_count``
+    rows, and the rows of global batch ``k`` across processes are exactly the rows of batch ``k`` of
+    a single-process run (the processes interleave one global order), so the data order does not
+    depend on the process count. Shards are disjoint within every epoch.
+
+    Each element: ``{"input_ids": np.ndarray int32 [batch_size // process_count, seq_len + 1]}``.
+    ``get_state()``/``set_state()`` work and the iterator checkpoints with orbax via
+    ``grain.checkpoint.CheckpointSave``/``CheckpointRestore``.
+
+    Raises:
+        ConfigError: bad ``process_index``/``process_count``, ``batch_size`` not divisible by
+            ``process_count``, or a train split shorter than one window.
+    """
+    import grain
+
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ConfigError(f"process_index={process_index} must be in [0, process_count={process_count})")
+    if cfg.batch_size % process_count:
+        raise ConfigError(
+            f"data.batch_size={cfg.batch_size} is not divisible by process_count={process_count}; "
+            "use a multiple of the process count"
+        )
+    src = _Windows(data.train_tokens, cfg.seq_len)
+    if len(src) == 0:
+        raise ConfigError(
+            f"the train split has {data.train_tokens.shape[0]} tokens, fewer than data.seq_len+1={cfg.seq_len + 1}; "
+            "add text or lower data.seq_len"
+        )
+    ds = grain.MapDataset.source(src).seed(cfg.seed).shuffle().repeat(num_epochs)
+    if process_count > 1:
+        ds = ds[process_index::process_count]
+    ds = ds.batch(cfg.batch_size // process_count, drop_remainder=True)
+    it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
+    return iter(it)
+
+
+def val_batches(data: PreparedData, cfg: DataConfig, num_batches: int) -> list[np.ndarray]:
+    """The first ``num_batches`` validation batches, deterministic and finite.
+
+    Windows are the validation split's non-overlapping ``seq_len + 1`` slices (stride ``seq_len``)
+    in order; each batch is an ``np.ndarray`` int32 ``[batch_size, seq_len + 1]``. When the split
+    holds fewer than ``num_batches * batch_size`` windows, only full batches are returned; when it
+    holds fewer than ``batch_size`` windows, a single smaller batch of all of them.
+
+    Raises:
+        ConfigError: the validation split is shorter than one window.
+    """
+    src = _Windows(data.val_tokens, cfg.seq_len)
+    n = len(src)
+    if n == 0:
+        raise ConfigError(
+            f"the validation split has {data.val_tokens.shape[0]} tokens, fewer than data.seq_len+1={cfg.seq_len + 1}; "
+            "raise data.val_fraction, add text, or lower data.seq_len"
+        )
+    b = cfg.batch_size
+    if n < b:
+        return [np.stack([src[i]["input_ids"] for i in range(n)])]
+    k = min(num_batches, n // b)
+    return [np.stack([src[j * b + i]["input_ids"] for i in range(b)]) for j in range(k)]
+
+
+# ------------------------------------------------------------------------------------------------
+# baselines
+# ------------------------------------------------------------------------------------------------
+
+
+def _entropy_from_counts(counts: np.ndarray) -> float:
+    c = counts[counts > 0].astype(np.float64)
+    n = c.sum()
+    return float(-(c / n * np.log(c / n)).sum())
+
+
+def corpus_entropies(tokens: np.ndarray, vocab_size: int) -> dict[str, float]:
+    """Plug-in (maximum-likelihood) entropies of a token stream, in nats per token.
+
+    ``unigram``: H(X) over all tokens. ``bigram``: the conditional entropy H(X_t | X_{t-1}) =
+    H(X_{t-1}, X_t) - H(X_{t-1}) over the adjacent pairs. Both are in-sample (no smoothing), hence
+    optimistic for the bigram on small corpora; use :func:`heldout_ngram_xent` for fair held-out
+    baselines. Vectorised (``np.bincount`` / ``np.unique`` on int64 pair codes).
+
+    Args:
+        tokens: 1-D integer array (e.g. the uint16 memmap); at least 2 tokens.
+        vocab_size: ids must be in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: fewer than 2 tokens.
+    """
+    t = np.asarray(tokens).astype(np.int64, copy=False)
+    if t.ndim != 1 or t.shape[0] < 2:
+        raise ValueError("corpus_entropies needs a 1-D token array of at least 2 tokens")
+    uni = _entropy_from_counts(np.bincount(t, minlength=vocab_size))
+    codes = t[:-1] * vocab_size + t[1:]
+    _, pair_counts = np.unique(codes, return_counts=True)
+    h_joint = _entropy_from_counts(pair_counts)
+    h_prev = _entropy_from_counts(np.bincount(t[:-1], minlength=vocab_size))
+    return {"unigram": uni, "bigram": h_joint - h_prev}
+
+
+def heldout_ngram_xent(
+    train_tokens: np.ndarray, val_tokens: np.ndarray, vocab_size: int, *, add_k: float = 1.0
+) -> dict[str, float]:
+    """Held-out cross-entropies (nats per token) of smoothed n-gram models fit on ``train_tokens``.
+
+    * ``unigram``: add-``k`` (Laplace for ``k`` = 1) unigram, ``p(w) = (c(w) + k) / (N + k V)``, scored
+      on every validation token.
+    * ``bigram``: interpolated Kneser-Ney bigram, scored on the validation pairs ``(v_{t-1}, v_t)``:
+      ``p(w|v) = max(c(v,w) - D, 0) / c(v) + D N1+(v,.) / c(v) * p_cont(w)``, with
+      ``D = n1 / (n1 + 2 n2)`` from the bigram count-of-counts (clipped to [0.1, 0.9] so unseen
+      pairs always keep mass), ``p_cont`` the continuation
+      probability ``N1+(., w) / N1+(., .)`` itself discounted and interpolated with the uniform
+      distribution (so unseen tokens get mass); an unseen history ``v`` backs off to ``p_cont``.
+
+    These are the fair baselines for a model's held-out loss; ``bigram_discount`` is ``D``.
+
+    Raises:
+        ValueError: fewer than 2 tokens in either array.
+    """
+    tr = np.asarray(train_tokens).astype(np.int64, copy=False)
+    va = np.asarray(val_tokens).astype(np.int64, copy=False)
+    if tr.shape[0] < 2 or va.shape[0] < 2:
+        raise ValueError("heldout_ngram_xent needs at least 2 train and 2 validation tokens")
+    V = int(vocab_size)
+    # unigram, add-k
+    cu = np.bincount(tr, minlength=V).astype(np.float64)
+    p_uni = (cu + add_k) / (tr.shape[0] + add_k * V)
+    uni = float(-np.log(p_uni[va]).mean())
+    # bigram, interpolated Kneser-Ney
+    codes, cnt = np.unique(tr[:-1] * V + tr[1:], return_counts=True)
+    prev, nxt = codes // V, codes % V
+    n1, n2 = int((cnt == 1).sum()), int((cnt == 2).sum())
+    D = min(max(n1 / (n1 + 2 * n2) if n1 + 2 * n2 > 0 else 0.5, 0.1), 0.9)
+    c_hist = np.bincount(prev, weights=cnt, minlength=V)  # c(v, .)
+    n_follow = np.bincount(prev, minlength=V).astype(np.float64)  # N1+(v, .)
+    n_precede = np.bincount(nxt, minlength=V).astype(np.float64)  # N1+(., w)
+    types = float(codes.shape[0])
+    m1, m2 = int((n_precede == 1).sum()), int((n_precede == 2).sum())
+    D1 = min(max(m1 / (m1 + 2 * m2) if m1 + 2 * m2 > 0 else 0.5, 0.1), 0.9)
+    seen = float((n_precede > 0).sum())
+    p_cont = np.maximum(n_precede - D1, 0.0) / types + D1 * seen / types / V
+    vp, vn = va[:-1], va[1:]
+    vcodes = vp * V + vn
+    pos = np.searchsorted(codes, vcodes)
+    pos_c = np.minimum(pos, codes.shape[0] - 1)
+    c_vw = np.where(codes[pos_c] == vcodes, cnt[pos_c], 0).astype(np.float64)
+    ch = c_hist[vp]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p_bi = np.where(
+            ch > 0,
+            (np.maximum(c_vw - D, 0.0) + D * n_follow[vp] * p_cont[vn]) / np.where(ch > 0, ch, 1.0),
+            p_cont[vn],
+        )
+    bi = float(-np.log(p_bi).mean())
+    return {"unigram": uni, "bigram": bi, "bigram_discount": float(D)}
