@@ -1,0 +1,165 @@
+"""PyTorch side of the parity tests and the training benchmark (runs under ``.venv-torch/bin/python``).
+
+Python 3.11 + CPU torch 2.13 + transformers; never imports jax. The JAX side writes "Llama-folded"
+model directories (``config.json`` + ``model.safetensors``, see ``minicpm4_jax/convert/llama_fold.py``)
+and this script loads them into the native ``transformers.LlamaForCausalLM`` (no remote code).
+
+Subcommands:
+
+``logits CASE_DIR [CASE_DIR ...]``
+    For each case directory holding ``config.json``, ``model.safetensors`` and ``inputs.npz``
+    (int arrays of token ids ``[batch, seq]``, any keys): load the model in float32 on CPU with
+    ``attn_implementation="eager"`` (missing or unexpected weights are an error), run each input and
+    write ``logits.npz`` (same keys, float32 ``[batch, seq, vocab]``) plus ``torch_info.json``
+    (the rotary attention scaling and inverse frequencies transformers computed, versions).
+    All cases run in one process so torch is imported once.
+
+``train-bench --model-dir DIR --batch B --seq T [--steps N] [--warmup W] ...``
+    Time ``N`` AdamW training steps (after ``W`` untimed warm-up steps) of the Llama in ``DIR``
+    (``config.json``; weights from ``model.safetensors`` when present, else random init) on random
+    token batches, and print one JSON line: tokens/s, seconds per step, final loss, threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def _load_llama(model_dir: Path, *, weights: bool = True):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    if weights:
+        model, info = LlamaForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            output_loading_info=True,
+            local_files_only=True,
+        )
+        problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if problems:
+            raise SystemExit(f"error: {model_dir}: weights do not match LlamaForCausalLM: {problems}")
+    else:
+        config = LlamaConfig.from_pretrained(str(model_dir), local_files_only=True)
+        config._attn_implementation = "eager"
+        model = LlamaForCausalLM(config).to(torch.float32)
+    return model
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    for case in args.case_dirs:
+        case = Path(case)
+        model = _load_llama(case).eval()
+        if model.config.tie_word_embeddings:
+            raise SystemExit(f"error: {case}: a folded Llama must be untied (tie_word_embeddings false)")
+        inputs = np.load(case / "inputs.npz")
+        out: dict[str, np.ndarray] = {}
+        with torch.no_grad():
+            for key in inputs.files:
+                ids = torch.from_numpy(np.asarray(inputs[key], dtype=np.int64))
+                logits = model(input_ids=ids, use_cache=False).logits
+                out[key] = logits.to(torch.float32).numpy()
+        np.savez(case / "logits.npz", **out)
+        rot = model.model.rotary_emb
+        info = {
+            "attention_scaling": float(rot.attention_scaling),
+            "original_inv_freq": [float(x) for x in rot.original_inv_freq.tolist()],
+            "rope_parameters": {k: v for k, v in dict(model.config.rope_parameters or {}).items()
+                                if k not in ("short_factor", "long_factor")},
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+        (case / "torch_info.json").write_text(json.dumps(info, indent=1))
+    return 0
+
+
+def cmd_train_bench(args: argparse.Namespace) -> int:
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model_dir)
+    model = _load_llama(model_dir, weights=(model_dir / "model.safetensors").exists()).train()
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    vocab = model.config.vocab_size
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def step() -> float:
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    for _ in range(args.warmup):
+        step()
+    t0 = time.perf_counter()
+    loss = float("nan")
+    for _ in range(args.steps):
+        loss = step()
+    dt = time.perf_counter() - t0
+    tokens = args.steps * args.batch * args.seq
+    result = {
+        "framework": "torch",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "seconds": dt,
+        "step_time_s": dt / max(args.steps, 1),
+        "tokens_per_s": tokens / dt if dt > 0 else float("inf"),
+        "final_loss": loss,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    lg = sub.add_parser("logits", help="float32 logits of folded Llama model dirs (one process for all)")
+    lg.add_argument("case_dirs", nargs="+", help="directories with config.json, model.safetensors, inputs.npz")
+    lg.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    lg.set_defaults(func=cmd_logits)
+    tb = sub.add_parser("train-bench", help="time AdamW training steps of a folded Llama; prints JSON")
+    tb.add_argument("--model-dir", required=True, help="directory with config.json (+ model.safetensors)")
+    tb.add_argument("--batch", type=int, required=True, help="sequences per step")
+    tb.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    tb.add_argument("--steps", type=int, default=10, help="timed steps")
+    tb.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
+    tb.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    tb.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    tb.add_argument("--seed", type=int, default=0, help="seed of init and random batches")
+    tb.add_argument("--grad-checkpointing", action="store_true", help="enable activation checkpointing")
+    tb.set_defaults(func=cmd_train_bench)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
