@@ -1,0 +1,372 @@
+"""The training main job end to end on a tiny config: learning, bitwise resume, bad input, signals, CLI.
+
+Uses the real data pipeline (``minicpm4_jax.train.data``) on a small corpus written to a temp
+folder; the tokenizer/memmap cache is shared by the whole module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minicpm4_jax.config import ConfigError, load_config
+from minicpm4_jax.train import loop as loop_mod
+from minicpm4_jax.train.checkpoint import Checkpointer, load_params_for_inference
+from minicpm4_jax.train.loop import TrainingDiverged, run_training
+from minicpm4_jax.train.step import abstract_train_state
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def _corpus_text(seed: int = 0, n_docs: int = 60) -> list[str]:
+    """Small structured 'source code' documents: learnable, a few thousand tokens in all."""
+    rng = np.random.default_rng(seed)
+    names = ["alpha", "beta", "gamma", "delta", "value", "items", "result", "count", "index", "total"]
+    docs = []
+    for d in range(n_docs):
+        lines = [f"# module {d}", "import os", ""]
+        for _ in range(int(rng.integers(3, 7))):
+            a, b = rng.choice(names, 2, replace=False)
+            lines += [f"def {a}_{b}({a}, {b}):", f"    \"\"\"Return the {a} of {b}.\"\"\"",
+                      f"    {a} = {a} + {b}", f"    for i in range({int(rng.integers(2, 9))}):",
+                      f"        {b} = {b} * i", f"    return {a}", ""]
+        docs.append("\n".join(lines))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for i, doc in enumerate(_corpus_text()):
+        (d / f"doc{i:03d}.txt").write_text(doc)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data_cache")
+
+
+def tiny_overrides(corpus: Path, cache_dir: Path, out_dir: Path, **kw) -> list[str]:
+    ov = {
+        "model.vocab_size": 512, "model.hidden_size": 64, "model.intermediate_size": 128,
+        "model.num_hidden_layers": 2, "model.num_attention_heads": 4, "model.num_key_value_heads": 2,
+        "model.max_position_embeddings": 128, "model.dim_model_base": 16, "model.dtype": "float32",
+        "data.sources": f"[{corpus}]", "data.tokenizer_vocab_size": 384, "data.seq_len": 32,
+        "data.batch_size": 4, "data.val_fraction": 0.1, "data.cache_dir": str(cache_dir),
+        "steps": 8, "optimizer.warmup_steps": 2, "optimizer.decay_steps": 2, "optimizer.learning_rate": 0.02,
+        "log_every": 2, "eval_every": 4, "eval_batches": 2, "checkpoint.save_every": 4, "checkpoint.keep": 3,
+        "out_dir": str(out_dir), "sample_prompt": "def ", "sample_tokens": 6, "tensorboard": True,
+    }
+    ov.update(kw)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+def tiny_cfg(corpus, cache_dir, out_dir, **kw):
+    return load_config(None, tiny_overrides(corpus, cache_dir, out_dir, **kw))
+
+
+def _params(state_or_params):
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state_or_params)[0]}
+
+
+def _restore(cfg):
+    ck = Checkpointer(cfg)
+    try:
+        return ck.restore(abstract_train_state(cfg))
+    finally:
+        ck.close()
+
+
+def test_trains_and_loss_decreases(corpus, cache_dir, tmp_path):
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "run", steps=24, log_every=4, eval_every=12,
+                   **{"checkpoint.save_every": 12, "optimizer.decay_steps": 4})
+    logs: list[str] = []
+    s = run_training(cfg, log=logs.append, progress=False)
+    hist = [h["loss"] for h in s["history"]]
+    assert s["step"] == 24 and s["stop_reason"] == "steps"
+    assert hist[-1] < hist[0] - 0.5, hist
+    assert s["val_history"][-1][1] < s["val_history"][0][1]
+    for k in ("val_loss", "unigram_entropy", "bigram_entropy", "unigram_heldout_xent", "bigram_heldout_xent",
+              "tokens_per_second", "mfu"):
+        assert np.isfinite(s[k]), k
+    assert s["val_loss"] < s["unigram_entropy"]
+    assert isinstance(s["sample"], str)
+    out = tmp_path / "run"
+    assert json.loads((out / "summary.json").read_text())["step"] == 24
+    assert (out / "tokenizer").is_dir() and any((out / "tokenizer").iterdir())
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert Checkpointer(cfg).all_steps() == [12, 24]
+    text = "\n".join(logs)
+    assert "train_step memory" in text and "unigram entropy" in text and "MFU" in text
+    # the checkpoint serves generation: same params as the final state
+    _cfg, model = load_params_for_inference(out)
+    step, st = _restore(cfg)
+    assert step == 24
+    from flax import nnx
+
+    got = _params(nnx.split(model, nnx.Param)[1])
+    want = _params(st.params)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
+    full = tiny_cfg(corpus, cache_dir, tmp_path / "full")
+    run_training(full, log=lambda _m: None, progress=False)
+    _, ref = _restore(full)
+
+    half = tiny_cfg(corpus, cache_dir, tmp_path / "half")
+    # first half: a run configured for the full length, stopped by a signal-free early exit at N/2
+    first = dataclasses.replace(half)
+
+    class StopAt:
+        def __call__(self, step, state):
+            if step == 3:  # flag set during update 4; the loop stops before update 5
+                os.kill(os.getpid(), signal.SIGTERM)
+            return state
+
+    s1 = run_training(first, log=lambda _m: None, progress=False, step_hook=StopAt())
+    assert s1["stop_reason"] == "signal" and s1["step"] == 4
+    assert Checkpointer(half).all_steps() == [4]
+    # fresh objects, resume to the end
+    s2 = run_training(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "half")), resume=True,
+                      log=lambda _m: None, progress=False)
+    assert s2["step"] == 8
+    _, got = _restore(half)
+    a, b = _params(ref), _params(got)
+    assert a.keys() == b.keys()
+    diff = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not diff, f"leaves differ after resume: {diff[:5]}"
+    assert s2["val_loss"] == pytest.approx(json.loads((tmp_path / "full" / "summary.json").read_text())["val_loss"],
+                                           abs=0.0)
+
+
+def test_resume_same_data_order(corpus, cache_dir, tmp_path):
+    """The iterator restored from a checkpoint continues with exactly the batches an uninterrupted one yields."""
+    from minicpm4_jax.train import data as data_api
+
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "d")
+    data = data_api.prepare_data(cfg.data, log=lambda _m: None)
+    it = data_api.train_iterator(data, cfg.data)
+    seen = [np.asarray(next(it)["input_ids"]) for _ in range(3)]
+    from minicpm4_jax.train.step import init_train_state
+
+    _, st = init_train_state(cfg, jax.random.key(0))
+    ck = Checkpointer(cfg)
+    ck.save(3, st, it)
+    ck.wait()
+    ahead = [np.asarray(next(it)["input_ids"]) for _ in range(3)]
+    ck.close()
+    it2 = data_api.train_iterator(data, cfg.data)
+    ck2 = Checkpointer(cfg)
+    ck2.restore(abstract_train_state(cfg), data_iterator=it2)
+    ck2.close()
+    again = [np.asarray(next(it2)["input_ids"]) for _ in range(3)]
+    assert all(np.array_equal(x, y) for x, y in zip(ahead, again))
+    assert not np.array_equal(seen[0], ahead[0])
+
+
+def test_checkpoint_from_different_model_config(corpus, cache_dir, tmp_path):
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "r", steps=4, **{"checkpoint.save_every": 4})
+    run_training(cfg, log=lambda _m: None, progress=False)
+    other = tiny_cfg(corpus, cache_dir, tmp_path / "r", steps=8,
+                     **{"model.hidden_size": 128, "model.num_hidden_layers": 3})
+    with pytest.raises(ConfigError) as e:
+        run_training(other, resume=True, log=lambda _m: None, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "model.hidden_size: 64 != 128" in msg and "model.num_hidden_layers: 2 != 3" in msg
+    assert "intermediate_size" not in msg
+    # training again into the same folder without --resume never overwrites it
+    with pytest.raises(ConfigError, match="--resume"):
+        run_training(cfg, log=lambda _m: None, progress=False)
+    # resume without any checkpoint
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        run_training(tiny_cfg(corpus, cache_dir, tmp_path / "empty"), resume=True, log=lambda _m: None,
+                     progress=False)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, cache_dir, tmp_path):
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "nan", **{"checkpoint.save_every": 2})
+
+    def poison(step, state):
+        if step == 5:  # params become NaN before update 6
+            return dataclasses.replace(state, params=jax.tree.map(lambda x: x * jnp.nan, state.params))
+        return state
+
+    with pytest.raises(TrainingDiverged) as e:
+        run_training(cfg, log=lambda _m: None, progress=False, step_hook=poison)
+    msg = str(e.value)
+    assert "at step 6" in msg and "last good checkpoint: step 4" in msg
+    ck = Checkpointer(cfg)
+    assert ck.all_steps() == [2, 4]
+    ck.close()
+    step, st = _restore(cfg)
+    assert step == 4 and all(np.all(np.isfinite(v)) for v in _params(st.params).values())
+    # the run resumes from the last good checkpoint and finishes
+    s = run_training(cfg, resume=True, log=lambda _m: None, progress=False)
+    assert s["step"] == 8 and np.isfinite(s["val_loss"])
+
+
+def test_huge_learning_rate_reports_step(corpus, cache_dir, tmp_path):
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "lr", **{"optimizer.learning_rate": 1e30,
+                                                          "optimizer.warmup_steps": 0})
+    with pytest.raises(TrainingDiverged, match=r"at step \d+"):
+        run_training(cfg, log=lambda _m: None, progress=False)
+
+
+def test_unwritable_or_full_output_dir(corpus, cache_dir, tmp_path, monkeypatch):
+    # a path below a regular file can never be created (also as root)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="not writable") as e:
+        run_training(tiny_cfg(corpus, cache_dir, blocker / "run"), log=lambda _m: None, progress=False)
+    assert "\n" not in str(e.value)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not os.access(ro, os.W_OK):  # not root
+            with pytest.raises(ConfigError, match="not writable"):
+                run_training(tiny_cfg(corpus, cache_dir, ro / "run"), log=lambda _m: None, progress=False)
+    finally:
+        ro.chmod(0o700)
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(loop_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=10 * 2**20))
+    with pytest.raises(ConfigError, match="MiB free"):
+        run_training(tiny_cfg(corpus, cache_dir, tmp_path / "full"), log=lambda _m: None, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI (subprocesses)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cli(*args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env["XLA_FLAGS"] = ""
+    return subprocess.run([PY, "-m", "minicpm4_jax.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=kw.get("timeout", 240))
+
+
+def test_cli_help_and_bad_keys():
+    r = _cli("--help")
+    assert r.returncode == 0 and "train" in r.stdout and "generate" in r.stdout
+    r = _cli("train", "--help")
+    assert r.returncode == 0
+    for opt in ("--config", "--resume", "--set", "KEY=VALUE"):
+        assert opt in r.stdout
+    r = _cli("generate", "--help")
+    for opt in ("--checkpoint", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--seed"):
+        assert opt in r.stdout
+    r = _cli("train", "--config", "cpu_tiny", "optimizer.learnig_rate=0.1")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and "did you mean 'learning_rate'" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path):
+    out = tmp_path / "sig"
+    ov = tiny_overrides(corpus, cache_dir, out, steps=100000, log_every=1, eval_every=100000,
+                        **{"optimizer.decay_steps": 10, "checkpoint.save_every": 100000,
+                           "model.rope_scaling": "null", "max_train_minutes": "null"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    p = subprocess.Popen([PY, "-m", "minicpm4_jax.cli", "train", "--no-progress", *ov], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    lines = []
+    t0 = time.time()
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("step") and "loss" in line:
+                p.send_signal(signal.SIGTERM)
+                break
+            assert time.time() - t0 < 240, "".join(lines)
+        rest, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err + "".join(lines) + rest
+    assert "Traceback" not in err
+    assert "SIGTERM received" in rest
+    steps = Checkpointer(tiny_cfg(corpus, cache_dir, out)).all_steps()
+    assert steps and 1 <= steps[-1] < 100000
+
+    # generate from that checkpoint: greedy is deterministic, output starts with the prompt
+    r1 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8")
+    r2 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8")
+    assert r1.returncode == 0, r1.stderr
+    assert r1.stdout.startswith("def ") and r1.stdout == r2.stdout
+    r3 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8",
+              "--temperature", "1.0", "--top-p", "0.9", "--seed", "3")
+    assert r3.returncode == 0, r3.stderr
+    # bad input: empty prompt, too long
+    r = _cli("generate", "--checkpoint", str(out), "--prompt", "", "--max-new-tokens", "4")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "empty" in r.stderr
+    r = _cli("generate", "--checkpoint", str(out), "--prompt", "x " * 200, "--max-new-tokens", "4")
+    assert r.returncode == 2 and "max_position_embeddings" in r.stderr
+    r = _cli("generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "def")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_generate_greedy_matches_argmax_and_top_p():
+    from flax import nnx
+
+    from minicpm4_jax.generate import generate_ids, top_p_filter
+    from minicpm4_jax.train.step import init_model
+
+    cfg = load_config(None, ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
+                             "model.num_hidden_layers=1", "model.num_attention_heads=2",
+                             "model.num_key_value_heads=1", "model.max_position_embeddings=16",
+                             "model.dim_model_base=8", "data.seq_len=8", "data.tokenizer_vocab_size=64",
+                             "optimizer.warmup_steps=0", "optimizer.decay_steps=0"])
+    model = init_model(cfg.model, 0)
+    ids = generate_ids(model, [1, 5, 7], 5)
+    # reference: the full forward on the growing sequence (no padding)
+    seq = [1, 5, 7]
+    for _ in range(5):
+        logits = model(jnp.asarray([seq], jnp.int32))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    assert ids == seq[3:]
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        generate_ids(model, [1] * 10, 7)
+    with pytest.raises(ConfigError, match="empty"):
+        generate_ids(model, [], 3)
+    lg = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))
+    kept = np.isfinite(np.asarray(top_p_filter(lg, 0.7)))
+    assert kept.tolist() == [True, True, False, False]
+    assert np.isfinite(np.asarray(top_p_filter(lg, 0.1))).tolist() == [True, False, False, False]
+    assert np.all(np.isfinite(np.asarray(top_p_filter(lg, 1.0))))
+    del nnx
+
+
+def test_interrupted_save_keeps_previous_checkpoint(corpus, cache_dir, tmp_path):
+    """A save killed half-way leaves only a temporary folder: never listed, the previous step restores."""
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "k", steps=4, **{"checkpoint.save_every": 4})
+    run_training(cfg, log=lambda _m: None, progress=False)
+    ck_dir = tmp_path / "k" / "checkpoints"
+    partial = ck_dir / "8.orbax-checkpoint-tmp-1234567890"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(b"\0" * 100)
+    ck = Checkpointer(cfg)
+    assert ck.latest_step() == 4 and ck.all_steps() == [4]
+    ck.close()
+    step, st = _restore(cfg)
+    assert step == 4 and int(st.step) == 4

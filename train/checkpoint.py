@@ -1,0 +1,231 @@
+"""orbax checkpoints of a training run: train state, config and data-iterator state, keep-last-N.
+
+One checkpoint step directory holds three items (an ``ocp.args.Composite``):
+
+* ``state``: ``{"step", "params", "opt_state"}`` of the :class:`~minicpm4_jax.train.step.TrainState`
+  (``ocp.args.StandardSave``; restored into abstract targets from ``jax.eval_shape``);
+* ``config``: the whole :class:`~minicpm4_jax.config.TrainConfig` as JSON (``config_to_dict``);
+* ``data``: the grain iterator state (``grain.checkpoint.CheckpointSave``), when an iterator is given.
+
+Crash safety: orbax writes each step into a temporary directory and renames it into place only
+after every item is written (and only then deletes checkpoints beyond ``keep``), so a kill during
+a save leaves the previous checkpoint intact; an unfinished temporary directory is never reported
+as a step by :meth:`CheckpointManager.latest_step`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from minicpm4_jax.config import ConfigError, TrainConfig, config_from_dict, config_to_dict, diff_configs
+
+__all__ = ["Checkpointer", "checkpoint_dir_of", "load_params_for_inference", "find_checkpoint_dir",
+           "params_all_finite"]
+
+
+def checkpoint_dir_of(cfg: TrainConfig) -> Path:
+    """``cfg.checkpoint.directory`` or ``<out_dir>/checkpoints`` (absolute)."""
+    d = cfg.checkpoint.directory or str(Path(cfg.out_dir) / "checkpoints")
+    return Path(d).expanduser().resolve()
+
+
+def _with_default_sharding(tree: Any) -> Any:
+    """Give ``ShapeDtypeStruct`` leaves without a sharding the first local device's sharding."""
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "sharding", None) is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev)
+        return x
+
+    return jax.tree.map(fix, tree)
+
+
+def _state_dict(state: Any) -> dict[str, Any]:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+class Checkpointer:
+    """A run's orbax ``CheckpointManager`` (async, keep-last-``cfg.checkpoint.keep``).
+
+    The training loop decides *when* to save (``save_every``, the end, a signal); this class only
+    writes and reads. Call :meth:`close` (waits for pending async writes) before the process exits.
+    """
+
+    def __init__(self, cfg: TrainConfig, directory: str | Path | None = None):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.cfg = cfg
+        self.directory = Path(directory).resolve() if directory is not None else checkpoint_dir_of(cfg)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.checkpoint.keep,
+            enable_async_checkpointing=cfg.checkpoint.async_save,
+            create=True,
+            cleanup_tmp_directories=True,
+        )
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint step, or ``None``."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All complete checkpoint steps, ascending."""
+        return sorted(self.manager.all_steps())
+
+    # ---- save ---------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, data_iterator: Any = None, *, force: bool = True) -> bool:
+        """Start an (async) save of ``state`` (+ config, + iterator state) as checkpoint ``step``.
+
+        Waits for a previous pending save first. Returns whether a save was started (``False`` when
+        that step already exists).
+        """
+        ocp = self._ocp
+        if step in self.manager.all_steps():
+            return False
+        items: dict[str, Any] = {
+            "state": ocp.args.StandardSave(_state_dict(state)),
+            "config": ocp.args.JsonSave(config_to_dict(self.cfg)),
+        }
+        if data_iterator is not None:
+            import grain
+
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=force))
+
+    def wait(self) -> None:
+        """Block until pending async saves are committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ---- restore ------------------------------------------------------------------------------
+    def saved_config(self, step: int) -> TrainConfig:
+        """The :class:`TrainConfig` stored with checkpoint ``step``."""
+        ocp = self._ocp
+        out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+        return config_from_dict(out["config"])
+
+    def check_compatible(self, step: int) -> list[str]:
+        """Raise :class:`ConfigError` if checkpoint ``step`` was written for a different model.
+
+        Returns the (tolerated) differences outside the ``model`` section, e.g. a longer ``steps``.
+        """
+        saved = self.saved_config(step)
+        diffs = diff_configs(saved.model, self.cfg.model, prefix="model")
+        if diffs:
+            raise ConfigError(
+                f"checkpoint {self.directory}/{step} was written for a different model config: "
+                + "; ".join(f"{d} (checkpoint != current)" for d in diffs)
+            )
+        return [d for d in diff_configs(saved, self.cfg) if not d.startswith("model.")]
+
+    def restore(self, abstract_state: Any, step: int | None = None, data_iterator: Any = None) -> tuple[int, Any]:
+        """Restore checkpoint ``step`` (default: the latest) into ``abstract_state``'s structure.
+
+        Args:
+            abstract_state: a ``TrainState`` of ``jax.ShapeDtypeStruct`` (see
+                :func:`~minicpm4_jax.train.step.abstract_train_state`).
+            step: which checkpoint; ``None`` for the latest.
+            data_iterator: a grain ``DatasetIterator`` whose state is set in place, if given.
+
+        Returns:
+            ``(step, state)`` with ``state`` of the same type as ``abstract_state``.
+
+        Raises:
+            ConfigError: no checkpoint, or one from a different model config (lists the fields).
+        """
+        ocp = self._ocp
+        if step is None:
+            step = self.latest_step()
+        if step is None:
+            raise ConfigError(f"--resume: no checkpoint found in {self.directory}; train without --resume first")
+        self.check_compatible(step)
+        target = _with_default_sharding(_state_dict(abstract_state))
+        items: dict[str, Any] = {"state": ocp.args.StandardRestore(target)}
+        if data_iterator is not None:
+            import grain
+
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        s = out["state"]
+        state = type(abstract_state)(step=s["step"], params=s["params"], opt_state=s["opt_state"])
+        return step, state
+
+
+def find_checkpoint_dir(path: str | Path) -> Path:
+    """Resolve ``path`` (a run's ``out_dir`` or its checkpoint folder) to the checkpoint folder.
+
+    Raises:
+        ConfigError: the path does not exist or holds no checkpoint.
+    """
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
+    if (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    if not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
+        raise ConfigError(f"no checkpoint found in {str(path)!r}; give a run's out_dir or its checkpoints folder")
+    return p
+
+
+def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, Any]:
+    """Load a trained model for generation: ``(cfg, model)``.
+
+    ``checkpoint_dir`` is a run's ``out_dir`` or its ``checkpoints`` folder; the latest step is used
+    unless ``step`` is given. Only the params are read (no optimizer state, no data iterator).
+
+    Raises:
+        ConfigError: no checkpoint there.
+    """
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from minicpm4_jax.train.step import init_model
+
+    directory = find_checkpoint_dir(checkpoint_dir)
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        if step is None:
+            step = mngr.latest_step()
+        if step is None:
+            raise ConfigError(f"no complete checkpoint in {directory}")
+        cfg = config_from_dict(mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+        abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
+        graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+        target = _with_default_sharding({"params": abstract_params})
+        # Partial restore: only the params subtree of the saved state.
+        restored = mngr.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
+                partial_restore=True,
+            )),
+        )
+        params = restored["state"]["params"]
+    finally:
+        mngr.close()
+    model = nnx.merge(graphdef, params)
+    return cfg, model
+
+
+def params_all_finite(params: Any) -> bool:
+    """Whether every parameter value is finite (checked before a checkpoint is written)."""
+    return bool(jax.device_get(_all_finite(params)))
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(tree)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.bool_(True)

@@ -1,0 +1,390 @@
+"""The training main job: ``run_training(cfg, resume=...)``.
+
+Order of work: check the output directory (writable, enough free disk) → prepare the data
+(tokenizer + token memmap, cached) → build the state (or restore it, with the data iterator, for
+``--resume``) → compile the train step ahead of time and print its memory analysis → train with a
+progress bar, logging loss / grad norm / LR / tokens/s / MFU every ``log_every`` steps, validating
+every ``eval_every`` steps, checkpointing every ``checkpoint.save_every`` steps → final validation,
+checkpoint, comparison table against n-gram baselines, a generated sample and ``summary.json``.
+
+Stopping:
+
+* ``steps`` reached (the normal end) or ``max_train_minutes`` elapsed (at a step boundary; the
+  run is then not step-for-step reproducible by a resumed run, which only holds for step-count
+  runs);
+* SIGTERM / SIGINT: a flag checked once per step; the state at the current step is checkpointed
+  and :func:`run_training` returns with ``stop_reason = "signal"`` (a second SIGINT aborts);
+* a non-finite loss or gradient norm: :class:`TrainingDiverged` names the step; nothing after the
+  last good checkpoint is saved (parameters are also checked finite before every save).
+
+A resumed run restores params, optimizer state, step and the grain iterator state, so N steps in
+one go and N/2 + restart + N/2 give bitwise identical parameters (same compiled step, same data).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict
+from minicpm4_jax.train.checkpoint import Checkpointer, checkpoint_dir_of, params_all_finite
+from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu
+from minicpm4_jax.train.step import (TrainState, abstract_train_state, init_model, init_train_state,
+                                     make_eval_step, make_train_step, print_memory_analysis)
+
+__all__ = ["run_training", "TrainingDiverged", "check_output_dir", "required_free_bytes"]
+
+#: Minimum free disk space at start on top of the checkpoint estimate.
+MIN_FREE_MB = 64
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became non-finite; the message names the step and the last good checkpoint."""
+
+
+def _data_api() -> Any:
+    """The data pipeline module (``minicpm4_jax.train.data``); a seam that tests may replace."""
+    from minicpm4_jax.train import data
+
+    return data
+
+
+def required_free_bytes(cfg: TrainConfig) -> int:
+    """Free disk needed at start: ``MIN_FREE_MB`` + two checkpoints (params + 2 Adam moments, fp32)."""
+    ckpt = 3 * 4 * cfg.model.num_params()
+    return MIN_FREE_MB * 2**20 + 2 * ckpt
+
+
+def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None:
+    """Create ``path`` if needed and check it is writable with ``need_bytes`` free.
+
+    Raises:
+        ConfigError: not creatable / not writable / not enough free space (one line, with the fix).
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_probe"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"{what} {str(path)!r} is not writable ({e.strerror or e.__class__.__name__}); choose another {what}"
+        ) from None
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        raise ConfigError(
+            f"{what} {str(path)!r} has {free / 2**20:.0f} MiB free but this run needs about "
+            f"{need_bytes / 2**20:.0f} MiB (checkpoints + logs); free some disk or choose another {what}"
+        )
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT set a flag that the loop checks once per step; a second SIGINT aborts."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def run_training(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    step_hook: Callable[[int, TrainState], TrainState] | None = None,
+    handle_signals: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train ``cfg`` (see the module docstring) and return the summary dict also written to ``summary.json``.
+
+    Args:
+        cfg: a validated :class:`TrainConfig`.
+        resume: continue from the latest checkpoint in the checkpoint directory (train state and
+            data iterator); without it, an existing checkpoint there is an error (nothing is
+            overwritten).
+        log: line printer (process 0 prints; others are silent).
+        step_hook: ``(step, state) -> state`` called before each update (research / fault
+            injection in tests).
+        handle_signals: install the SIGTERM/SIGINT handlers (main thread only).
+        progress: show a tqdm progress bar with ETA.
+
+    Returns:
+        The summary: ``step``, ``stop_reason`` (``steps`` | ``time`` | ``signal``), ``val_loss``,
+        the n-gram baselines, ``tokens_per_second``, ``mfu``, ``sample`` and paths.
+
+    Raises:
+        ConfigError: unwritable output directory / too little disk / data problems / ``--resume``
+            without a checkpoint / a checkpoint from a different model config.
+        TrainingDiverged: a non-finite loss or gradient norm (the step is named).
+    """
+    t_start = time.perf_counter()
+    is_main = jax.process_index() == 0
+    say = log if is_main else (lambda _m: None)
+    out_dir = Path(cfg.out_dir).expanduser().resolve()
+    ckpt_dir = checkpoint_dir_of(cfg)
+    need = required_free_bytes(cfg)
+    check_output_dir(out_dir, need)
+    check_output_dir(ckpt_dir, need, what="checkpoint.directory")
+
+    data_api = _data_api()
+    data = data_api.prepare_data(cfg.data, log=say)
+    tok = data.tokenizer
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size"
+        )
+    if is_main:
+        tok.save(out_dir / "tokenizer")
+        (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+
+    ckpt = Checkpointer(cfg, ckpt_dir)
+    writer: MetricsWriter | None = None
+    stop = _StopFlag()
+    try:
+        it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+        latest = ckpt.latest_step()
+        if resume:
+            start, state = ckpt.restore(abstract_train_state(cfg), data_iterator=it)
+            start = int(start)
+            from flax import nnx
+
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
+            say(f"resumed from {ckpt_dir}/{start}")
+        else:
+            if latest is not None:
+                raise ConfigError(
+                    f"{ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to continue, "
+                    "or choose another out_dir"
+                )
+            start = 0
+            graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed))
+
+        val = data_api.val_batches(data, cfg.data, cfg.eval_batches)
+        train_step = make_train_step(cfg, graphdef)
+        eval_step = make_eval_step(graphdef)
+        b, t = cfg.data.batch_size, cfg.data.seq_len
+        global_batch = b  # the iterator yields the global batch on one process (sharding issue extends this)
+        sample_batch = np.zeros((b, t + 1), np.int32)
+        n_params = cfg.model.num_params()
+        say(f"model: {n_params / 1e6:.2f}M params, {cfg.model.flops_per_token(t) / 1e6:.1f} MFLOP/token (train); "
+            f"batch {global_batch} x {t} tokens; {cfg.steps} steps")
+        compiled = print_memory_analysis(train_step, state, sample_batch, log=say)
+        step_fn = compiled if compiled is not None else train_step
+        peak = measure_matmul_peak_flops()
+        say(f"measured fp32 matmul peak on {jax.default_backend()}: {peak / 1e9:.1f} GFLOP/s")
+
+        writer = MetricsWriter(out_dir / "tensorboard", enabled=cfg.tensorboard, log=say)
+        if handle_signals:
+            stop.install()
+
+        def evaluate(params: Any) -> float:
+            tot, n = 0.0, 0
+            for vb in val:
+                s, c = eval_step(params, vb)
+                tot += float(s)
+                n += int(c)
+            return tot / max(n, 1)
+
+        def check(step_no: int, m: dict) -> dict[str, float]:
+            vals = {k: float(v) for k, v in m.items()}
+            if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
+                ckpt.wait()
+                last = ckpt.latest_step()
+                where = f"last good checkpoint: step {last} in {ckpt_dir}" if last is not None else "no checkpoint was saved"
+                raise TrainingDiverged(
+                    f"non-finite loss ({vals['loss']}) / grad norm ({vals['grad_norm']}) at step {step_no}; "
+                    f"training stopped and this state was not saved; {where}"
+                )
+            return vals
+
+        def save(step_no: int) -> None:
+            if not params_all_finite(state.params):
+                raise TrainingDiverged(f"non-finite parameters after step {step_no}; not saved; "
+                                       f"last good checkpoint: step {ckpt.latest_step()} in {ckpt_dir}")
+            ckpt.save(step_no, state, it)
+
+        pbar = None
+        if progress and is_main:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                        file=sys.stderr, mininterval=1.0)
+        deadline = None if cfg.max_train_minutes is None else time.monotonic() + 60.0 * cfg.max_train_minutes
+        step = start
+        stop_reason = "steps"
+        pending: tuple[int, dict] | None = None
+        last_vals: dict[str, float] = {}
+        history: list[dict[str, float]] = []
+        val_history: list[tuple[int, float]] = []
+        t_log, steps_since_log = time.perf_counter(), 0
+        tps_all: list[float] = []
+        while step < cfg.steps:
+            if stop.signum is not None:
+                stop_reason = "signal"
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                stop_reason = "time"
+                break
+            batch = np.asarray(next(it)["input_ids"])
+            if step_hook is not None:
+                state = step_hook(step, state)
+            state, metrics = step_fn(state, batch)
+            step += 1
+            steps_since_log += 1
+            if pending is not None:  # checked one step late, so the host never stalls the device
+                last_vals = check(*pending)
+            pending = (step, metrics)
+            if pbar is not None:
+                pbar.update(1)
+            do_log = step % cfg.log_every == 0 or step == cfg.steps
+            do_eval = step % cfg.eval_every == 0 and step != cfg.steps
+            do_save = step % cfg.checkpoint.save_every == 0
+            if do_log or do_eval or do_save:
+                last_vals = check(*pending)
+                pending = None
+            if do_log:
+                now = time.perf_counter()
+                tps = steps_since_log * global_batch * t / (now - t_log)
+                t_log, steps_since_log = now, 0
+                tps_all.append(tps)
+                util = mfu(cfg.model, t, tps, peak)
+                row = {**last_vals, "tokens_per_second": tps, "mfu": util, "step_time_s": global_batch * t / tps}
+                history.append({"step": step, **row})
+                if writer is not None:
+                    writer.scalars(step, row, prefix="train")
+                msg = (f"step {step:>6d}  loss {last_vals['loss']:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
+                       f"lr {last_vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
+                       f"MFU {100 * util:.1f}%")
+                if pbar is not None:
+                    pbar.write(msg)
+                    pbar.set_postfix(loss=f"{last_vals['loss']:.3f}")
+                else:
+                    say(msg)
+            if do_eval:
+                vl = evaluate(state.params)
+                val_history.append((step, vl))
+                if writer is not None:
+                    writer.scalars(step, {"loss": vl}, prefix="val")
+                (pbar.write if pbar is not None else say)(f"step {step:>6d}  val_loss {vl:.4f}")
+                t_log = time.perf_counter()  # do not charge evaluation to tokens/s
+            if do_save:
+                save(step)
+                t_log = time.perf_counter()
+        if pending is not None:
+            last_vals = check(*pending)
+        if pbar is not None:
+            pbar.close()
+
+        if stop_reason == "signal":
+            name = signal.Signals(stop.signum).name
+            say(f"{name} received: saving a checkpoint at step {step} and exiting")
+            if step not in ckpt.all_steps():
+                save(step)
+            ckpt.wait()
+            summary = {"step": step, "stop_reason": "signal", "signal": name, "checkpoint_dir": str(ckpt_dir),
+                       "checkpoint_step": ckpt.latest_step()}
+            return summary
+        if stop_reason == "time":
+            say(f"max_train_minutes={cfg.max_train_minutes} reached at step {step}; finishing")
+
+        if step not in ckpt.all_steps():
+            save(step)
+        final_val = evaluate(state.params)
+        val_history.append((step, final_val))
+        if writer is not None:
+            writer.scalars(step, {"loss": final_val}, prefix="val")
+
+        ent = data_api.corpus_entropies(data.train_tokens, tok.vocab_size)
+        held = data_api.heldout_ngram_xent(data.train_tokens, data.val_tokens, tok.vocab_size)
+        rows = [
+            (f"model (step {step}), held-out", final_val),
+            ("unigram entropy, plug-in", ent["unigram"]),
+            ("bigram entropy, plug-in", ent["bigram"]),
+            ("unigram cross-entropy, held-out", held["unigram"]),
+            ("bigram cross-entropy, held-out", held["bigram"]),
+        ]
+        say("loss per token (nats) on the tokenized corpus:")
+        for name, v in rows:
+            say(f"  {name:<34s} {v:8.4f}")
+
+        sample = ""
+        if cfg.sample_prompt and cfg.sample_tokens > 0:
+            from flax import nnx
+
+            from minicpm4_jax.generate import generate
+
+            model = nnx.merge(graphdef, state.params)
+            # the data pipeline separates documents with EOS, so a new document follows an EOS
+            prefix = [tok.eos_id] if tok.eos_id is not None else []
+            n_new = min(cfg.sample_tokens,
+                        cfg.model.max_position_embeddings - len(tok.encode(cfg.sample_prompt)) - len(prefix))
+            if n_new > 0:
+                sample = generate(model, tok, cfg.sample_prompt, n_new, temperature=0.0, prefix_ids=prefix)
+                say(f"sample (greedy) from {cfg.sample_prompt!r}:\n{cfg.sample_prompt}{sample}")
+                if writer is not None:
+                    writer.text(step, "sample", cfg.sample_prompt + sample)
+        ckpt.wait()
+        tokens_per_second = float(np.median(tps_all)) if tps_all else float("nan")
+        summary = {
+            "step": step,
+            "stop_reason": stop_reason,
+            "val_loss": final_val,
+            "val_history": val_history,
+            "train_loss": last_vals.get("loss"),
+            "unigram_entropy": ent["unigram"],
+            "bigram_entropy": ent["bigram"],
+            "unigram_heldout_xent": held["unigram"],
+            "bigram_heldout_xent": held["bigram"],
+            "tokens_per_second": tokens_per_second,
+            "step_time_s": global_batch * t / tokens_per_second if tps_all else float("nan"),
+            "mfu": mfu(cfg.model, t, tokens_per_second, peak) if tps_all else float("nan"),
+            "peak_flops": peak,
+            "num_params": n_params,
+            "sample_prompt": cfg.sample_prompt,
+            "sample": sample,
+            "wall_seconds": time.perf_counter() - t_start,
+            "checkpoint_dir": str(ckpt_dir),
+            "checkpoint_step": ckpt.latest_step(),
+            "history": history,
+        }
+        if is_main:
+            (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
+        return summary
+    finally:
+        stop.restore()
+        if writer is not None:
+            writer.close()
+        ckpt.close()

@@ -1,0 +1,156 @@
+"""The pure train and eval steps (Flax NNX used functionally).
+
+The model is split once (:func:`init_train_state`) into a static ``graphdef`` and an ``nnx.State``
+of Params; the jitted steps ``nnx.merge`` them inside, so every step is a pure function of arrays:
+
+* ``train_step(state, batch) -> (state, metrics)``, jitted with the state donated;
+* ``eval_step(params, batch) -> (sum_nll, n_tokens)``.
+
+``batch`` is int32 ``[batch, seq_len + 1]``: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from minicpm4_jax.config import ModelConfig, TrainConfig
+from minicpm4_jax.nn.model import MiniCPM4
+from minicpm4_jax.train.optim import make_optimizer, wsd_schedule
+
+__all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for",
+           "make_train_step", "make_eval_step", "next_token_loss", "print_memory_analysis"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything that changes during training (a pytree).
+
+    Attributes:
+        step: int32 scalar, number of updates applied.
+        params: ``nnx.State`` of the model's Params (float32).
+        opt_state: the optax state of :func:`make_optimizer_for`.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def init_model(model_cfg: ModelConfig, rng: jax.Array | int) -> MiniCPM4:
+    """A freshly initialised :class:`MiniCPM4` (μP init, spec §3.2) from a key or an int seed."""
+    return MiniCPM4(model_cfg, rngs=nnx.Rngs(params=rng))
+
+
+def make_optimizer_for(cfg: TrainConfig) -> optax.GradientTransformation:
+    """The run's optimizer (μP AdamW + WSD over ``cfg.steps``)."""
+    return make_optimizer(cfg.model, cfg.optimizer, cfg.steps)
+
+
+def init_train_state(cfg: TrainConfig, rng: jax.Array | int) -> tuple[nnx.GraphDef, TrainState]:
+    """Initialise the model and the optimizer state.
+
+    Returns:
+        ``(graphdef, state)``: the static model structure and the :class:`TrainState` at step 0.
+
+    Raises:
+        ValueError: the model holds state other than Params (the functional split assumes none).
+    """
+    model = init_model(cfg.model, rng)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("MiniCPM4 holds non-Param state; train/step.py must carry it explicitly")
+    tx = make_optimizer_for(cfg)
+    opt_state = tx.init(params)
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def abstract_train_state(cfg: TrainConfig) -> TrainState:
+    """``ShapeDtypeStruct`` tree of :func:`init_train_state`'s state (a restore target; no compute)."""
+    return jax.eval_shape(lambda: init_train_state(cfg, jax.random.key(0))[1])
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of float32 ``logits [b, t, v]`` vs int ``targets [b, t]``."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """The jitted pure ``train_step(state, batch) -> (state, metrics)`` (``state`` is donated).
+
+    ``batch``: int32 ``[batch, seq_len + 1]``. Metrics (float32 scalars): ``loss`` (mean next-token
+    CE on the params *before* the update), ``grad_norm`` (global L2 norm before clipping), ``lr``
+    (the base-group LR used for this update; hidden matrices use ``lr / width_mult`` under μP).
+    """
+    tx = make_optimizer_for(cfg)
+    schedule = wsd_schedule(cfg.optimizer, cfg.steps)
+
+    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, params)
+        logits = model(batch[:, :-1])
+        return next_token_loss(logits, batch[:, 1:])
+
+    def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    """Global L2 norm of a gradient tree (float32 scalar)."""
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
+    """The jitted ``eval_step(params, batch) -> (sum_nll, n_tokens)``.
+
+    ``batch`` int32 ``[batch, seq_len + 1]``; ``sum_nll`` float32 is the summed next-token negative
+    log-likelihood (nats) over the ``n_tokens = batch * seq_len`` targets (int32).
+    """
+
+    def eval_step(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graphdef, params)
+        logits = model(batch[:, :-1]).astype(jnp.float32)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+        return nll.sum(), jnp.asarray(nll.size, jnp.int32)
+
+    return jax.jit(eval_step)
+
+
+def print_memory_analysis(jitted: Any, *args: Any, log: Callable[[str], None] = print) -> Any:
+    """Compile ``jitted`` ahead of time for ``args`` and print its memory analysis once, if available.
+
+    Returns the compiled executable (or ``None`` when lowering fails); never raises.
+    """
+    try:
+        compiled = jitted.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        log(f"memory analysis unavailable ({e.__class__.__name__})")
+        return None
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        ma = None
+    if ma is None:
+        log("memory analysis: not provided by this backend")
+        return compiled
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "alias_size_in_bytes", "generated_code_size_in_bytes")
+    parts = []
+    for f in fields:
+        v = getattr(ma, f, None)
+        if v is not None:
+            parts.append(f"{f.replace('_size_in_bytes', '')}={v / 2**20:.1f} MiB")
+    log("train_step memory: " + ", ".join(parts))
+    return compiled
