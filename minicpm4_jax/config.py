@@ -360,6 +360,8 @@ class TrainConfig:
     max_train_minutes: float | None = None
     sample_prompt: str = "def "
     sample_tokens: int = 64
+    sample_temperature: float = 0.8
+    sample_top_p: float = 0.95
 
 
 # ------------------------------------------------------------------------------------------------
@@ -688,6 +690,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"mesh sizes {sizes} invalid: positive sizes, at most one -1")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.save_every < 1:
         raise ConfigError("checkpoint.keep and checkpoint.save_every must be >= 1")
+    if cfg.sample_temperature < 0 or not 0.0 < cfg.sample_top_p <= 1.0:
+        raise ConfigError(f"sample_temperature={cfg.sample_temperature} must be >= 0 (0 = greedy) and "
+                          f"sample_top_p={cfg.sample_top_p} in (0, 1]")
     if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:
         raise ConfigError("log_every, eval_every and eval_batches must be >= 1")
 

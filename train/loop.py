@@ -249,6 +249,7 @@ def run_training(
         history: list[dict[str, float]] = []
         val_history: list[tuple[int, float]] = []
         t_log, steps_since_log = time.perf_counter(), 0
+        window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
         tps_all: list[float] = []
         while step < cfg.steps:
             if stop.signum is not None:
@@ -265,6 +266,7 @@ def run_training(
             steps_since_log += 1
             if pending is not None:  # checked one step late, so the host never stalls the device
                 last_vals = check(*pending)
+                window_losses.append(last_vals["loss"])
             pending = (step, metrics)
             if pbar is not None:
                 pbar.update(1)
@@ -273,6 +275,7 @@ def run_training(
             do_save = step % cfg.checkpoint.save_every == 0
             if do_log or do_eval or do_save:
                 last_vals = check(*pending)
+                window_losses.append(last_vals["loss"])
                 pending = None
             if do_log:
                 now = time.perf_counter()
@@ -280,16 +283,19 @@ def run_training(
                 t_log, steps_since_log = now, 0
                 tps_all.append(tps)
                 util = mfu(cfg.model, t, tps, peak)
-                row = {**last_vals, "tokens_per_second": tps, "mfu": util, "step_time_s": global_batch * t / tps}
+                mean_loss = float(np.mean(window_losses)) if window_losses else last_vals["loss"]
+                window_losses.clear()
+                row = {**last_vals, "loss": mean_loss, "tokens_per_second": tps, "mfu": util,
+                       "step_time_s": global_batch * t / tps}
                 history.append({"step": step, **row})
                 if writer is not None:
                     writer.scalars(step, row, prefix="train")
-                msg = (f"step {step:>6d}  loss {last_vals['loss']:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
+                msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
                        f"lr {last_vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
                        f"MFU {100 * util:.1f}%")
                 if pbar is not None:
                     pbar.write(msg)
-                    pbar.set_postfix(loss=f"{last_vals['loss']:.3f}")
+                    pbar.set_postfix(loss=f"{mean_loss:.3f}")
                 else:
                     say(msg)
             if do_eval:
@@ -351,8 +357,11 @@ def run_training(
             n_new = min(cfg.sample_tokens,
                         cfg.model.max_position_embeddings - len(tok.encode(cfg.sample_prompt)) - len(prefix))
             if n_new > 0:
-                sample = generate(model, tok, cfg.sample_prompt, n_new, temperature=0.0, prefix_ids=prefix)
-                say(f"sample (greedy) from {cfg.sample_prompt!r}:\n{cfg.sample_prompt}{sample}")
+                sample = generate(model, tok, cfg.sample_prompt, n_new, temperature=cfg.sample_temperature,
+                                  top_p=cfg.sample_top_p, seed=cfg.seed, prefix_ids=prefix)
+                how = "greedy" if cfg.sample_temperature == 0 else (
+                    f"temperature {cfg.sample_temperature}, top-p {cfg.sample_top_p}, seed {cfg.seed}")
+                say(f"sample ({how}) from {cfg.sample_prompt!r}:\n{cfg.sample_prompt}{sample}")
                 if writer is not None:
                     writer.text(step, "sample", cfg.sample_prompt + sample)
         ckpt.wait()
