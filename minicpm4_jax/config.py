@@ -75,7 +75,9 @@ class SparseConfig:
     ``variant`` picks the official generation: ``"gen2"`` (MiniCPM4.1, LSE-approximated stage 1,
     topk + window//block selected blocks) or ``"gen1"`` (MiniCPM4 June 2025, exact stage-1 softmax,
     in-kernel local window). ``dense_len``: sequences with total KV length ``< dense_len`` use dense
-    attention; ``-1`` forces the sparse path.
+    attention; ``-1`` forces the sparse path. ``kernel_offby1_quirk`` reproduces the official
+    stage-1 kernel's dropped kernel at lengths ≡ 15 mod 16 / ≡ 63 mod 64 (spec §5.2); off by default
+    (the clean causal rule, which keeps cached decoding equal to a full forward).
     """
 
     kernel_size: int = 32
@@ -87,6 +89,7 @@ class SparseConfig:
     use_nope: bool = False
     dense_len: int = 8192
     variant: str = "gen2"
+    kernel_offby1_quirk: bool = False
 
 
 @dataclass(frozen=True)

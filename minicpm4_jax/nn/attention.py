@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from minicpm4_jax.config import ConfigError, ModelConfig
+from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.ops.attention_ref import dense_attention
 
 __all__ = ["attend"]
@@ -24,6 +25,8 @@ def attend(
     kv_positions: jax.Array,
     cfg: ModelConfig,
     kv_valid: jax.Array | None = None,
+    q_nope: jax.Array | None = None,
+    k_nope: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention dispatched on ``cfg.attention`` / ``cfg.attention_impl``.
 
@@ -33,6 +36,8 @@ def attend(
         q_positions, kv_positions: int32 ``[batch, q_len]`` / ``[batch, kv_len]``.
         cfg: model config.
         kv_valid: optional bool ``[batch, kv_len]`` (False = padding / empty cache slot).
+        q_nope, k_nope: pre-RoPE q / k, used for InfLLM v2 block selection when
+            ``sparse_config.use_nope`` (stage 2 always uses the rotated q / k).
 
     Returns:
         ``[batch, q_len, num_attention_heads, head_dim]`` in ``q.dtype``.
@@ -46,7 +51,15 @@ def attend(
         raise ConfigError(
             f"model.attention_impl={cfg.attention_impl!r} has no dense kernel in this version; use 'xla' or 'auto'"
         )
-    raise ConfigError(
-        f"model.attention={cfg.attention!r} is not available in this version (InfLLM v2 lands with its own issue); "
-        "use model.attention=dense"
-    )
+    if cfg.attention == "infllmv2":
+        sc = cfg.sparse_config
+        if cfg.attention_impl in ("xla", "auto"):
+            return infllmv2_attention(
+                q, k, v, q_positions=q_positions, kv_positions=kv_positions, sparse_cfg=sc, kv_valid=kv_valid,
+                q_sel=q_nope if sc.use_nope else None, k_sel=k_nope if sc.use_nope else None,
+                kernel_offby1_quirk=sc.kernel_offby1_quirk,
+            )
+        raise ConfigError(
+            f"model.attention_impl={cfg.attention_impl!r} has no InfLLM v2 kernel in this version; use 'xla' or 'auto'"
+        )
+    raise ConfigError(f"model.attention={cfg.attention!r}; use 'dense' or 'infllmv2'")

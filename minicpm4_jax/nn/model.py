@@ -94,9 +94,10 @@ class DecoderLayer(nnx.Module):
         q = _dense(hs, self.q_proj[...].reshape(-1, nq * d).astype(dt)).reshape(b, t, nq, d)
         k = _dense(hs, self.k_proj[...].reshape(-1, nkv * d).astype(dt)).reshape(b, t, nkv, d)
         v = _dense(hs, self.v_proj[...].reshape(-1, nkv * d).astype(dt)).reshape(b, t, nkv, d)
+        q_nope, k_nope = q, k
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        a = attend(q, k, v, q_positions=positions, kv_positions=positions, cfg=cfg)
+        a = attend(q, k, v, q_positions=positions, kv_positions=positions, cfg=cfg, q_nope=q_nope, k_nope=k_nope)
         a = _dense(a.reshape(b, t, nq * d), self.o_proj[...].reshape(nq * d, -1).astype(dt))
         x = x + a * res
         hs = rms_norm(x, self.post_attention_layernorm[...], cfg.rms_norm_eps)

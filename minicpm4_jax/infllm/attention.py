@@ -1,0 +1,103 @@
+"""InfLLM v2 attention entry point: dense fallback, stage-1 selection, stage-2 sparse attention.
+
+Spec ``minicpm4_model.md`` §5.0 (dispatch), §5.1-5.4 (selection, :mod:`minicpm4_jax.infllm.select`)
+and §5.5 (stage 2, :func:`minicpm4_jax.ops.infllm_ref.infllmv2_stage2`, the kernels' reference).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from minicpm4_jax.config import SparseConfig
+from minicpm4_jax.infllm.select import Selection, select_blocks, select_params
+from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.infllm_ref import infllmv2_stage2, tiled_dense_attention
+
+__all__ = ["infllmv2_attention"]
+
+
+def infllmv2_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_positions: jax.Array,
+    kv_positions: jax.Array,
+    sparse_cfg: SparseConfig,
+    kv_valid: jax.Array | None = None,
+    kv_len: jax.Array | None = None,
+    q_sel: jax.Array | None = None,
+    k_sel: jax.Array | None = None,
+    scale: float | None = None,
+    kernel_offby1_quirk: bool = False,
+    score_dtype: str = "float32",
+    select_q_tile: int = 128,
+    attn_q_tile: int = 8,
+    remat: bool = True,
+    return_selection: bool = False,
+) -> jax.Array | tuple[jax.Array, Selection | None]:
+    """InfLLM v2 causal GQA attention: dense fallback, or stage-1 selection + stage-2 sparse attention.
+
+    Args:
+        q: ``[batch, T, num_heads, head_dim]`` post-RoPE queries (T = 1 for decode).
+        k, v: ``[batch, kv_len_axis, num_kv_heads, head_dim]``, the whole sequence incl. cache; kv index
+            = token position (contiguous from 0, right-padded).
+        q_positions: int ``[batch, T]`` absolute positions (``cache_len .. cache_len + T - 1``).
+        kv_positions: int ``[batch, kv_len_axis]``.
+        sparse_cfg: :class:`~minicpm4_jax.config.SparseConfig` (variant, geometry, topk, dense_len).
+        kv_valid: optional bool ``[batch, kv_len_axis]``.
+        kv_len: optional int ``[batch]`` total keys per sequence; default ``max(q_positions) + 1``
+            (gen-2's ``max(position_ids) + 1``; equals gen-1's cache + current length).
+        q_sel, k_sel: selection inputs when ``sparse_cfg.use_nope`` (pre-RoPE q/k); default q, k.
+        scale: softmax scale for both stages, default ``head_dim ** -0.5``.
+        kernel_offby1_quirk: reproduce the official stage-1 off-by-one (select module docstring).
+        score_dtype: ``"float32"`` | ``"bfloat16"`` storage of the stage-1 group sums (bf16 = official).
+        select_q_tile, attn_q_tile: query tile sizes of selection and stage 2.
+        remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
+        return_selection: also return the :class:`Selection` (``None`` when the dense path is static).
+
+    Returns:
+        ``[batch, T, num_heads, head_dim]`` in ``q.dtype`` (and the selection if asked).
+
+    Dispatch (§5.0, strict ``<``): ``dense_len <= 0`` (``-1`` or ``0``) -> always sparse; a kv axis
+    shorter than ``dense_len`` -> statically dense (``dense_attention``); otherwise per sequence:
+    ``kv_len < dense_len`` -> dense (computed by query tiles on keys ``[:dense_len]``, skipped by
+    ``lax.cond`` when no sequence needs it), else sparse. Selection never receives gradients.
+
+    Raises:
+        ValueError: ``use_nope`` without ``q_sel``/``k_sel``, bad config, or mismatched shapes.
+    """
+    params = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk, score_dtype=score_dtype)
+    b, t, nq, d = q.shape
+    s = k.shape[1]
+    dl = sparse_cfg.dense_len
+    if dl > 0 and s < dl:
+        out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid,
+                              scale=scale)
+        return (out, None) if return_selection else out
+    if sparse_cfg.use_nope and (q_sel is None or k_sel is None):
+        raise ValueError("sparse_config.use_nope=True needs the pre-RoPE q_sel and k_sel for selection")
+    q_sel = q if q_sel is None else q_sel
+    k_sel = k if k_sel is None else k_sel
+    kv_len = (jnp.max(q_positions, axis=1) + 1).astype(jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)
+    sel = select_blocks(jax.lax.stop_gradient(q_sel), jax.lax.stop_gradient(k_sel), q_positions=q_positions,
+                        params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile)
+    k_used = min(params.topk_cfg, -(-s // params.block_size))
+    window = params.local_blocks if params.variant == "gen1" else 0
+    out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions, kv_positions=kv_positions,
+                          block_size=params.block_size, window_blocks=window, kv_valid=kv_valid, scale=scale,
+                          q_tile=attn_q_tile, remat=remat)
+    if dl > 0:
+        use_dense = kv_len < dl  # [b]
+        kd, vd = k[:, :dl], v[:, :dl]
+        kvp_d = kv_positions[:, :dl]
+        kvv_d = None if kv_valid is None else kv_valid[:, :dl]
+
+        def dense_branch(_):
+            return tiled_dense_attention(q, kd, vd, q_positions=q_positions, kv_positions=kvp_d, kv_valid=kvv_d,
+                                scale=scale, q_tile=max(1, select_q_tile // 4))
+
+        dense = jax.lax.cond(jnp.any(use_dense), dense_branch, lambda _: jnp.zeros_like(out), None)
+        out = jnp.where(use_dense[:, None, None, None], dense, out)
+    return (out, sel) if return_selection else out

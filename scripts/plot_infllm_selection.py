@@ -1,0 +1,148 @@
+"""Render the InfLLM v2 block selection of one attention layer as a PNG (query token x KV block).
+
+One panel per KV head; a cell is coloured when the query token attends the block in stage 2:
+top-k picks (and, for gen-1, the in-kernel local window in a second colour); the causal boundary is
+drawn for reference. Selection is the project's reference (``minicpm4_jax.infllm``, spec §5.2-§5.5).
+
+Inputs (one of):
+  --npz FILE    arrays ``q`` ``[T, heads, head_dim]`` (or ``[1, T, ...]``) and ``k``
+                ``[T, kv_heads, head_dim]``: post-RoPE queries/keys of the layer you want to look at
+                (e.g. dumped from a forward pass).
+  --random T    synthetic inputs (``--heads``, ``--kv-heads``, ``--head-dim``) with a few "topic"
+                directions so the top-k picks have structure.
+
+Selection settings come from ``--config`` (a YAML preset with ``model.sparse_config``) or the flags
+(``--variant``, ``--topk``, ``--window``, ``--block-size``, ...); ``dense_len`` is ignored (the
+sparse selection is always computed).
+
+Example:
+  python scripts/plot_infllm_selection.py --random 4096 --out selection.png
+
+matplotlib is imported lazily (``pip install matplotlib``; not a project dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def _sparse_cfg(args):
+    from minicpm4_jax.config import SparseConfig, load_config
+
+    if args.config:
+        cfg = load_config(args.config).model.sparse_config
+        if cfg is None:
+            sys.exit(f"{args.config} has no model.sparse_config section")
+        return cfg
+    return SparseConfig(kernel_size=args.kernel_size, kernel_stride=args.kernel_stride, block_size=args.block_size,
+                        init_blocks=args.init_blocks, window_size=args.window, topk=args.topk, variant=args.variant,
+                        dense_len=-1)
+
+
+def _inputs(args):
+    if args.npz:
+        z = np.load(args.npz)
+        q, k = np.asarray(z["q"], np.float32), np.asarray(z["k"], np.float32)
+        q = q[0] if q.ndim == 4 else q
+        k = k[0] if k.ndim == 4 else k
+        return q, k
+    rng = np.random.default_rng(args.seed)
+    t, nq, nkv, d = args.random, args.heads, args.kv_heads, args.head_dim
+    topics = rng.standard_normal((8, d)).astype(np.float32)
+    seg = rng.integers(0, 8, size=(t // 256 + 1,)).repeat(256)[:t]  # topic per 256-token segment
+    k = rng.standard_normal((t, nkv, d)).astype(np.float32) + 2.0 * topics[seg][:, None, :]
+    q = rng.standard_normal((t, nq, d)).astype(np.float32) + 2.0 * topics[rng.integers(0, 8, size=t)][:, None, :]
+    return q, k
+
+
+def selection_image(q: np.ndarray, k: np.ndarray, sparse_cfg, *, kernel_offby1_quirk: bool = False):
+    """Per-KV-head selection grids.
+
+    Args:
+        q: ``[T, heads, head_dim]``; k: ``[T, kv_heads, head_dim]`` (one sequence, positions 0..T-1).
+        sparse_cfg: :class:`~minicpm4_jax.config.SparseConfig`.
+
+    Returns:
+        (``grid`` uint8 ``[kv_heads, T, NB]``: 0 = not attended, 1 = top-k pick, 2 = gen-1 window block;
+        ``counts`` int ``[kv_heads, T]``).
+    """
+    import jax.numpy as jnp
+
+    from minicpm4_jax.infllm import select_blocks, select_params, selection_block_mask
+
+    p = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk)
+    t = q.shape[0]
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    sel = select_blocks(jnp.asarray(q)[None], jnp.asarray(k)[None], q_positions=pos, params=p)
+    nb = -(-t // p.block_size)
+    picks = np.asarray(selection_block_mask(sel.topk_idx, q_positions=pos, num_blocks=nb, block_size=p.block_size))[0]
+    grid = picks.astype(np.uint8)
+    if p.variant == "gen1":
+        allm = np.asarray(selection_block_mask(sel.topk_idx, q_positions=pos, num_blocks=nb, block_size=p.block_size,
+                                               window_blocks=p.local_blocks))[0]
+        grid = np.where(allm & ~picks, 2, grid).astype(np.uint8)
+    return grid, np.asarray(sel.counts)[0]
+
+
+def plot(grid: np.ndarray, out: str, *, title: str, block_size: int) -> None:
+    """Write ``grid`` (from :func:`selection_image`) to ``out`` as a PNG, one panel per KV head."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import ListedColormap
+    except ImportError:
+        sys.exit("matplotlib is needed for this script: pip install matplotlib")
+    nkv, t, nb = grid.shape
+    fig, axes = plt.subplots(1, nkv, figsize=(4.5 * nkv, 5), squeeze=False)
+    cmap = ListedColormap(["white", "tab:blue", "tab:orange"])
+    for h, ax in enumerate(axes[0]):
+        ax.imshow(grid[h], aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=2,
+                  extent=(-0.5, nb - 0.5, t - 0.5, -0.5))
+        tt = np.arange(t)
+        ax.plot(tt // block_size, tt, color="black", lw=0.5, alpha=0.6)  # causal boundary (current block)
+        frac = grid[h].astype(bool).sum() * block_size / max(1, (tt + 1).sum())
+        ax.set_title(f"KV head {h}  (~{frac:.0%} of causal keys)")
+        ax.set_xlabel("KV block")
+        ax.set_ylabel("query token")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--npz", help="file with arrays q [T, heads, d] and k [T, kv_heads, d] of one layer")
+    src.add_argument("--random", type=int, metavar="T", help="synthetic inputs of T tokens")
+    ap.add_argument("--out", default="infllm_selection.png")
+    ap.add_argument("--config", help="YAML preset whose model.sparse_config is used")
+    ap.add_argument("--variant", default="gen2", choices=["gen1", "gen2"])
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--kernel-size", type=int, default=32)
+    ap.add_argument("--kernel-stride", type=int, default=16)
+    ap.add_argument("--init-blocks", type=int, default=1)
+    ap.add_argument("--quirk", action="store_true", help="official stage-1 off-by-one (spec §5.2)")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cfg = _sparse_cfg(args)
+    q, k = _inputs(args)
+    grid, counts = selection_image(q, k, cfg, kernel_offby1_quirk=args.quirk)
+    title = (f"InfLLM v2 {cfg.variant}: T={q.shape[0]}, topk={cfg.topk}, window={cfg.window_size}, "
+             f"block={cfg.block_size}, mean picks/token={counts.mean():.1f}")
+    plot(grid, args.out, title=title, block_size=cfg.block_size)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

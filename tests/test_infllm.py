@@ -1,0 +1,497 @@
+"""InfLLM v2 reference (spec ``minicpm4_model.md`` §5; field faults B02-B05, B23).
+
+Oracles: ``tests/infllm_numpy.py`` (an independent NumPy transcription of §5.1-§5.5) for selection,
+and a naive dense attention with the explicit token mask built from the same selection for stage 2
+(output and gradients). CPU, float32, small dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import infllm_numpy as ref
+from minicpm4_jax.config import SparseConfig
+from minicpm4_jax import infllm
+from minicpm4_jax.infllm import SENTINEL, compress_keys, num_kernels, select_params, visible_kernel_count
+from minicpm4_jax.infllm import attention as infllm_attention
+from minicpm4_jax.ops import attention_ref, infllm_ref
+
+# Everything under test is called through jit (one compile per shape instead of op-by-op dispatch).
+_ATTN_STATIC = ("sparse_cfg", "kernel_offby1_quirk", "score_dtype", "select_q_tile", "attn_q_tile", "remat",
+                "return_selection", "scale")
+infllmv2_attention = jax.jit(infllm_attention.infllmv2_attention, static_argnames=_ATTN_STATIC)
+infllmv2_stage2 = jax.jit(infllm_ref.infllmv2_stage2,
+                          static_argnames=("block_size", "window_blocks", "scale", "q_tile", "remat"))
+select_blocks = jax.jit(infllm.select_blocks, static_argnames=("params", "scale", "q_tile"))
+selection_scores = jax.jit(infllm.selection_scores, static_argnames=("params", "scale"))
+selection_block_mask = jax.jit(infllm.selection_block_mask,
+                               static_argnames=("num_blocks", "block_size", "window_blocks"))
+dense_attention = jax.jit(attention_ref.dense_attention, static_argnames=("scale",))
+
+
+def _grads(fn, gout, *args):
+    """Jitted gradient of ``sum(fn(*args) * gout)`` w.r.t. every arg."""
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * gout), argnums=tuple(range(len(args)))))(*args)
+
+# field_faults.md TINY attention layout: 8 query heads, 2 KV heads, head_dim 32, window 2 blocks, topk 4.
+TINY = SparseConfig(kernel_size=32, kernel_stride=16, block_size=64, init_blocks=1, window_size=128, topk=4,
+                    dense_len=0)
+# Same family (ks = 2*stride, block = 4*stride) scaled down 4x, so short inputs have many blocks.
+SMALL = SparseConfig(kernel_size=8, kernel_stride=4, block_size=16, init_blocks=1, window_size=32, topk=3,
+                     dense_len=0)
+
+
+def _rand(seed, *shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def _qkv(seed, b, t, nq, nkv, d, n=None):
+    n = t if n is None else n
+    return _rand(seed, b, t, nq, d), _rand(seed + 1, b, n, nkv, d), _rand(seed + 2, b, n, nkv, d)
+
+
+def _pos(b, t, start=0):
+    return jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
+
+
+def naive_masked_attention(q, k, v, mask, scale=None):
+    """Oracle: ``mask`` bool ``[b, nkv, T, N]``; fp32 softmax; fully masked rows -> 0."""
+    b, t, nq, d = q.shape
+    nkv = k.shape[2]
+    g = nq // nkv
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, t, nkv, g, d).astype(jnp.float32)
+    lg = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * scale
+    lg = jnp.where(mask[:, :, None], lg, -jnp.inf)
+    m = jnp.max(lg, -1, keepdims=True)
+    pr = jnp.exp(lg - jnp.where(jnp.isfinite(m), m, 0.0))
+    den = pr.sum(-1, keepdims=True)
+    pr = pr / jnp.where(den == 0, 1.0, den)
+    return jnp.einsum("bkgts,bskd->btkgd", pr, v.astype(jnp.float32)).reshape(b, t, nq, d)
+
+
+def _np_selection(q, k, pos, cfg, *, quirk=False, kv_len=None):
+    """NumPy oracle for every sequence of a batch -> dict of stacked arrays."""
+    p = select_params(cfg)
+    outs = []
+    for bi in range(q.shape[0]):
+        qn, kn, pn = np.asarray(q[bi]), np.asarray(k[bi]), np.asarray(pos[bi])
+        s = ref.stage1(qn, kn, pn, ks=cfg.kernel_size, st=cfg.kernel_stride, variant=cfg.variant, quirk=quirk,
+                       kv_len=kv_len)
+        nb = -(-k.shape[1] // cfg.block_size)
+        bs = ref.pool(s, pn, num_blocks=nb, block_size=cfg.block_size, st=cfg.kernel_stride,
+                      init_blocks=cfg.init_blocks, local_blocks=p.local_blocks, variant=cfg.variant)
+        idx, cnt = ref.topk(bs, pn, k_cfg=p.topk_cfg, block_size=cfg.block_size, variant=cfg.variant)
+        outs.append(dict(scores=s, block_scores=bs, topk_idx=idx, counts=cnt))
+    return {key: np.stack([o[key] for o in outs]) for key in outs[0]}
+
+
+def _attended_mask_np(idx, pos, kv_pos, cfg, n):
+    p = select_params(cfg)
+    nb = -(-n // cfg.block_size)
+    w = p.local_blocks if cfg.variant == "gen1" else 0
+    return np.stack([
+        ref.token_mask(ref.block_mask(idx[bi], np.asarray(pos[bi]), num_blocks=nb, block_size=cfg.block_size,
+                                      window_blocks=w), np.asarray(pos[bi]), np.asarray(kv_pos[bi]), cfg.block_size)
+        for bi in range(idx.shape[0])
+    ])
+
+
+# ----------------------------------------------------------------------------------------------- §5.1
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 47, 48, 127, 128, 200])
+def test_compress_keys_matches_numpy(n):
+    k = _rand(0, 2, n, 2, 8)
+    for ks, st in [(32, 16), (128, 64), (8, 4)]:
+        got = compress_keys(k, ks, st)
+        assert got.shape == (2, num_kernels(n, ks, st), 2, 8)
+        want = np.stack([ref.compress(np.asarray(k[b]), ks, st) for b in range(2)])
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert num_kernels(10000, 32, 16) == 624 and num_kernels(10000, 128, 64) == 155
+
+
+# ------------------------------------------------------------------------------------------ §5.2-§5.4
+
+SEL_CASES = [
+    # (cfg, T, group size, quirk)
+    (TINY, 1, 2, False),     # T = 1
+    (TINY, 20, 16, False),   # T < kernel_size
+    (TINY, 79, 1, True),     # 79 = 15 mod 16 (quirk drops a fine kernel)
+    (TINY, 191, 8, False),   # 191 = 63 mod 64 (and 15 mod 16)
+    (TINY, 191, 8, True),
+    (TINY, 256, 4, False),
+    (SMALL, 63, 2, True),    # 63 = 15 mod 16 = 3 mod 4 for the scaled geometry
+    (SMALL, 160, 16, False),
+]
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+@pytest.mark.parametrize("cfg,t,g,quirk", SEL_CASES)
+def test_selection_matches_numpy(cfg, t, g, quirk, variant):
+    cfg = dataclasses.replace(cfg, variant=variant)
+    nkv, d = 2, 16
+    q, k, _ = _qkv(t * 7 + g, 2, t, nkv * g, nkv, d)
+    pos = _pos(2, t)
+    p = select_params(cfg, kernel_offby1_quirk=quirk)
+    got = jax.jit(lambda q, k, pos: selection_scores(q, k, q_positions=pos, params=p))(q, k, pos)
+    want = _np_selection(q, k, pos, cfg, quirk=quirk)
+    for key in ("scores", "block_scores"):
+        g_, w_ = np.asarray(got[key], np.float64), want[key]
+        assert not np.isnan(g_).any()
+        np.testing.assert_array_equal(np.isinf(g_), np.isinf(w_), err_msg=key)
+        np.testing.assert_allclose(np.where(np.isinf(g_), 0, g_), np.where(np.isinf(w_), 0, w_), rtol=2e-5,
+                                   atol=1e-6, err_msg=key)
+    np.testing.assert_array_equal(np.asarray(got["topk_idx"]), want["topk_idx"])
+    np.testing.assert_array_equal(np.asarray(got["counts"]), want["counts"])
+    # the tiled production path gives the same selection (tile does not divide T)
+    sel = select_blocks(q, k, q_positions=pos, params=p, q_tile=24)
+    np.testing.assert_array_equal(np.asarray(sel.topk_idx), want["topk_idx"])
+    np.testing.assert_array_equal(np.asarray(sel.counts), want["counts"])
+
+
+def test_quirk_drops_exactly_one_kernel_at_15_mod_16():
+    """§5.2: with the quirk, every row of an N = 15 mod 16 prefill loses its last visible fine kernel."""
+    for n, drops in [(79, True), (80, False), (95, True), (96, False)]:
+        pos = _pos(1, n)
+        kvl = jnp.array([n])
+        nk = num_kernels(n, 32, 16)
+        clean = visible_kernel_count(pos, kvl, n, nk, 32, 16, False)
+        quirk = visible_kernel_count(pos, kvl, n, nk, 32, 16, True)
+        want = np.maximum(np.asarray(clean) - 1, 0) if drops else np.asarray(clean)
+        np.testing.assert_array_equal(np.asarray(quirk), want)
+        # decode (T = 1) is non-causal in the official code: every cached kernel, clean rule
+        last = visible_kernel_count(pos[:, -1:], kvl, 1, nk, 32, 16, True)
+        assert int(last[0, 0]) == nk
+    # coarse 128/64: N = 63 mod 64
+    n = 255
+    pos = _pos(1, n)
+    nk = num_kernels(n, 128, 64)
+    c = visible_kernel_count(pos, jnp.array([n]), n, nk, 128, 64, False)
+    qk = visible_kernel_count(pos, jnp.array([n]), n, nk, 128, 64, True)
+    np.testing.assert_array_equal(np.asarray(qk), np.maximum(np.asarray(c) - 1, 0))
+
+
+def test_selection_format_sorted_sentinel_counts():
+    cfg = dataclasses.replace(SMALL, variant="gen2", topk=4)
+    q, k, _ = _qkv(3, 2, 200, 4, 2, 16)
+    pos = _pos(2, 200)
+    sel = select_blocks(q, k, q_positions=pos, params=select_params(cfg))
+    idx, cnt = np.asarray(sel.topk_idx), np.asarray(sel.counts)
+    assert idx.dtype == np.int32 and idx.shape == (2, 2, 200, 4 + 2)
+    cols = np.arange(idx.shape[-1])
+    valid = cols < cnt[..., None]
+    np.testing.assert_array_equal(idx >= 0, valid)  # valid entries first, then only the sentinel
+    assert set(np.unique(idx[~valid])) <= {SENTINEL}
+    vv = np.where(valid, idx, np.iinfo(np.int32).max)
+    assert (np.diff(vv, axis=-1) > 0)[valid[..., 1:]].all()  # strictly ascending valid entries
+    qb = np.asarray(pos)[:, None, :] // cfg.block_size
+    assert (np.where(valid, idx, 0) <= qb[..., None]).all()
+
+
+# --------------------------------------------------------------------------------------------- §5.5
+
+
+@pytest.mark.parametrize("g,d,window", [(1, 8, 0), (2, 12, 2), (4, 16, 0), (8, 8, 3), (16, 4, 0)])
+def test_stage2_matches_masked_oracle_fwd_and_grad(g, d, window):
+    b, t, nkv, bs = 2, 45, 2, 8
+    n = t + 5  # a few trailing keys no query may see
+    q, k, v = _qkv(11 + g, b, t, nkv * g, nkv, d, n)
+    pos = _pos(b, t, start=3)  # queries at 3..72 against 75 keys
+    kvp = _pos(b, n)
+    nb = -(-n // bs)
+    rng = np.random.default_rng(g)
+    kk = 5
+    idx = np.full((b, nkv, t, kk), -1, np.int32)
+    for bi in range(b):
+        for h in range(nkv):
+            for ti in range(t):
+                c = rng.integers(0, kk + 1)
+                idx[bi, h, ti, :c] = np.sort(rng.choice(nb, size=c, replace=False))  # incl. future blocks
+    idx = jnp.asarray(idx)
+    mask = jnp.asarray(np.stack([
+        ref.token_mask(ref.block_mask(np.asarray(idx[bi]), np.asarray(pos[bi]), num_blocks=nb, block_size=bs,
+                                      window_blocks=window), np.asarray(pos[bi]), np.asarray(kvp[bi]), bs)
+        for bi in range(b)]))
+
+    def f(q, k, v):
+        return infllmv2_stage2(q, k, v, idx, q_positions=pos, kv_positions=kvp, block_size=bs, window_blocks=window,
+                               q_tile=16)
+
+    def o(q, k, v):
+        return naive_masked_attention(q, k, v, mask)
+
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), np.asarray(o(q, k, v)), atol=1e-5, rtol=1e-5)
+    gout = _rand(99, *q.shape)
+    gf = _grads(f, gout, q, k, v)
+    go = _grads(o, gout, q, k, v)
+    for a, w in zip(gf, go):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_full_attention_matches_oracle_on_numpy_selection(variant):
+    """Entry point = naive attention with the token mask of the NumPy selection (gen-1 incl. window)."""
+    cfg = dataclasses.replace(SMALL, variant=variant)
+    b, t, nkv, g, d = 2, 150, 2, 4, 16
+    q, k, v = _qkv(5, b, t, nkv * g, nkv, d)
+    pos = _pos(b, t)
+    out, sel = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, return_selection=True,
+                                  attn_q_tile=32, select_q_tile=64)
+    want = _np_selection(q, k, pos, cfg)
+    np.testing.assert_array_equal(np.asarray(sel.topk_idx), want["topk_idx"])
+    mask = _attended_mask_np(want["topk_idx"], pos, pos, cfg, t)
+    # the sparse path really drops keys here
+    assert mask.sum() < 0.8 * np.tril(np.ones((t, t))).sum() * b * nkv
+    np.testing.assert_allclose(np.asarray(out), np.asarray(naive_masked_attention(q, k, v, jnp.asarray(mask))),
+                               atol=1e-5, rtol=1e-5)
+    jm = selection_block_mask(sel.topk_idx, q_positions=pos, num_blocks=-(-t // cfg.block_size),
+                              block_size=cfg.block_size,
+                              window_blocks=select_params(cfg).local_blocks if variant == "gen1" else 0)
+    np.testing.assert_array_equal(np.asarray(jm)[..., np.arange(t) // cfg.block_size] & np.tril(np.ones((t, t), bool)),
+                                  mask)
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_dense_equality_when_selection_covers_prefix(variant):
+    cfg = dataclasses.replace(TINY, variant=variant, topk=64)
+    q, k, v = _qkv(21, 1, 300, 6, 3, 16)
+    pos = _pos(1, 300)
+    out = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_attention(q, k, v, q_positions=pos, kv_positions=pos)),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_decode_and_cached_prefill_equal_full_forward(variant):
+    """Queries at a cache offset (T = 1 decode and a T = 37 chunk) reproduce rows of the full forward."""
+    cfg = dataclasses.replace(SMALL, variant=variant)
+    n = 181
+    q, k, v = _qkv(31, 2, n, 8, 2, 16)
+    pos = _pos(2, n)
+    full, fsel = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, return_selection=True)
+    for start in (n - 1, n - 37):
+        o, s = infllmv2_attention(q[:, start:], k, v, q_positions=pos[:, start:], kv_positions=pos, sparse_cfg=cfg,
+                                  return_selection=True)
+        np.testing.assert_array_equal(np.asarray(s.topk_idx), np.asarray(fsel.topk_idx[:, :, start:]))
+        np.testing.assert_allclose(np.asarray(o), np.asarray(full[:, start:]), atol=1e-6, rtol=1e-6)
+
+
+def test_dense_fallback_static_and_per_sequence():
+    q, k, v = _qkv(41, 2, 256, 8, 2, 16)
+    pos = _pos(2, 256)
+    dense = dense_attention(q, k, v, q_positions=pos, kv_positions=pos)
+    # kv axis shorter than dense_len: statically dense
+    o = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos,
+                           sparse_cfg=dataclasses.replace(TINY, dense_len=257))
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(dense))
+    # strict comparison: kv_len == dense_len -> sparse (topk 1 + 1 local block really drops keys)
+    cfg = dataclasses.replace(SMALL, dense_len=256, topk=1, window_size=16)
+    o_sparse = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos,
+                                  sparse_cfg=dataclasses.replace(cfg, dense_len=-1))
+    o_eq = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(o_eq), np.asarray(o_sparse))
+    assert float(jnp.abs(o_sparse - dense).max()) > 1e-3
+    # mixed batch: sequence 1 holds only 150 tokens (right-padded) -> dense; sequence 0 -> sparse
+    cfg = dataclasses.replace(cfg, dense_len=200)
+    qpos = pos.at[1, 150:].set(-1)
+    valid = jnp.arange(256)[None, :] < jnp.array([[256], [150]])
+    o = infllmv2_attention(q, k, v, q_positions=qpos, kv_positions=pos, kv_valid=valid, sparse_cfg=cfg)
+    d1 = dense_attention(q[1:, :150], k[1:, :150], v[1:, :150], q_positions=pos[1:, :150], kv_positions=pos[1:, :150])
+    np.testing.assert_allclose(np.asarray(o[1:, :150]), np.asarray(d1), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(o[:1]), np.asarray(o_sparse[:1]), atol=1e-6, rtol=1e-6)
+
+
+def test_use_nope_requires_selection_inputs():
+    q, k, v = _qkv(1, 1, 64, 4, 2, 8)
+    pos = _pos(1, 64)
+    with pytest.raises(ValueError, match="use_nope"):
+        infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos,
+                           sparse_cfg=dataclasses.replace(TINY, use_nope=True))
+    # selection follows q_sel/k_sel (pre-RoPE stand-ins), stage 2 follows q/k
+    cfg = dataclasses.replace(SMALL, use_nope=True)
+    qs, ks_, _ = _qkv(2, 1, 64, 4, 2, 8)
+    out, sel = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, q_sel=qs, k_sel=ks_,
+                                  return_selection=True)
+    want = select_blocks(qs, ks_, q_positions=pos, params=select_params(cfg))
+    np.testing.assert_array_equal(np.asarray(sel.topk_idx), np.asarray(want.topk_idx))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(infllmv2_stage2(q, k, v, sel.topk_idx, q_positions=pos,
+                                                                           kv_positions=pos, block_size=16)),
+                               atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------- field faults B02-B23
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_b02_causality_sparse_forced(variant):
+    cfg = dataclasses.replace(TINY, variant=variant, dense_len=0)
+    t_len = 256
+    q, k, v = _qkv(50, 1, t_len, 8, 2, 32)
+    q2, k2, v2 = _qkv(60, 1, t_len, 8, 2, 32)
+    pos = _pos(1, t_len)
+    f = jax.jit(lambda q, k, v: infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg))
+    base = np.asarray(f(q, k, v))
+    for t in (0, 31, 47, 63, 100, 255):
+        later = (jnp.arange(t_len) > t)[None, :, None, None]
+        o = np.asarray(f(jnp.where(later, q2, q), jnp.where(later, k2, k), jnp.where(later, v2, v)))
+        np.testing.assert_array_equal(o[:, : t + 1], base[:, : t + 1])
+    # Jacobian of the output at t w.r.t. inputs after t is exactly zero
+    for t in (47, 100):
+        gt = jnp.zeros((1, t_len, 8, 32)).at[:, t].set(_rand(7, 1, 8, 32))
+        gq, gk, gv = _grads(f, gt, q, k, v)
+        for gr in (gq, gk, gv):
+            assert np.all(np.asarray(gr)[:, t + 1:] == 0.0)
+            assert np.any(np.asarray(gr)[:, : t + 1] != 0.0)
+    # kernel j gets non-zero stage-1 weight for query t only if 16j + 31 <= t
+    s = np.asarray(selection_scores(q, k, q_positions=pos, params=select_params(cfg))["scores"])
+    j = np.arange(s.shape[-1])
+    visible = 16 * j[None, :] + 31 <= np.arange(t_len)[:, None]
+    assert np.all(s[:, :, ~visible] == 0.0) and np.all(s[:, :, visible] > 0.0)
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_b03_causal_mask_before_topk(variant):
+    cfg = dataclasses.replace(TINY, variant=variant, dense_len=0)
+    p = select_params(cfg)
+    t_len, d = 512, 32
+    q, k, _ = _qkv(70, 1, t_len, 8, 2, d)
+    u = jnp.ones((d,)) / np.sqrt(d)
+    q = q + 3.0 * u
+    k = k.at[:, 448:512].add(40.0 * u)  # a very strong key signal in block 7 only
+    pos = _pos(1, t_len)
+    sel = select_blocks(q, k, q_positions=pos, params=p)
+    idx, cnt = np.asarray(sel.topk_idx)[0], np.asarray(sel.counts)[0]
+    tt = np.arange(t_len)
+    qb = tt // 64
+    valid = idx >= 0
+    assert np.all(np.where(valid, 64 * idx, 0) <= tt[None, :, None])
+    att = np.asarray(selection_block_mask(sel.topk_idx, q_positions=pos, num_blocks=8, block_size=64,
+                                          window_blocks=p.local_blocks if variant == "gen1" else 0))[0]
+    assert not att[:, tt < 448, 7].any() and att[:, tt >= 448, 7].all()
+    assert np.all(64 * np.argwhere(att)[:, 2] <= tt[np.argwhere(att)[:, 1]])
+    if variant == "gen2":
+        np.testing.assert_array_equal(cnt, np.broadcast_to(np.minimum(p.topk_cfg, qb + 1), cnt.shape))
+    else:  # candidates: init blocks and blocks outside the window, all before the current block
+        cand = np.array([len({b for b in range(q + 1) if b < min(cfg.init_blocks, q) or b <= q - p.local_blocks})
+                         for q in qb])
+        np.testing.assert_array_equal(cnt, np.broadcast_to(np.minimum(p.topk_cfg, cand), cnt.shape))
+    assert not np.array_equal(att[:, 100], att[:, 500])
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+@pytest.mark.parametrize("t_len", [1, 31, 32, 63, 64, 65, 100, 129])
+def test_b04_topk_larger_than_block_count(variant, t_len):
+    cfg = dataclasses.replace(TINY, variant=variant, topk=16, dense_len=0)
+    p = select_params(cfg)
+    q, k, v = _qkv(80 + t_len, 1, t_len, 8, 2, 32)
+    pos = _pos(1, t_len)
+
+    def f(q, k, v):
+        return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, return_selection=True,
+                                  remat=False)  # checkify cannot trace jax.checkpoint (jax 0.12)
+
+    err, (out, sel) = checkify.checkify(jax.jit(f), errors=checkify.index_checks)(q, k, v)
+    err.throw()
+    idx = np.asarray(sel.topk_idx)
+    assert idx.shape == (1, 2, t_len, 16 + (2 if variant == "gen2" else 0))
+    assert set(np.unique(idx[idx < 0])) <= {SENTINEL}
+    assert idx.max() < -(-t_len // 64)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense_attention(q, k, v, q_positions=pos, kv_positions=pos)),
+                               atol=1e-5, rtol=1e-5)
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_b05_sparse_backward(d):
+    t_len, nkv, g = 256, 2, 4
+    q, k, v = _qkv(90 + d, 1, t_len, nkv * g, nkv, d)
+    pos = _pos(1, t_len)
+    gout = _rand(91, 1, t_len, nkv * g, d)
+
+    def grads(fn):
+        return _grads(fn, gout, q, k, v)
+
+    # (a) every block selected -> dense causal attention
+    cfg = dataclasses.replace(TINY, topk=16, dense_len=0)
+    ga = grads(lambda *a: infllmv2_attention(*a, q_positions=pos, kv_positions=pos, sparse_cfg=cfg))
+    gd = grads(lambda *a: dense_attention(*a, q_positions=pos, kv_positions=pos))
+    for a, w in zip(ga, gd):
+        assert _rel(a, w) <= 1e-4
+        assert abs(float(jnp.linalg.norm(a)) / float(jnp.linalg.norm(w)) - 1) < 0.01
+    # (b) a fixed selection: all causal blocks except two dropped per query (keeping the current block)
+    rng = np.random.default_rng(d)
+    nb = t_len // 64
+    idx = np.full((1, nkv, t_len, nb), -1, np.int32)
+    for h in range(nkv):
+        for t in range(t_len):
+            qb = t // 64
+            keep = [b for b in range(qb)]
+            for b in rng.choice(qb, size=min(2, qb), replace=False) if qb else []:
+                keep.remove(b)
+            keep = sorted(keep + [qb])
+            idx[0, h, t, : len(keep)] = keep
+    idx_j = jax.lax.stop_gradient(jnp.asarray(idx))
+    tok = ref.token_mask(ref.block_mask(idx[0], np.arange(t_len), num_blocks=nb, block_size=64, window_blocks=0),
+                         np.arange(t_len), np.arange(t_len), 64)[None]
+    gb = grads(lambda *a: infllmv2_stage2(*a, idx_j, q_positions=pos, kv_positions=pos, block_size=64))
+    go = grads(lambda *a: naive_masked_attention(*a, jnp.asarray(tok)))
+    for a, w in zip(gb, go):
+        assert _rel(a, w) <= 1e-4
+        assert abs(float(jnp.linalg.norm(a)) / float(jnp.linalg.norm(w)) - 1) < 0.01
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_b23_early_queries_no_nan(variant):
+    cfg = dataclasses.replace(TINY, variant=variant, dense_len=0)
+    p = select_params(cfg)
+    t_len = 64
+    q, k, v = _qkv(100, 1, t_len, 8, 2, 32)
+    pos = _pos(1, t_len)
+    sc = selection_scores(q, k, q_positions=pos, params=p)
+    for key in ("scores", "block_scores"):
+        assert not np.isnan(np.asarray(sc[key])).any()
+    att = np.asarray(selection_block_mask(sc["topk_idx"], q_positions=pos, num_blocks=1, block_size=64,
+                                          window_blocks=p.local_blocks if variant == "gen1" else 0))
+    assert att.all()  # t = 0..63: exactly the init block (= the current block), nothing else exists
+    idx = np.asarray(sc["topk_idx"])
+    assert set(np.unique(idx)) <= ({0, -1} if variant == "gen2" else {-1})
+    # longer input: gen-2 rows before the first coarse kernel (t < 127) see +inf scores, never NaN
+    q, k, v = _qkv(101, 1, 200, 8, 2, 32)
+    pos = _pos(1, 200)
+    sc = selection_scores(q, k, q_positions=pos, params=p)
+    assert not np.isnan(np.asarray(sc["block_scores"])).any()
+
+    def f(q, k, v):
+        return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg)
+
+    out = f(q, k, v)
+    grads = _grads(f, out, q, k, v)
+    assert np.isfinite(np.asarray(out)).all() and all(np.isfinite(np.asarray(x)).all() for x in grads)
+    # the same selection with and without jit, and tiled vs untiled
+    s2 = select_blocks(q, k, q_positions=pos, params=p, q_tile=7)
+    np.testing.assert_array_equal(np.asarray(s2.topk_idx), np.asarray(sc["topk_idx"]))
+
+
+def test_bf16_smoke():
+    cfg = dataclasses.replace(TINY, topk=2, dense_len=0)
+    q, k, v = _qkv(110, 1, 320, 8, 2, 32)
+    pos = _pos(1, 320)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    o16, sel = infllmv2_attention(*bf, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, return_selection=True,
+                                  score_dtype="bfloat16")
+    assert o16.dtype == jnp.bfloat16 and np.isfinite(np.asarray(o16, np.float32)).all()
+    o32 = infllmv2_stage2(q, k, v, sel.topk_idx, q_positions=pos, kv_positions=pos, block_size=64)
+    assert float(jnp.abs(o16.astype(jnp.float32) - o32).max()) < 2e-2
+    g = _grads(lambda q: infllmv2_attention(q, *bf[1:], q_positions=pos, kv_positions=pos,
+                                            sparse_cfg=cfg).astype(jnp.float32), 1.0, bf[0])[0]
+    assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
