@@ -110,7 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``minicpm4`` console script; returns the exit status."""
     from minicpm4_jax.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come before and after options (``train steps=12 --resume out_dir=x``)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or args.command != "train"]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + list(extra)
     try:
         if args.command == "train":
             return _cmd_train(args)

@@ -41,8 +41,13 @@ __all__ = [
     "CONFIG_DIR",
 ]
 
-#: The repository's ``configs/`` folder (presets are looked up here by name).
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: Where presets are looked up by name: the repository's ``configs/`` (a source checkout or an editable
+#: install) or the copy installed as ``minicpm4_jax/configs`` (a wheel).
+CONFIG_DIR = next(
+    (d for d in (Path(__file__).resolve().parent.parent / "configs", Path(__file__).resolve().parent / "configs")
+     if d.is_dir()),
+    Path(__file__).resolve().parent.parent / "configs",
+)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -552,7 +557,10 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"preset {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"preset {path} is not valid YAML{where}: {what}; fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping of sections")
     base = data.pop("base", None)
@@ -680,8 +688,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     decay = o.decay_steps if o.decay_steps is not None else int(round(o.decay_fraction * cfg.steps))
     if decay < 0 or o.warmup_steps + decay > cfg.steps:
+        src = "optimizer.decay_steps" if o.decay_steps is not None else f"optimizer.decay_fraction={o.decay_fraction} x steps"
         raise ConfigError(
-            f"optimizer.warmup_steps={o.warmup_steps} + decay steps={decay} exceed steps={cfg.steps}; shorten them"
+            f"optimizer.warmup_steps={o.warmup_steps} + decay steps={decay} ({src}) exceed steps={cfg.steps}; "
+            "lower optimizer.warmup_steps / the decay length or raise steps"
         )
     if not 0.0 <= o.decay_fraction <= 1.0:
         raise ConfigError(f"optimizer.decay_fraction={o.decay_fraction} must be in [0, 1]")

@@ -1,0 +1,31 @@
+"""The ``minicpm4`` command line: argument handling and one-line errors (no training here)."""
+
+import pytest
+
+from minicpm4_jax.cli import main
+from minicpm4_jax.config import ConfigError, load_config
+
+
+def test_overrides_may_follow_options(capsys):
+    # an override after an option is still an override: here it is a bad key, so the error names it
+    rc = main(["train", "steps=12", "--no-progress", "model.hiden_size=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and "did you mean 'hidden_size'" in err[0]
+
+
+def test_unknown_option_is_rejected():
+    with pytest.raises(SystemExit):
+        main(["train", "--no-such-option"])
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+, column \d+"):
+        load_config(str(bad))
+
+
+def test_wsd_length_error_names_the_keys():
+    with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=30 .*lower optimizer.warmup_steps"):
+        load_config("cpu_tiny", ["steps=12"])
