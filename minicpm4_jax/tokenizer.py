@@ -321,7 +321,10 @@ class Tokenizer:
         if self.kind == "sentencepiece":
             cfg.setdefault("tokenizer_class", "LlamaTokenizer")
             cfg.setdefault("legacy", True)  # plain sp_model.encode, no extra prefix handling
-            cfg.setdefault("add_prefix_space", None)  # keep tokenizer.json as written (no dummy prefix)
+            # transformers 5 rebuilds LlamaTokenizer from tokenizer.model and prepends "▁" unless told
+            # otherwise: state the model's own dummy-prefix rule explicitly (checked in
+            # tests/test_tokenizer_hf.py against AutoTokenizer)
+            cfg["add_prefix_space"] = self._sp.encode_as_pieces("a")[0].startswith("\u2581")
             cfg.setdefault("sp_model_kwargs", {})
         else:
             cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")

@@ -18,6 +18,12 @@ Subcommands:
     Time ``N`` AdamW training steps (after ``W`` untimed warm-up steps) of the Llama in ``DIR``
     (``config.json``; weights from ``model.safetensors`` when present, else random init) on random
     token batches, and print one JSON line: tokens/s, seconds per step, final loss, threads.
+
+``tokenize --tokenizer-dir DIR --texts FILE``
+    Load ``DIR`` (a saved tokenizer: ``tokenizer.model``/``tokenizer.json``/``tokenizer_config.json``)
+    with ``transformers.AutoTokenizer`` both fast and slow, encode each string of the JSON list in
+    ``FILE`` without special tokens, and print one JSON object: ``{"fast": [[ids]...], "slow": [[ids]...],
+    "fast_decoded": [...], "classes": [...]}``.
 """
 
 from __future__ import annotations
@@ -139,6 +145,22 @@ def cmd_train_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    texts = json.loads(Path(args.texts).read_text())
+    out: dict = {"classes": []}
+    for name, fast in (("fast", True), ("slow", False)):
+        tok = AutoTokenizer.from_pretrained(args.tokenizer_dir, use_fast=fast)
+        out["classes"].append(type(tok).__name__)
+        out[name] = [tok.encode(t, add_special_tokens=False) for t in texts]
+        if fast:
+            out["fast_decoded"] = [tok.decode(ids) for ids in out[name]]
+            out["fast_bos_eos"] = [tok.bos_token_id, tok.eos_token_id]
+    print(json.dumps(out))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -157,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     tb.add_argument("--seed", type=int, default=0, help="seed of init and random batches")
     tb.add_argument("--grad-checkpointing", action="store_true", help="enable activation checkpointing")
     tb.set_defaults(func=cmd_train_bench)
+    tk = sub.add_parser("tokenize", help="encode texts with transformers' AutoTokenizer (fast and slow)")
+    tk.add_argument("--tokenizer-dir", required=True, help="a saved tokenizer directory")
+    tk.add_argument("--texts", required=True, help="JSON file with a list of strings")
+    tk.set_defaults(func=cmd_tokenize)
     args = p.parse_args(argv)
     return args.func(args)
 
