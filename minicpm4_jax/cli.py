@@ -1,7 +1,8 @@
 """The ``minicpm4`` command line: ``minicpm4 train`` and ``minicpm4 generate``.
 
 Errors in the user's input (:class:`~minicpm4_jax.config.ConfigError`) print ``error: <message>``
-on stderr and exit with status 2, without a traceback. A diverged run exits with status 1; a run
+on stderr and exit with status 2, without a traceback. A diverged run or a failed checkpoint write
+(e.g. disk full) prints one ``error: <message>`` line and exits with status 1; a run
 stopped by SIGTERM/SIGINT (after saving a checkpoint) exits with ``128 + signal number``.
 """
 
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a preset name from configs/ (e.g. cpu_tiny) or a path to a YAML file (default: cpu_tiny)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint of the run (train state and data order), bitwise "
-                        "identical to an uninterrupted run; the model config must match the checkpoint's")
+                        "identical to an uninterrupted run; the config must match the checkpoint's except logging, "
+                        "eval, sampling, checkpoint frequency/location, max_train_minutes and out_dir")
     t.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override (repeatable); same as a positional override")
     t.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
@@ -68,14 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _drop_orbax_tracebacks() -> None:
+    """Drop orbax's background-thread error logs that carry a traceback (a failed checkpoint write
+    logs several hundred lines from its worker threads); the failure itself reaches the main thread as
+    :class:`~minicpm4_jax.train.checkpoint.CheckpointWriteError` and is printed as one ``error:`` line."""
+    import logging
+
+    class _NoOrbaxTracebacks(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not (record.exc_info and "orbax" in (record.pathname or ""))
+
+    logger = logging.getLogger("absl")
+    if not any(type(f).__name__ == "_NoOrbaxTracebacks" for f in logger.filters):
+        logger.addFilter(_NoOrbaxTracebacks())
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from minicpm4_jax.config import load_config
-    from minicpm4_jax.train.loop import TrainingDiverged, run_training
+    from minicpm4_jax.train.loop import CheckpointWriteError, TrainingDiverged, run_training
 
     cfg = load_config(args.config, list(args.overrides) + list(args.set_overrides))
+    _drop_orbax_tracebacks()
     try:
         summary = run_training(cfg, resume=args.resume, progress=not args.no_progress)
-    except TrainingDiverged as e:
+    except (TrainingDiverged, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if summary.get("stop_reason") == "signal":

@@ -370,3 +370,173 @@ def test_interrupted_save_keeps_previous_checkpoint(corpus, cache_dir, tmp_path)
     ck.close()
     step, st = _restore(cfg)
     assert step == 4 and int(st.step) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# refused runs, resume rules, throughput accounting, failed checkpoint writes, divergence message
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_files(out: Path) -> dict[str, bytes]:
+    files = {p.relative_to(out).as_posix(): p.read_bytes() for p in (out / "tokenizer").rglob("*") if p.is_file()}
+    files["config.json"] = (out / "config.json").read_bytes()
+    return files
+
+
+def test_refused_runs_write_nothing(corpus, cache_dir, tmp_path, monkeypatch):
+    out = tmp_path / "a"
+    cfg = tiny_cfg(corpus, cache_dir, out, steps=4, **{"checkpoint.save_every": 4})
+    run_training(cfg, log=lambda _m: None, progress=False)
+    before = _run_files(out)
+    assert any(k.startswith("tokenizer/") for k in before)
+    # existing checkpoints without --resume (and another tokenizer size)
+    with pytest.raises(ConfigError, match="--resume"):
+        run_training(tiny_cfg(corpus, cache_dir, out, steps=4, **{"checkpoint.save_every": 4,
+                                                                   "data.tokenizer_vocab_size": 320}),
+                     log=lambda _m: None, progress=False)
+    # --resume with another model
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        run_training(tiny_cfg(corpus, cache_dir, out, steps=4, **{"checkpoint.save_every": 4,
+                                                                   "model.num_hidden_layers": 3}),
+                     resume=True, log=lambda _m: None, progress=False)
+    assert _run_files(out) == before
+    # --resume without a checkpoint fails before data preparation and writes no tokenizer/config
+    monkeypatch.setattr(loop_mod, "_data_api", lambda: pytest.fail("data prepared for a refused run"))
+    with pytest.raises(ConfigError, match="no checkpoint"):
+        run_training(tiny_cfg(corpus, cache_dir, tmp_path / "empty"), resume=True, log=lambda _m: None,
+                     progress=False)
+    assert not (tmp_path / "empty" / "tokenizer").exists() and not (tmp_path / "empty" / "config.json").exists()
+
+
+def test_resume_refuses_changed_run_and_allows_logging_changes(corpus, cache_dir, tmp_path):
+    out = tmp_path / "r"
+    kw = {"steps": 4, "checkpoint.save_every": 4}
+    run_training(tiny_cfg(corpus, cache_dir, out, **kw), log=lambda _m: None, progress=False)
+    with pytest.raises(ConfigError) as e:
+        run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "steps": 6}), resume=True,
+                     log=lambda _m: None, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "steps: 4 != 6" in msg and "new out_dir" in msg
+    assert "model." not in msg
+    with pytest.raises(ConfigError, match=r"data\.seed: 0 != 1"):
+        run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "data.seed": 1}), resume=True,
+                     log=lambda _m: None, progress=False)
+    with pytest.raises(ConfigError, match=r"optimizer\.learning_rate: 0\.02 != 0\.03"):
+        run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "optimizer.learning_rate": 0.03}), resume=True,
+                     log=lambda _m: None, progress=False)
+    logs: list[str] = []
+    s = run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "log_every": 1, "sample_tokens": 2}), resume=True,
+                     log=logs.append, progress=False)
+    assert s["step"] == 4
+    text = "\n".join(logs)
+    assert "log_every: 2 != 1" in text and "sample_tokens: 6 != 2" in text
+
+
+def test_throughput_excludes_eval_and_save_time():
+    now = [0.0]
+    meter = loop_mod._Throughput(tokens_per_step=100, clock=lambda: now[0])
+    # steps 1-4 take 1 s each; an eval after step 3 (5 s) and a save after step 2 (7 s) are excluded
+    for k in range(1, 5):
+        now[0] += 1.0
+        meter.step()
+        if k == 2:
+            with meter.paused():
+                now[0] += 7.0
+        if k == 3:
+            with meter.paused():
+                now[0] += 5.0
+    assert meter.take() == pytest.approx(100.0)
+    # the next window starts clean (a save right after the log line is excluded too)
+    with meter.paused():
+        now[0] += 3.0
+    for _ in range(2):
+        now[0] += 0.5
+        meter.step()
+    assert meter.take() == pytest.approx(200.0)
+
+
+def test_logged_tokens_per_second_not_inflated_by_eval_or_save(corpus, cache_dir, tmp_path):
+    """Every step sleeps >= 40 ms, so no window can honestly exceed batch*seq_len/0.04 tokens/s."""
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "tps", steps=12, log_every=4, eval_every=3,
+                   **{"checkpoint.save_every": 2, "optimizer.decay_steps": 2, "sample_tokens": 0})
+
+    def slow(step, state):
+        time.sleep(0.04)
+        return state
+
+    s = run_training(cfg, log=lambda _m: None, progress=False, step_hook=slow)
+    tps = [h["tokens_per_second"] for h in s["history"]]
+    bound = 4 * 32 / 0.04
+    assert len(tps) == 3 and all(0 < x <= 1.05 * bound for x in tps), (tps, bound)
+    med = float(np.median(tps))
+    assert all(med / 2 <= x <= 2 * med for x in tps), tps
+
+
+def test_disk_full_during_async_checkpoint_write_cli(corpus, cache_dir, tmp_path, monkeypatch, capsys):
+    import logging
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+
+    from minicpm4_jax import cli
+
+    absl_logger = logging.getLogger("absl")
+    monkeypatch.setattr(absl_logger, "filters", list(absl_logger.filters))
+    real = jh.JsonCheckpointHandler._save_fn
+
+    async def full_disk(self, x, directory):  # the write of checkpoint step 4 (the second save) fails
+        if Path(str(directory)).name.split(".")[0] == "4" or Path(str(directory)).parent.name.split(".")[0] == "4":
+            raise OSError(28, "No space left on device")
+        return await real(self, x, directory)
+
+    monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", full_disk)
+    out = tmp_path / "full"
+    ov = tiny_overrides(corpus, cache_dir, out, **{"checkpoint.save_every": 2, "model.rope_scaling": "null",
+                                                   "max_train_minutes": "null"})
+    rc = cli.main(["train", "--no-progress", *ov])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: saving checkpoint step 4 ")
+    assert "No space left on device" in lines[0] and "last complete checkpoint: step 2" in lines[0]
+    monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", real)
+    cfg = load_config("cpu_tiny", ov)
+    ck = Checkpointer(cfg)
+    assert ck.all_steps() == [2]
+    ck.close()
+    step, st = _restore(cfg)
+    assert step == 2 and int(st.step) == 2
+
+
+def test_failing_checkpoint_save_raises_clean_error(corpus, cache_dir, tmp_path, monkeypatch):
+    from minicpm4_jax.train.loop import CheckpointWriteError
+
+    calls = []
+    real = Checkpointer.save
+
+    def save(self, step, *a, **k):
+        calls.append(step)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(self, step, *a, **k)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "s", **{"checkpoint.save_every": 2, "sample_tokens": 0})
+    with pytest.raises(CheckpointWriteError) as e:
+        run_training(cfg, log=lambda _m: None, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "step 4" in msg and "No space left on device" in msg
+    assert "last complete checkpoint: step 2" in msg
+    monkeypatch.setattr(Checkpointer, "save", real)
+    step, _st = _restore(cfg)
+    assert step == 2
+
+
+def test_divergence_message_names_the_non_finite_value():
+    m = loop_mod.divergence_message(6, 9.01, float("nan"), "last good checkpoint: step 4 in /x")
+    assert "non-finite grad norm (nan) at step 6" in m and "non-finite loss" not in m
+    assert "loss 9.01 is finite" in m and "last good checkpoint: step 4" in m
+    m = loop_mod.divergence_message(3, float("inf"), 1.5, "no checkpoint was saved")
+    assert "non-finite loss (inf) at step 3" in m and "grad norm 1.5 is finite" in m
+    m = loop_mod.divergence_message(2, float("nan"), float("nan"), "no checkpoint was saved")
+    assert "non-finite loss (nan) and grad norm (nan) at step 2" in m

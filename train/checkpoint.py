@@ -10,7 +10,14 @@ One checkpoint step directory holds three items (an ``ocp.args.Composite``):
 Crash safety: orbax writes each step into a temporary directory and renames it into place only
 after every item is written (and only then deletes checkpoints beyond ``keep``), so a kill during
 a save leaves the previous checkpoint intact; an unfinished temporary directory is never reported
-as a step by :meth:`CheckpointManager.latest_step`.
+as a step by :meth:`CheckpointManager.latest_step`. A failed write (disk full, I/O error), whether
+it surfaces in :meth:`Checkpointer.save` or later when the async write is awaited, raises one
+:class:`CheckpointWriteError` that names the step, the folder, the cause and the last complete
+checkpoint (which is left intact).
+
+Resuming (:meth:`Checkpointer.check_compatible`): every field of the checkpoint's config must equal
+the current one, except :data:`RESUME_MAY_CHANGE` (fields that change neither the math nor the
+data order).
 """
 
 from __future__ import annotations
@@ -22,8 +29,57 @@ import jax
 
 from minicpm4_jax.config import ConfigError, TrainConfig, config_from_dict, config_to_dict, diff_configs
 
-__all__ = ["Checkpointer", "checkpoint_dir_of", "load_params_for_inference", "find_checkpoint_dir",
-           "params_all_finite"]
+__all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of",
+           "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "params_all_finite",
+           "resume_differences"]
+
+#: Config fields that a ``--resume`` may change: they affect neither the math nor the data order.
+RESUME_MAY_CHANGE = frozenset({
+    "log_every", "eval_every", "eval_batches", "tensorboard", "max_train_minutes", "sample_prompt",
+    "sample_tokens", "sample_temperature", "sample_top_p", "checkpoint.save_every", "checkpoint.keep",
+    "checkpoint.async_save", "checkpoint.directory", "out_dir", "data.cache_dir",
+})
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed (e.g. disk full): one line with the step, folder, cause and last complete step."""
+
+
+def _cause_line(e: BaseException) -> str:
+    """The first line of the most telling cause: an ``OSError`` in the chain if any, else ``e`` itself."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno is not None:
+            e = x
+            break
+        x = x.__cause__ or x.__context__
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first}" if first and not isinstance(e, OSError) else (first or type(e).__name__)
+
+
+def checkpoint_write_error(step: int | None, directory: str | Path, cause: BaseException,
+                           last_complete: int | None) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` for a failed save of ``step`` into ``directory``."""
+    which = f"step {step}" if step is not None else "(pending)"
+    last = f"step {last_complete} in {directory}" if last_complete is not None else "none"
+    return CheckpointWriteError(
+        f"saving checkpoint {which} to {directory} failed: {_cause_line(cause)}; last complete checkpoint: {last}"
+    )
+
+
+def _field_of(diff: str) -> str:
+    return diff.split(":", 1)[0]
+
+
+def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
+    """``(allowed, refused)`` differences (``"name: checkpoint value != current value"``) for a resume."""
+    diffs = diff_configs(saved, current)
+    allowed = [d for d in diffs if _field_of(d) in RESUME_MAY_CHANGE]
+    refused = [d for d in diffs if _field_of(d) not in RESUME_MAY_CHANGE]
+    return allowed, refused
 
 
 def checkpoint_dir_of(cfg: TrainConfig) -> Path:
@@ -68,6 +124,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._pending: int | None = None  # step of a started save not yet awaited
+        self._last_complete: int | None = self.manager.latest_step()
 
     # ---- queries ------------------------------------------------------------------------------
     def latest_step(self) -> int | None:
@@ -78,16 +136,24 @@ class Checkpointer:
         """All complete checkpoint steps, ascending."""
         return sorted(self.manager.all_steps())
 
+    def last_complete_step(self) -> int | None:
+        """The newest step whose write is known to have completed (for error messages)."""
+        return self._last_complete
+
     # ---- save ---------------------------------------------------------------------------------
     def save(self, step: int, state: Any, data_iterator: Any = None, *, force: bool = True) -> bool:
         """Start an (async) save of ``state`` (+ config, + iterator state) as checkpoint ``step``.
 
         Waits for a previous pending save first. Returns whether a save was started (``False`` when
         that step already exists).
+
+        Raises:
+            CheckpointWriteError: this write, or the previous pending one, failed.
         """
         ocp = self._ocp
         if step in self.manager.all_steps():
             return False
+        self._finish_pending()
         items: dict[str, Any] = {
             "state": ocp.args.StandardSave(_state_dict(state)),
             "config": ocp.args.JsonSave(config_to_dict(self.cfg)),
@@ -96,16 +162,54 @@ class Checkpointer:
             import grain
 
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=force))
+        try:
+            started = bool(self.manager.save(step, args=ocp.args.Composite(**items), force=force))
+        except Exception as e:
+            raise checkpoint_write_error(step, self.directory, e, self._last_complete) from e
+        if started:
+            self._pending = step
+        return started
+
+    def _finish_pending(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            step, self._pending = self._pending, None
+            raise checkpoint_write_error(step, self.directory, e, self._last_complete) from e
+        if self._pending is not None:
+            self._last_complete, self._pending = self._pending, None
 
     def wait(self) -> None:
-        """Block until pending async saves are committed."""
-        self.manager.wait_until_finished()
+        """Block until pending async saves are committed.
 
-    def close(self) -> None:
-        """Wait for pending saves and release the manager."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        Raises:
+            CheckpointWriteError: the pending write failed.
+        """
+        self._finish_pending()
+
+    def close(self, *, quiet: bool = False) -> None:
+        """Wait for pending saves and release the manager.
+
+        Args:
+            quiet: swallow a failure of the pending write (used while another error propagates).
+
+        Raises:
+            CheckpointWriteError: the pending write failed (unless ``quiet``).
+        """
+        try:
+            self._finish_pending()
+        except CheckpointWriteError:
+            self._release()
+            if not quiet:
+                raise
+            return
+        self._release()
+
+    def _release(self) -> None:
+        try:
+            self.manager.close()
+        except Exception:  # a failed async write re-raises here; the error was already reported
+            pass
 
     # ---- restore ------------------------------------------------------------------------------
     def saved_config(self, step: int) -> TrainConfig:
@@ -115,20 +219,36 @@ class Checkpointer:
         return config_from_dict(out["config"])
 
     def check_compatible(self, step: int) -> list[str]:
-        """Raise :class:`ConfigError` if checkpoint ``step`` was written for a different model.
+        """Raise :class:`ConfigError` unless the current config may resume checkpoint ``step``.
 
-        Returns the (tolerated) differences outside the ``model`` section, e.g. a longer ``steps``.
+        Every field must equal the checkpoint's except :data:`RESUME_MAY_CHANGE` (logging, eval,
+        sampling, checkpoint frequency/location, time limit, out_dir, data cache): a different model,
+        optimizer, data, ``steps``, ``seed`` or mesh would silently change the math, the LR schedule
+        or the token stream.
+
+        Returns:
+            The tolerated differences, ``"name: checkpoint value != current value"``.
         """
         saved = self.saved_config(step)
-        diffs = diff_configs(saved.model, self.cfg.model, prefix="model")
-        if diffs:
+        allowed, refused = resume_differences(saved, self.cfg)
+        if refused:
+            model = [d for d in refused if d.startswith("model.")]
+            other = [d for d in refused if not d.startswith("model.")]
+            where = f"checkpoint {self.directory}/{step}"
+            if model:
+                msg = f"{where} was written for a different model config: " + "; ".join(model)
+                if other:
+                    msg += "; and a different run config: " + "; ".join(other)
+            else:
+                msg = f"{where} was written for a different run config: " + "; ".join(other)
             raise ConfigError(
-                f"checkpoint {self.directory}/{step} was written for a different model config: "
-                + "; ".join(f"{d} (checkpoint != current)" for d in diffs)
+                f"--resume: {msg} (checkpoint value != current value); a resumed run must keep the model, "
+                "optimizer, data, steps, seed and mesh of its checkpoint: start a new out_dir to change them"
             )
-        return [d for d in diff_configs(saved, self.cfg) if not d.startswith("model.")]
+        return allowed
 
-    def restore(self, abstract_state: Any, step: int | None = None, data_iterator: Any = None) -> tuple[int, Any]:
+    def restore(self, abstract_state: Any, step: int | None = None, data_iterator: Any = None, *,
+                check: bool = True) -> tuple[int, Any]:
         """Restore checkpoint ``step`` (default: the latest) into ``abstract_state``'s structure.
 
         Args:
@@ -136,19 +256,21 @@ class Checkpointer:
                 :func:`~minicpm4_jax.train.step.abstract_train_state`).
             step: which checkpoint; ``None`` for the latest.
             data_iterator: a grain ``DatasetIterator`` whose state is set in place, if given.
+            check: run :meth:`check_compatible` first (skip only when the caller already did).
 
         Returns:
             ``(step, state)`` with ``state`` of the same type as ``abstract_state``.
 
         Raises:
-            ConfigError: no checkpoint, or one from a different model config (lists the fields).
+            ConfigError: no checkpoint, or one from a different config (lists the fields).
         """
         ocp = self._ocp
         if step is None:
             step = self.latest_step()
         if step is None:
             raise ConfigError(f"--resume: no checkpoint found in {self.directory}; train without --resume first")
-        self.check_compatible(step)
+        if check:
+            self.check_compatible(step)
         target = _with_default_sharding(_state_dict(abstract_state))
         items: dict[str, Any] = {"state": ocp.args.StandardRestore(target)}
         if data_iterator is not None:

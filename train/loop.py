@@ -1,11 +1,15 @@
 """The training main job: ``run_training(cfg, resume=...)``.
 
-Order of work: check the output directory (writable, enough free disk) → prepare the data
-(tokenizer + token memmap, cached) → build the state (or restore it, with the data iterator, for
-``--resume``) → compile the train step ahead of time and print its memory analysis → train with a
-progress bar, logging loss / grad norm / LR / tokens/s / MFU every ``log_every`` steps, validating
-every ``eval_every`` steps, checkpointing every ``checkpoint.save_every`` steps → final validation,
-checkpoint, comparison table against n-gram baselines, a generated sample and ``summary.json``.
+Order of work: acceptance checks before anything is written into ``out_dir`` (output and
+checkpoint folders writable with enough free disk; existing checkpoints refused without
+``--resume``; with ``--resume`` a checkpoint must exist and its saved config must match, see
+:meth:`~minicpm4_jax.train.checkpoint.Checkpointer.check_compatible`) → prepare the data (tokenizer
++ token memmap, cached) → write ``out_dir/tokenizer`` and ``out_dir/config.json`` → build the
+state (or restore it, with the data iterator, for ``--resume``) → compile the train step ahead of
+time and print its memory analysis → train with a progress bar, logging loss / grad norm / LR /
+tokens/s / MFU every ``log_every`` steps, validating every ``eval_every`` steps, checkpointing
+every ``checkpoint.save_every`` steps → final validation, checkpoint, comparison table against
+n-gram baselines, a generated sample and ``summary.json``.
 
 Stopping:
 
@@ -14,8 +18,14 @@ Stopping:
   runs);
 * SIGTERM / SIGINT: a flag checked once per step; the state at the current step is checkpointed
   and :func:`run_training` returns with ``stop_reason = "signal"`` (a second SIGINT aborts);
-* a non-finite loss or gradient norm: :class:`TrainingDiverged` names the step; nothing after the
-  last good checkpoint is saved (parameters are also checked finite before every save).
+* a non-finite loss or gradient norm: :class:`TrainingDiverged` names the step and which value was
+  non-finite; nothing after the last good checkpoint is saved (parameters are also checked finite
+  before every save);
+* a failed checkpoint write (disk full, I/O error): :class:`CheckpointWriteError` names the step, the
+  cause and the last complete checkpoint, which stays intact.
+
+tokens/s and MFU are measured over pure training time: evaluation and checkpoint saves between two
+log lines are excluded (:class:`_Throughput`).
 
 A resumed run restores params, optimizer state, step and the grain iterator state, so N steps in
 one go and N/2 + restart + N/2 give bitwise identical parameters (same compiled step, same data).
@@ -30,19 +40,21 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
 
 from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict
-from minicpm4_jax.train.checkpoint import Checkpointer, checkpoint_dir_of, params_all_finite
+from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
+                                           checkpoint_write_error, params_all_finite)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu
 from minicpm4_jax.train.step import (TrainState, abstract_train_state, init_model, init_train_state,
                                      make_eval_step, make_train_step, print_memory_analysis)
 
-__all__ = ["run_training", "TrainingDiverged", "check_output_dir", "required_free_bytes"]
+__all__ = ["run_training", "TrainingDiverged", "CheckpointWriteError", "check_output_dir", "required_free_bytes"]
 
 #: Minimum free disk space at start on top of the checkpoint estimate.
 MIN_FREE_MB = 64
@@ -50,6 +62,53 @@ MIN_FREE_MB = 64
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became non-finite; the message names the step and the last good checkpoint."""
+
+
+def divergence_message(step_no: int, loss: float, grad_norm: float, where: str) -> str:
+    """The :class:`TrainingDiverged` message: which of loss / grad norm is non-finite, with its value."""
+    bad = [f"{name} ({v})" for name, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)]
+    good = [f"{name} {v:.6g}" for name, v in (("loss", loss), ("grad norm", grad_norm)) if math.isfinite(v)]
+    msg = f"non-finite {' and '.join(bad)} at step {step_no}"
+    if good:
+        msg += f" ({good[0]} is finite)"
+    return f"{msg}; training stopped and this state was not saved; {where}"
+
+
+class _Throughput:
+    """Training tokens/s between two log lines, over pure step time.
+
+    :meth:`step` counts a timed step; time spent inside :meth:`paused` (evaluation, checkpoint
+    saves) is excluded; :meth:`take` returns tokens/s of the window and starts a new one. Steps and
+    time always cover the same window, whatever the mix of log, eval and save steps.
+    """
+
+    def __init__(self, tokens_per_step: int, clock: Callable[[], float] = time.perf_counter):
+        self.tokens_per_step = tokens_per_step
+        self.clock = clock
+        self._reset()
+
+    def _reset(self) -> None:
+        self.t0 = self.clock()
+        self.steps = 0
+        self.excluded = 0.0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.excluded += self.clock() - t
+
+    def take(self) -> float:
+        """tokens/s of the steps since the last :meth:`take` (eval/save time excluded); resets."""
+        elapsed = self.clock() - self.t0 - self.excluded
+        tps = self.steps * self.tokens_per_step / max(elapsed, 1e-9)
+        self._reset()
+        return tps
 
 
 def _data_api() -> Any:
@@ -144,9 +203,12 @@ def run_training(
         the n-gram baselines, ``tokens_per_second``, ``mfu``, ``sample`` and paths.
 
     Raises:
-        ConfigError: unwritable output directory / too little disk / data problems / ``--resume``
-            without a checkpoint / a checkpoint from a different model config.
+        ConfigError: unwritable output directory / too little disk / data problems / checkpoints
+            present without ``--resume`` / ``--resume`` without a checkpoint / ``--resume`` with a
+            config that differs from the checkpoint's outside the fields a resume may change.
+            Raised before anything is written into ``out_dir``.
         TrainingDiverged: a non-finite loss or gradient norm (the step is named).
+        CheckpointWriteError: a checkpoint write failed (e.g. disk full); earlier checkpoints are intact.
     """
     t_start = time.perf_counter()
     is_main = jax.process_index() == 0
@@ -157,37 +219,46 @@ def run_training(
     check_output_dir(out_dir, need)
     check_output_dir(ckpt_dir, need, what="checkpoint.directory")
 
-    data_api = _data_api()
-    data = data_api.prepare_data(cfg.data, log=say)
-    tok = data.tokenizer
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size"
-        )
-    if is_main:
-        tok.save(out_dir / "tokenizer")
-        (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
-
     ckpt = Checkpointer(cfg, ckpt_dir)
     writer: MetricsWriter | None = None
     stop = _StopFlag()
+    failed = False
     try:
-        it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
-                                     process_count=jax.process_count())
+        # acceptance checks: all before data preparation and before any write into out_dir
         latest = ckpt.latest_step()
         if resume:
-            start, state = ckpt.restore(abstract_train_state(cfg), data_iterator=it)
+            if latest is None:
+                raise ConfigError(f"--resume: no checkpoint found in {ckpt_dir}; train without --resume first")
+            for d in ckpt.check_compatible(latest):
+                say(f"resume: {d} (checkpoint != current; allowed)")
+        elif latest is not None:
+            raise ConfigError(
+                f"{ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to continue, "
+                "or choose another out_dir"
+            )
+
+        data_api = _data_api()
+        data = data_api.prepare_data(cfg.data, log=say)
+        tok = data.tokenizer
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
+                "raise model.vocab_size"
+            )
+        if is_main:
+            tok.save(out_dir / "tokenizer")
+            (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+
+        it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
+                                     process_count=jax.process_count())
+        if resume:
+            start, state = ckpt.restore(abstract_train_state(cfg), step=latest, data_iterator=it, check=False)
             start = int(start)
             from flax import nnx
 
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
             say(f"resumed from {ckpt_dir}/{start}")
         else:
-            if latest is not None:
-                raise ConfigError(
-                    f"{ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to continue, "
-                    "or choose another out_dir"
-                )
             start = 0
             graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed))
 
@@ -220,20 +291,34 @@ def run_training(
         def check(step_no: int, m: dict) -> dict[str, float]:
             vals = {k: float(v) for k, v in m.items()}
             if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
-                ckpt.wait()
+                wait_ckpt()
                 last = ckpt.latest_step()
                 where = f"last good checkpoint: step {last} in {ckpt_dir}" if last is not None else "no checkpoint was saved"
-                raise TrainingDiverged(
-                    f"non-finite loss ({vals['loss']}) / grad norm ({vals['grad_norm']}) at step {step_no}; "
-                    f"training stopped and this state was not saved; {where}"
-                )
+                raise TrainingDiverged(divergence_message(step_no, vals["loss"], vals["grad_norm"], where))
             return vals
 
         def save(step_no: int) -> None:
             if not params_all_finite(state.params):
                 raise TrainingDiverged(f"non-finite parameters after step {step_no}; not saved; "
                                        f"last good checkpoint: step {ckpt.latest_step()} in {ckpt_dir}")
-            ckpt.save(step_no, state, it)
+            try:
+                ckpt.save(step_no, state, it)
+            except CheckpointWriteError:
+                raise
+            except Exception as e:  # e.g. a replaced/wrapped checkpointer raising the raw OSError
+                try:  # settle the previous (async) save so the message names the last complete step
+                    ckpt.wait()
+                except Exception:
+                    pass
+                raise checkpoint_write_error(step_no, ckpt_dir, e, ckpt.last_complete_step()) from e
+
+        def wait_ckpt() -> None:
+            try:
+                ckpt.wait()
+            except CheckpointWriteError:
+                raise
+            except Exception as e:
+                raise checkpoint_write_error(None, ckpt_dir, e, ckpt.last_complete_step()) from e
 
         pbar = None
         if progress and is_main:
@@ -248,7 +333,7 @@ def run_training(
         last_vals: dict[str, float] = {}
         history: list[dict[str, float]] = []
         val_history: list[tuple[int, float]] = []
-        t_log, steps_since_log = time.perf_counter(), 0
+        meter = _Throughput(global_batch * t)
         window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
         tps_all: list[float] = []
         while step < cfg.steps:
@@ -263,7 +348,7 @@ def run_training(
                 state = step_hook(step, state)
             state, metrics = step_fn(state, batch)
             step += 1
-            steps_since_log += 1
+            meter.step()
             if pending is not None:  # checked one step late, so the host never stalls the device
                 last_vals = check(*pending)
                 window_losses.append(last_vals["loss"])
@@ -278,9 +363,7 @@ def run_training(
                 window_losses.append(last_vals["loss"])
                 pending = None
             if do_log:
-                now = time.perf_counter()
-                tps = steps_since_log * global_batch * t / (now - t_log)
-                t_log, steps_since_log = now, 0
+                tps = meter.take()
                 tps_all.append(tps)
                 util = mfu(cfg.model, t, tps, peak)
                 mean_loss = float(np.mean(window_losses)) if window_losses else last_vals["loss"]
@@ -299,15 +382,15 @@ def run_training(
                 else:
                     say(msg)
             if do_eval:
-                vl = evaluate(state.params)
-                val_history.append((step, vl))
-                if writer is not None:
-                    writer.scalars(step, {"loss": vl}, prefix="val")
-                (pbar.write if pbar is not None else say)(f"step {step:>6d}  val_loss {vl:.4f}")
-                t_log = time.perf_counter()  # do not charge evaluation to tokens/s
+                with meter.paused():  # do not charge evaluation to tokens/s
+                    vl = evaluate(state.params)
+                    val_history.append((step, vl))
+                    if writer is not None:
+                        writer.scalars(step, {"loss": vl}, prefix="val")
+                    (pbar.write if pbar is not None else say)(f"step {step:>6d}  val_loss {vl:.4f}")
             if do_save:
-                save(step)
-                t_log = time.perf_counter()
+                with meter.paused():
+                    save(step)
         if pending is not None:
             last_vals = check(*pending)
         if pbar is not None:
@@ -318,7 +401,7 @@ def run_training(
             say(f"{name} received: saving a checkpoint at step {step} and exiting")
             if step not in ckpt.all_steps():
                 save(step)
-            ckpt.wait()
+            wait_ckpt()
             summary = {"step": step, "stop_reason": "signal", "signal": name, "checkpoint_dir": str(ckpt_dir),
                        "checkpoint_step": ckpt.latest_step()}
             return summary
@@ -364,7 +447,7 @@ def run_training(
                 say(f"sample ({how}) from {cfg.sample_prompt!r}:\n{cfg.sample_prompt}{sample}")
                 if writer is not None:
                     writer.text(step, "sample", cfg.sample_prompt + sample)
-        ckpt.wait()
+        wait_ckpt()
         tokens_per_second = float(np.median(tps_all)) if tps_all else float("nan")
         summary = {
             "step": step,
@@ -392,8 +475,14 @@ def run_training(
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
         return summary
+    except BaseException:
+        failed = True
+        raise
     finally:
         stop.restore()
         if writer is not None:
             writer.close()
-        ckpt.close()
+        if failed:
+            ckpt.close(quiet=True)  # do not mask the error in flight
+        else:
+            ckpt.close()
