@@ -18,9 +18,10 @@ __all__ = ["main", "build_parser"]
 _TRAIN_EPILOG = """\
 overrides are dotted config keys with YAML values, e.g.
   minicpm4 train --config cpu_tiny steps=200 optimizer.learning_rate=0.005 data.batch_size=8
-  minicpm4 train --config configs/cpu_tiny.yaml --set model.num_hidden_layers=4 --resume
+  minicpm4 train --config configs/cpu_tiny.yaml --resume log_every=5   # continue; logging may change
 sections: model, optimizer, data, mesh, checkpoint, and top-level keys (steps, seed, log_every,
-eval_every, eval_batches, out_dir, tensorboard, max_train_minutes, sample_prompt, sample_tokens).
+eval_every, eval_batches, out_dir, tensorboard, max_train_minutes, sample_prompt, sample_tokens, sample_temperature, sample_top_p);
+every key, its type and default: minicpm4_jax/config.py (one dataclass per section).
 """
 
 
