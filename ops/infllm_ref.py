@@ -10,18 +10,26 @@ The reference every InfLLM v2 kernel is tested against, and the fallback on any 
 The full entry (dispatch, selection, stage 2) is :func:`minicpm4_jax.infllm.attention.infllmv2_attention`;
 this module knows arrays only.
 
-Memory design of stage 2 ("per-token block gather"): queries are processed in tiles of ``q_tile``
-tokens under ``jax.lax.map``; for each (token, KV head) the ``K`` selected blocks are gathered as whole
-``[block_size, head_dim]`` slabs from a block-major copy of K/V into ``[batch, kv_heads, q_tile, K,
-block_size, head_dim]`` and the ``G`` query heads of the group attend them (``[batch, kv_heads, G,
-q_tile, K, block_size]`` fp32 logits, one softmax over all selected keys). Peak memory is therefore
-``O(q_tile * K * block_size * (kv_heads * head_dim + heads))`` per tile and the total gather traffic
-``O(T * K * block_size * kv_heads * head_dim)``; nothing is ``[T, T]``. A per-tile *union* of
-selections was rejected: neighbouring tokens pick different top-k blocks, so the union of a tile is
-bounded only by NB and degenerates to dense. Each tile body is ``jax.checkpoint``-ed so the backward
-pass re-gathers instead of saving every tile's gathered K/V (residuals stay ``O(T * heads * head_dim)``).
-Measured (compiled memory analysis, 8B layout, T = 32768, fp32, gen-2 defaults, ``dense_len=-1``):
-0.19 GiB temporaries for the forward (0.25 GiB forward+backward) vs 256 GiB (641 GiB) for :func:`dense_attention`.
+Memory design of stage 2 ("per-token block gather"): queries are processed in tiles of ``q_tile`` tokens
+under ``jax.lax.map``. K and V are laid out once as a 2-D block-major array, one row per (batch, KV
+head, block) holding the contiguous ``[block_size * head_dim]`` slab, so each tile fetches its ``K``
+selected blocks per (token, KV head) with a single 1-D ``jnp.take`` along rows (the fastest gather form
+on XLA:CPU; a 3-D ``take`` of ``[block, d]`` slabs ran at half its speed in a micro-benchmark) into
+``[batch, kv_heads, q_tile, K * block_size, head_dim]``. The ``G`` query heads of a group share the
+selection, so per (token, KV head) the logits are one ``[G, d] x [d, K * block_size]`` product; all
+products of a tile are a single batched dot with the batch dims (batch, kv head, token) leading in the
+gathered K/V and the logits (only the tile's small q and output are transposed; q itself is never copied
+for batch 1). Validity and causality come from one gathered int per key (its position, or ``int32 max``
+when invalid); the softmax is normalised on the ``[G, d]`` output instead of the ``[G, K * block_size]``
+weights. Peak memory is ``O(q_tile * K * block_size * (kv_heads * head_dim + heads))`` per tile and the
+gather traffic ``O(T * K * block_size * kv_heads * head_dim)``; nothing is ``[T, T]``. Small tiles keep
+a tile's gathered K/V near the cache: at 8K (8B layout, fp32) stage 2 took 26.5 s with 2-token tiles vs
+32.2 s with 8. A per-tile *union* of selections was rejected: neighbouring tokens pick different top-k
+blocks, so the union of a tile is bounded only by NB and degenerates to dense. Each tile body is
+``jax.checkpoint``-ed so the backward pass re-gathers instead of saving every tile's gathered K/V
+(residuals stay ``O(T * heads * head_dim)``). On CPU this design is bound by the gather (memory
+bandwidth: ~64 KiB of fp32 K/V copied per (token, KV head, block)); ``scripts/bench_attention.py``
+measures it against a tiled causal dense attention.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ def _stage2_blocks(idx_t: jax.Array, pos_t: jax.Array, block_size: int, window_b
 
 def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Array, *, q_positions: jax.Array,
                     kv_positions: jax.Array, block_size: int, window_blocks: int = 0,
-                    kv_valid: jax.Array | None = None, scale: float | None = None, q_tile: int = 8,
+                    kv_valid: jax.Array | None = None, scale: float | None = None, q_tile: int = 2,
                     remat: bool = True) -> jax.Array:
     """Block-sparse attention over a given selection (§5.5), differentiable in q, k, v.
 
@@ -74,7 +82,9 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
             ``max(0, q_blk - L + 1) .. q_blk`` not already in ``topk_idx``; 0 for gen-2.
         kv_valid: optional bool ``[batch, kv_len]`` (False = padding / unwritten cache slot).
         scale: softmax scale, default ``head_dim ** -0.5``.
-        q_tile: query tokens per tile (clamped to T).
+        q_tile: query tokens per tile (clamped to T). Small tiles keep each tile's gathered K/V
+            (``2 * q_tile * kv_heads * K * block_size * head_dim`` elements) near the cache (2-token tiles
+            beat 8-token tiles by ~20% at 8K on the 2-core CPU).
         remat: ``jax.checkpoint`` each tile so the backward re-gathers K/V instead of storing every
             tile's gathered copy (default). ``False`` only for tools that cannot trace ``checkpoint``
             (``checkify`` in jax 0.12 fails on it).
@@ -98,44 +108,58 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     scale = d**-0.5 if scale is None else scale
     tile = max(1, min(q_tile, t))
     nb = -(-s // block_size)
-    # block-major layout: one gather index fetches a whole [block_size, head_dim] slab
-    kb = _pad_axis(k, block_size, 1, 0).reshape(b, nb, block_size, nkv, d).transpose(0, 3, 1, 2, 4)
-    vb = _pad_axis(v, block_size, 1, 0).reshape(b, nb, block_size, nkv, d).transpose(0, 3, 1, 2, 4)
-    valid_kv = jnp.ones((b, s), bool) if kv_valid is None else kv_valid.astype(bool)
-    valid_kv = _pad_axis(valid_kv, block_size, 1, False).reshape(b, nb, block_size)
-    kvpos = _pad_axis(kv_positions.astype(jnp.int32), block_size, 1, 0).reshape(b, nb, block_size)
+    rows = block_size * d
+
+    # Block-major 2-D layout, row (batch, kv head, block) = one contiguous [block_size * head_dim] slab:
+    # a 1-D ``jnp.take`` along axis 0 (the fastest XLA:CPU gather form) fetches a whole block.
+    def slabs(x):
+        x = _pad_axis(x, block_size, 1, 0).reshape(b, nb, block_size, nkv, d).transpose(0, 3, 1, 2, 4)
+        return x.reshape(b * nkv * nb, rows)
+
+    kf, vf = slabs(k), slabs(v)
+    # one int per key: its position, or a huge value if the key is padding / invalid (never visible)
+    big = jnp.iinfo(jnp.int32).max
+    kvp = kv_positions.astype(jnp.int32)
+    if kv_valid is not None:
+        kvp = jnp.where(kv_valid.astype(bool), kvp, big)
+    kvp = _pad_axis(kvp, block_size, 1, big).reshape(b * nb, block_size)
     topk_idx = jax.lax.stop_gradient(topk_idx.astype(jnp.int32))
 
     qp = _pad_axis(q, tile, 1, 0)
     pp = _pad_axis(q_positions.astype(jnp.int32), tile, 1, -1)
     ip = _pad_axis(topk_idx, tile, 2, -1)
     n_tiles = qp.shape[1] // tile
-    qp = qp.reshape(b, n_tiles, tile, nkv, g, d).swapaxes(0, 1)
+    qp = qp.reshape(b, n_tiles, tile, nkv, g, d).swapaxes(0, 1)  # [n, b, tile, kv, g, d]: no copy of q for b=1
     pp = pp.reshape(b, n_tiles, tile).swapaxes(0, 1)
-    ip = ip.reshape(b, nkv, n_tiles, tile, -1).transpose(2, 0, 1, 3, 4)
-    bi = jnp.arange(b)[:, None, None, None]
-    hi = jnp.arange(nkv)[None, :, None, None]
+    ip = ip.reshape(b, nkv, n_tiles, tile, -1).transpose(2, 0, 1, 3, 4)  # [n, b, kv, tile, K]
+    base_kv = (jnp.arange(b)[:, None] * nkv + jnp.arange(nkv)[None, :]) * nb  # [b, kv]
+    base_pos = jnp.arange(b) * nb
 
-    def one(kb, vb, q_t, pos_t, idx_t):
-        blocks = _stage2_blocks(idx_t, pos_t, block_size, window_blocks)  # [b, nkv, tile, Kt]
+    def one(kf, vf, q_t, pos_t, idx_t):
+        blocks = _stage2_blocks(idx_t, pos_t, block_size, window_blocks)  # [b, kv, tile, Kt]
+        kt = blocks.shape[-1]
         bidx = jnp.clip(blocks, 0, nb - 1)
-        kg = kb[bi, hi, bidx]  # [b, nkv, tile, Kt, block, d]
-        vg = vb[bi, hi, bidx]
-        ok = ((blocks >= 0)[..., None] & valid_kv[bi, bidx]
-              & (kvpos[bi, bidx] <= pos_t[:, None, :, None, None]))  # [b, nkv, tile, Kt, block]
-        logits = jnp.einsum("btkgd,bktnjd->bkgtnj", q_t, kg, preferred_element_type=jnp.float32) * scale
-        logits = jnp.where(ok[:, :, None], logits, -jnp.inf)
-        m = jnp.max(logits, axis=(-2, -1), keepdims=True)
+        flat = (base_kv[:, :, None, None] + bidx).reshape(-1)
+        kg = jnp.take(kf, flat, axis=0).reshape(b, nkv, tile, kt * block_size, d)
+        vg = jnp.take(vf, flat, axis=0).reshape(b, nkv, tile, kt * block_size, d)
+        kpos = jnp.take(kvp, (base_pos[:, None, None, None] + bidx).reshape(-1), axis=0)
+        kpos = kpos.reshape(b, nkv, tile, kt, block_size)
+        ok = (blocks >= 0)[..., None] & (kpos <= pos_t[:, None, :, None, None])
+        ok = ok.reshape(b, nkv, tile, 1, kt * block_size)
+        # batch dims (b, kv, tile) lead every operand: one batched dot of [g, d] x [d, Kt * block] per row
+        logits = jnp.einsum("btkgd,bktnd->bktgn", q_t, kg, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(ok, logits, -jnp.inf)
+        m = jnp.max(logits, axis=-1, keepdims=True)
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         pr = jnp.exp(logits - m)
-        den = jnp.sum(pr, axis=(-2, -1), keepdims=True)
-        pr = pr / jnp.where(den == 0.0, 1.0, den)
-        o = jnp.einsum("bkgtnj,bktnjd->btkgd", pr.astype(v.dtype), vg, preferred_element_type=jnp.float32)
-        return o.astype(q.dtype)
+        den = jnp.sum(pr, axis=-1, keepdims=True)
+        o = jnp.einsum("bktgn,bktnd->bktgd", pr.astype(v.dtype), vg, preferred_element_type=jnp.float32)
+        o = o / jnp.where(den == 0.0, 1.0, den)  # normalise the [g, d] output, not the [g, Kt*block] weights
+        return o.astype(q.dtype).transpose(0, 2, 1, 3, 4)  # [b, tile, kv, g, d] (one small tile)
 
     body = jax.checkpoint(one) if remat else one
-    out = jax.lax.map(lambda a: body(kb, vb, *a), (qp, pp, ip))  # [n_tiles, b, tile, nkv, g, d]
-    out = out.swapaxes(0, 1).reshape(b, n_tiles * tile, nq, d)[:, :t]
+    out = jax.lax.map(lambda a: body(kf, vf, *a), (qp, pp, ip))  # [n_tiles, b, tile, kv, g, d]
+    out = out.swapaxes(0, 1).reshape(b, n_tiles * tile, nq, d)[:, :t]  # no copy for b=1
     return out
 
 
