@@ -38,17 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.tiling import pad_axis, query_tiles
 
 __all__ = ["infllmv2_stage2", "tiled_dense_attention"]
-
-
-def _pad_axis(x: jax.Array, multiple: int, axis: int, value) -> jax.Array:
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def _stage2_blocks(idx_t: jax.Array, pos_t: jax.Array, block_size: int, window_blocks: int) -> jax.Array:
@@ -113,7 +105,7 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     # Block-major 2-D layout, row (batch, kv head, block) = one contiguous [block_size * head_dim] slab:
     # a 1-D ``jnp.take`` along axis 0 (the fastest XLA:CPU gather form) fetches a whole block.
     def slabs(x):
-        x = _pad_axis(x, block_size, 1, 0).reshape(b, nb, block_size, nkv, d).transpose(0, 3, 1, 2, 4)
+        x = pad_axis(x, block_size, 1, 0).reshape(b, nb, block_size, nkv, d).transpose(0, 3, 1, 2, 4)
         return x.reshape(b * nkv * nb, rows)
 
     kf, vf = slabs(k), slabs(v)
@@ -122,16 +114,13 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     kvp = kv_positions.astype(jnp.int32)
     if kv_valid is not None:
         kvp = jnp.where(kv_valid.astype(bool), kvp, big)
-    kvp = _pad_axis(kvp, block_size, 1, big).reshape(b * nb, block_size)
+    kvp = pad_axis(kvp, block_size, 1, big).reshape(b * nb, block_size)
     topk_idx = jax.lax.stop_gradient(topk_idx.astype(jnp.int32))
 
-    qp = _pad_axis(q, tile, 1, 0)
-    pp = _pad_axis(q_positions.astype(jnp.int32), tile, 1, -1)
-    ip = _pad_axis(topk_idx, tile, 2, -1)
-    n_tiles = qp.shape[1] // tile
-    qp = qp.reshape(b, n_tiles, tile, nkv, g, d).swapaxes(0, 1)  # [n, b, tile, kv, g, d]: no copy of q for b=1
-    pp = pp.reshape(b, n_tiles, tile).swapaxes(0, 1)
-    ip = ip.reshape(b, nkv, n_tiles, tile, -1).transpose(2, 0, 1, 3, 4)  # [n, b, kv, tile, K]
+    qp, pp = query_tiles(q, q_positions, tile)  # [n, b, tile, heads, d]: no copy of q for b=1
+    n_tiles = qp.shape[0]
+    qp = qp.reshape(n_tiles, b, tile, nkv, g, d)
+    ip = pad_axis(topk_idx, tile, 2, -1).reshape(b, nkv, n_tiles, tile, -1).transpose(2, 0, 1, 3, 4)  # [n, b, kv, tile, K]
     base_kv = (jnp.arange(b)[:, None] * nkv + jnp.arange(nkv)[None, :]) * nb  # [b, kv]
     base_pos = jnp.arange(b) * nb
 
@@ -170,11 +159,8 @@ def tiled_dense_attention(q, k, v, *, q_positions, kv_positions, kv_valid=None, 
     """
     b, t, nq, d = q.shape
     tile = max(1, min(q_tile, t))
-    qp = _pad_axis(q, tile, 1, 0)
-    pp = _pad_axis(q_positions.astype(jnp.int32), tile, 1, -1)
-    n = qp.shape[1] // tile
-    qp = qp.reshape(b, n, tile, nq, d).swapaxes(0, 1)
-    pp = pp.reshape(b, n, tile).swapaxes(0, 1)
+    qp, pp = query_tiles(q, q_positions, tile)
+    n = qp.shape[0]
     out = jax.lax.map(lambda a: dense_attention(a[0], k, v, q_positions=a[1], kv_positions=kv_positions,
                                                 kv_valid=kv_valid, scale=scale), (qp, pp))
     return out.swapaxes(0, 1).reshape(b, n * tile, nq, d)[:, :t]

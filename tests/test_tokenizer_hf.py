@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import SHARED
+from conftest import shared_path
 from minicpm4_jax.tokenizer import load_tokenizer, train_tokenizer
 from test_tokenizer import _code_corpus
 from torch_env import run_torch_side
@@ -48,7 +48,5 @@ def test_trained_tokenizer_files_load_in_transformers(tmp_path):
 
 @pytest.mark.torch
 def test_official_tokenizer_reexport_loads_in_transformers(tmp_path):
-    d = SHARED / "data" / "minicpm4-0.5b"
-    if not d.exists():
-        pytest.skip(f"{d} is absent (../shared exists beside the CI clone only)")
+    d = shared_path("data", "minicpm4-0.5b")
     _check_in_transformers(load_tokenizer(d), tmp_path)

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+from minicpm4_jax.ops.tiling import query_tiles
 
 __all__ = [
     "SelectParams",
@@ -336,16 +337,6 @@ def selection_scores(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, para
     return out
 
 
-def _pad_tiles(x: jax.Array, tile: int, axis: int, value) -> jax.Array:
-    n = x.shape[axis]
-    extra = -n % tile
-    if not extra:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return jnp.pad(x, pad, constant_values=value)
-
-
 def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params: SelectParams,
                   kv_len: jax.Array | None = None, scale: float | None = None, q_tile: int = 128) -> Selection:
     """Stage 1 + pooling + top-k fused per query tile (the memory-bounded production path).
@@ -373,11 +364,8 @@ def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params:
     ck1, ck2 = _compressed(k, params)
     nb = -(-k.shape[1] // params.block_size)
     tile = max(1, min(q_tile, t))
-    qp = _pad_tiles(q, tile, 1, 0)
-    pp = _pad_tiles(q_positions.astype(jnp.int32), tile, 1, -1)
-    n_tiles = qp.shape[1] // tile
-    qp = qp.reshape(b, n_tiles, tile, nq, d).swapaxes(0, 1)
-    pp = pp.reshape(b, n_tiles, tile).swapaxes(0, 1)
+    qp, pp = query_tiles(q, q_positions, tile)
+    n_tiles = qp.shape[0]
 
     def one(args):
         q_t, pos_t = args
