@@ -9,7 +9,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dense_attention"]
+__all__ = ["dense_attention", "check_qkv"]
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q [batch, T, heads, d]``, ``k``/``v [batch, S, kv_heads, d]``; return ``(b, T, heads, d, S, kv_heads)``.
+
+    Raises:
+        ValueError: ``heads`` not a multiple of ``kv_heads`` or mismatched shapes.
+    """
+    b, t, nq, d = q.shape
+    _, s, nkv, _ = k.shape
+    if nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    return b, t, nq, d, s, nkv
 
 
 def dense_attention(
@@ -41,12 +56,7 @@ def dense_attention(
     Raises:
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads`` or mismatched shapes.
     """
-    b, t, nq, d = q.shape
-    _, s, nkv, _ = k.shape
-    if nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    b, t, nq, d, s, nkv = check_qkv(q, k, v)
     g = nq // nkv
     scale = d**-0.5 if scale is None else scale
     qg = q.reshape(b, t, nkv, g, d)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.attention_ref import check_qkv, dense_attention
 from minicpm4_jax.ops.tiling import pad_axis, query_tiles
 
 __all__ = ["infllmv2_stage2", "tiled_dense_attention"]
@@ -88,12 +88,7 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     Raises:
         ValueError: heads not a multiple of kv heads, or mismatched shapes.
     """
-    b, t, nq, d = q.shape
-    _, s, nkv, _ = k.shape
-    if nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    b, t, nq, d, s, nkv = check_qkv(q, k, v)
     if topk_idx.shape[:3] != (b, nkv, t):
         raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, T={t}, K]")
     g = nq // nkv
