@@ -29,8 +29,8 @@ Run (the full default takes roughly 20-30 minutes on 2 cores; it needs ~10 GiB o
     .venv/bin/python scripts/bench_attention.py --dtype bfloat16 --json out.json
 
 Options: ``--lengths`` (forward lengths), ``--bwd-max`` (forward+backward for lengths up to this),
-``--dtype`` (float32 | bfloat16), ``--repeats`` (timed runs per case), ``--attn-q-tile`` (stage-2 query
-tile), ``--json`` (write all numbers).
+``--dtype`` (float32 | bfloat16), ``--repeats`` (timed runs per case), ``--attn-q-tile`` / ``--gather-tile`` (stage-2
+tiles), ``--json`` (write all numbers).
 """
 
 from __future__ import annotations
@@ -137,11 +137,12 @@ def _time(compiled, args, repeats) -> float:
     return statistics.median(ts)
 
 
-def _fns(t, cfg, attn_q_tile):
+def _fns(t, cfg, attn_q_tile, gather_tile):
     pos = jnp.arange(t, dtype=jnp.int32)[None]
 
     def sparse(q, k, v):
-        return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, attn_q_tile=attn_q_tile)
+        return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, attn_q_tile=attn_q_tile,
+                                  gather_tile=gather_tile)
 
     def dense(q, k, v):
         return causal_flash_attention(q, k, v, q_positions=pos, kv_positions=pos)
@@ -180,7 +181,8 @@ def main(argv=None):
     ap.add_argument("--bwd-max", type=int, default=16384, help="forward+backward for lengths up to this")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--attn-q-tile", type=int, default=2, help="stage-2 query tile passed to infllmv2_attention")
+    ap.add_argument("--attn-q-tile", type=int, default=64, help="stage-2 query tile (dense forced part)")
+    ap.add_argument("--gather-tile", type=int, default=2, help="stage-2 sub-tile of the gathered top-k part")
     ap.add_argument("--json", default=None, help="write the results to this file")
     a = ap.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -198,7 +200,7 @@ def main(argv=None):
         for t in lens:
             q, k, v, gout = _inputs(t, dtype)
             frac, sel_mean, causal_mean, bound = _attended(t, q, k, cfg)
-            fns = _fns(t, cfg, a.attn_q_tile)
+            fns = _fns(t, cfg, a.attn_q_tile, a.gather_tile)
             args = (q, k, v) if mode == "fwd" else (q, k, v, gout)
             row = dict(mode=mode, T=t, dtype=a.dtype, attended_fraction=frac, selected_keys_per_query=sel_mean,
                        causal_keys_per_query=causal_mean, bound=bound)

@@ -123,8 +123,10 @@ def topk(bs: np.ndarray, pos: np.ndarray, *, k_cfg: int, block_size: int, varian
     return idx, cnt
 
 
-def block_mask(idx: np.ndarray, pos: np.ndarray, *, num_blocks: int, block_size: int, window_blocks: int) -> np.ndarray:
-    """Attended blocks ``[nkv, T, NB]`` bool: top-k picks plus gen-1's window ``q_blk-L+1 .. q_blk`` (§5.5)."""
+def block_mask(idx: np.ndarray, pos: np.ndarray, *, num_blocks: int, block_size: int, window_blocks: int,
+               init_blocks: int = 0) -> np.ndarray:
+    """Attended blocks ``[nkv, T, NB]`` bool: top-k picks plus the window ``q_blk-W+1 .. q_blk`` and the first
+    ``init_blocks`` blocks (§5.5; gen-1's window is ``W = L``)."""
     nkv, t_len, _ = idx.shape
     m = np.zeros((nkv, t_len, num_blocks), bool)
     for h in range(nkv):
@@ -136,6 +138,8 @@ def block_mask(idx: np.ndarray, pos: np.ndarray, *, num_blocks: int, block_size:
                 qb = int(pos[t]) // block_size
                 for b in range(max(0, qb - window_blocks + 1), qb + 1):
                     m[h, t, b] = True
+            if pos[t] >= 0:
+                m[h, t, :init_blocks] = True
     return m
 
 

@@ -23,16 +23,19 @@ from minicpm4_jax.infllm import attention as infllm_attention
 from minicpm4_jax.ops import attention_ref, infllm_ref
 
 # Everything under test is called through jit (one compile per shape instead of op-by-op dispatch).
-_ATTN_STATIC = ("sparse_cfg", "kernel_offby1_quirk", "score_dtype", "select_q_tile", "attn_q_tile", "remat",
+_ATTN_STATIC = ("sparse_cfg", "kernel_offby1_quirk", "score_dtype", "select_q_tile", "attn_q_tile", "gather_tile", "remat",
                 "return_selection", "scale")
 infllmv2_attention = jax.jit(infllm_attention.infllmv2_attention, static_argnames=_ATTN_STATIC)
 infllmv2_stage2 = jax.jit(infllm_ref.infllmv2_stage2,
-                          static_argnames=("block_size", "window_blocks", "scale", "q_tile", "remat"))
+                          static_argnames=("block_size", "window_blocks", "init_blocks", "gather_width", "scale",
+                                           "q_tile", "gather_tile", "remat"))
 select_blocks = jax.jit(infllm.select_blocks, static_argnames=("params", "scale", "q_tile"))
 selection_scores = jax.jit(infllm.selection_scores, static_argnames=("params", "scale"))
 selection_block_mask = jax.jit(infllm.selection_block_mask,
                                static_argnames=("num_blocks", "block_size", "window_blocks"))
 dense_attention = jax.jit(attention_ref.dense_attention, static_argnames=("scale",))
+compact_topk = jax.jit(infllm_ref.compact_topk, static_argnames=("block_size", "init_blocks", "window_blocks", "width"))
+stage2_forced_split = infllm_attention.stage2_forced_split
 
 
 def _grads(fn, gout, *args):
@@ -233,6 +236,73 @@ def test_stage2_matches_masked_oracle_fwd_and_grad(g, d, window):
     go = _grads(o, gout, q, k, v)
     for a, w in zip(gf, go):
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("init,window,width,q_tile,sub,start", [
+    (1, 3, None, 16, 2, 3),  # forced init + window as dense slices, unaligned tiles spanning 2-3 blocks
+    (2, 1, 3, 8, 4, 0),  # a tight gather width (the picks outside the forced set fit in 3 columns)
+    (0, 4, None, 5, 1, 7),  # window only, odd tile
+    (3, 0, None, 45, 3, 3),  # init only, one tile for all queries
+])
+def test_stage2_forced_split_matches_masked_oracle(init, window, width, q_tile, sub, start):
+    """Forced blocks (init + window) run as dense slices, other picks gathered: equal to the union's mask."""
+    b, g, d, nkv, bs = 2, 4, 8, 2, 8
+    t = 45
+    n = t + start + 4
+    q, k, v = _qkv(31 + init, b, t, nkv * g, nkv, d, n)
+    pos = _pos(b, t, start=start)
+    kvp = _pos(b, n)
+    valid = jnp.asarray(np.arange(n)[None, :] < np.array([[n], [n - 6]]))  # batch 1 has unwritten slots
+    nb = -(-n // bs)
+    rng = np.random.default_rng(init * 10 + window)
+    kk = 3 + init + window + 1  # up to 3 other picks + the listed forced ids
+    idx = np.full((b, nkv, t, kk), -1, np.int32)
+    for bi in range(b):
+        for h in range(nkv):
+            for ti in range(t):
+                qb = int(pos[bi, ti]) // bs
+                forced = set(range(min(init, nb))) | set(range(max(0, qb - window + 1), qb + 1))
+                others = [x for x in range(nb) if x not in forced]  # incl. future blocks
+                c = int(rng.integers(0, min(3, len(others)) + 1))
+                picks = list(rng.choice(others, size=c, replace=False)) if c else []
+                picks += [x for x in forced if rng.random() < 0.5]  # forced ids may or may not be listed
+                idx[bi, h, ti, :len(picks)] = np.sort(picks)
+    idx = jnp.asarray(idx)
+    mask = jnp.asarray(np.stack([
+        ref.token_mask(ref.block_mask(np.asarray(idx[bi]), np.asarray(pos[bi]), num_blocks=nb, block_size=bs,
+                                      window_blocks=window, init_blocks=init), np.asarray(pos[bi]),
+                       np.asarray(kvp[bi]), bs) & np.asarray(valid[bi])[None, None, :]
+        for bi in range(b)]))
+
+    def f(q, k, v):
+        return infllmv2_stage2(q, k, v, idx, q_positions=pos, kv_positions=kvp, kv_valid=valid, block_size=bs,
+                               window_blocks=window, init_blocks=init, gather_width=width, q_tile=q_tile,
+                               gather_tile=sub)
+
+    def o(q, k, v):
+        return naive_masked_attention(q, k, v, mask)
+
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), np.asarray(o(q, k, v)), atol=1e-5, rtol=1e-5)
+    gout = _rand(98, *q.shape)
+    for a, w in zip(_grads(f, gout, q, k, v), _grads(o, gout, q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-5, rtol=1e-5)
+
+
+def test_stage2_forced_split_width_bounds_real_selections():
+    """The gather widths infllmv2_attention passes never drop a pick of a real selection (both variants)."""
+    for variant in ("gen1", "gen2"):
+        cfg = dataclasses.replace(SMALL, variant=variant, init_blocks=2, topk=5)
+        p = select_params(cfg)
+        t = 300
+        q, k, _ = _qkv(41, 1, t, 8, 2, 16)
+        pos = _pos(1, t)
+        sel = select_blocks(q, k, q_positions=pos, params=p)
+        k_used = min(p.topk_cfg, -(-t // p.block_size))
+        init, window, width = stage2_forced_split(p, k_used)
+        assert 0 < width < k_used and init == 2
+        full = np.asarray(compact_topk(sel.topk_idx[..., :k_used], pos, block_size=p.block_size, init_blocks=init,
+                                       window_blocks=window, width=k_used))
+        assert (full[..., width:] == -1).all() and (full[..., width - 1] >= 0).any()  # tight, and never cut
 
 
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])

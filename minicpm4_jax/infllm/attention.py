@@ -10,11 +10,36 @@ import jax
 import jax.numpy as jnp
 
 from minicpm4_jax.config import SparseConfig
-from minicpm4_jax.infllm.select import Selection, select_blocks, select_params
+from minicpm4_jax.infllm.select import SelectParams, Selection, select_blocks, select_params
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.infllm_ref import infllmv2_stage2, tiled_dense_attention
 
-__all__ = ["infllmv2_attention"]
+__all__ = ["infllmv2_attention", "stage2_forced_split"]
+
+
+def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, int]:
+    """``(init_blocks, window_blocks, gather_width)`` for stage 2 given the selection guarantees.
+
+    Stage 2 runs the forced blocks as dense slices and gathers only the other picks, in ``gather_width``
+    columns that must bound every row's non-forced picks. What :func:`select_blocks` guarantees:
+
+    * gen-2: the forced ``init`` and ``q_blk - L .. q_blk`` blocks (+inf scores) are all in the top
+      ``K = k_used`` whenever they fit (``topk_cfg >= init + L + 1``), so at most ``K - init - L - 1`` picks
+      are outside them; stage 2 gets window ``L + 1``.
+    * gen-1: the init blocks are in the top ``K`` (``topk_cfg >= init``), the window ``q_blk - L + 1 ..
+      q_blk`` is never in it and is added by stage 2 (window ``L``): at most ``K - init`` other picks.
+
+    When the forced blocks do not fit in ``topk_cfg`` the split is off (``init = 0``; gen-2 window 0), which
+    keeps the attended set exactly the selection.
+    """
+    p = params
+    if p.variant == "gen2":
+        if p.topk_cfg < p.init_blocks + p.local_blocks + 1:
+            return 0, 0, k_used
+        return p.init_blocks, p.local_blocks + 1, max(0, k_used - p.init_blocks - p.local_blocks - 1)
+    if p.topk_cfg < p.init_blocks:
+        return 0, p.local_blocks, k_used
+    return p.init_blocks, p.local_blocks, max(0, k_used - p.init_blocks)
 
 
 def infllmv2_attention(
@@ -33,7 +58,8 @@ def infllmv2_attention(
     kernel_offby1_quirk: bool = False,
     score_dtype: str = "float32",
     select_q_tile: int = 128,
-    attn_q_tile: int = 8,
+    attn_q_tile: int = 64,
+    gather_tile: int = 2,
     remat: bool = True,
     return_selection: bool = False,
 ) -> jax.Array | tuple[jax.Array, Selection | None]:
@@ -53,7 +79,8 @@ def infllmv2_attention(
         scale: softmax scale for both stages, default ``head_dim ** -0.5``.
         kernel_offby1_quirk: reproduce the official stage-1 off-by-one (select module docstring).
         score_dtype: ``"float32"`` | ``"bfloat16"`` storage of the stage-1 group sums (bf16 = official).
-        select_q_tile, attn_q_tile: query tile sizes of selection and stage 2.
+        select_q_tile, attn_q_tile, gather_tile: query tile sizes of selection, of stage 2's dense forced
+            part and of its gathered top-k part (:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
         return_selection: also return the :class:`Selection` (``None`` when the dense path is static).
 
@@ -84,10 +111,10 @@ def infllmv2_attention(
     sel = select_blocks(jax.lax.stop_gradient(q_sel), jax.lax.stop_gradient(k_sel), q_positions=q_positions,
                         params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile)
     k_used = min(params.topk_cfg, -(-s // params.block_size))
-    window = params.local_blocks if params.variant == "gen1" else 0
+    init, window, width = stage2_forced_split(params, k_used)
     out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions, kv_positions=kv_positions,
-                          block_size=params.block_size, window_blocks=window, kv_valid=kv_valid, scale=scale,
-                          q_tile=attn_q_tile, remat=remat)
+                          block_size=params.block_size, window_blocks=window, init_blocks=init, gather_width=width,
+                          kv_valid=kv_valid, scale=scale, q_tile=attn_q_tile, gather_tile=gather_tile, remat=remat)
     if dl > 0:
         use_dense = kv_len < dl  # [b]
         kd, vd = k[:, :dl], v[:, :dl]
