@@ -1,4 +1,4 @@
-"""The ``minicpm4`` command line: ``minicpm4 train`` and ``minicpm4 generate``.
+"""The ``minicpm4`` command line: ``train``, ``generate``, ``import hf`` and ``export hf|gguf``.
 
 Errors in the user's input (:class:`~minicpm4_jax.config.ConfigError`) print ``error: <message>``
 on stderr and exit with status 2, without a traceback. A diverged run or a failed checkpoint write
@@ -68,7 +68,89 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1.0 = all)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    _add_interchange_parsers(sub)
     return p
+
+
+def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
+    """``minicpm4 import hf`` and ``minicpm4 export hf|gguf`` (checkpoint interchange, minicpm4_jax/convert/)."""
+    imp = sub.add_parser(
+        "import", help="import an official MiniCPM4 Hugging Face checkpoint",
+        description="Import a checkpoint from another format into a run folder of this project.")
+    isub = imp.add_subparsers(dest="source_format", metavar="FORMAT", required=True)
+    ih = isub.add_parser(
+        "hf", help="an official-layout MiniCPMForCausalLM folder (safetensors, single or sharded)",
+        description="Read an official MiniCPM4 Hugging Face folder (config.json with MiniCPMForCausalLM, "
+                    "model.safetensors or shards + index, tokenizer files) tensor by tensor and write OUT/checkpoints/0 "
+                    "(orbax), OUT/config.json, OUT/tokenizer and minicpm4_manifest.json. Every check (architecture, "
+                    "tensor names/shapes, truncated files, vocabulary, disk space) runs before anything is written; "
+                    "the output appears only when complete. Then: minicpm4 generate --checkpoint OUT ...")
+    ih.add_argument("dir", metavar="DIR", help="the Hugging Face model folder")
+    ih.add_argument("--out", required=True, metavar="OUT", help="output run folder (must be absent or empty)")
+    ih.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+
+    exp = sub.add_parser(
+        "export", help="export a trained checkpoint to Hugging Face or GGUF",
+        description="Export a checkpoint (a run's out_dir or its checkpoints folder) to another runtime's format.")
+    esub = exp.add_subparsers(dest="target_format", metavar="FORMAT", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--checkpoint", required=True, metavar="DIR",
+                       help="a training run's out_dir (or an import's OUT) or its checkpoints folder")
+        q.add_argument("--out", required=True, metavar="OUT", help="output folder (must be absent or empty)")
+        q.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
+        q.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="tokenizer folder (default: <out_dir>/tokenizer next to the checkpoint)")
+        q.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+
+    eh = esub.add_parser(
+        "hf", help="a Hugging Face folder (official MiniCPM layout or a μP-folded Llama)",
+        description="Write a Hugging Face model folder. --layout minicpm: the official MiniCPMForCausalLM layout "
+                    "(μP scalars, LongRoPE and sparse_config in config.json, unfolded weights; for CPM.cu, llama.cpp's "
+                    "converter, GPTQModel). --layout llama: a plain LlamaForCausalLM with the μP scalars folded into the "
+                    "weights, loadable by stock transformers / vLLM without remote code; dense attention only. Sharded "
+                    "safetensors with an index, tokenizer files, generation_config.json and minicpm4_manifest.json. "
+                    "(The MTP draft export is not available: the model has no MTP module yet.)")
+    common(eh)
+    eh.add_argument("--layout", default="minicpm", metavar="{minicpm,llama}",
+                    help="minicpm (official, default) or llama (μP folded)")
+    eh.add_argument("--dtype", default="float32", metavar="{float32,bfloat16,float16}",
+                    help="stored dtype (default float32, lossless; bfloat16 as the official release)")
+    eh.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                    help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB; one shard is model.safetensors)")
+    eg = esub.add_parser(
+        "gguf", help="a llama.cpp GGUF (arch minicpm; F32/F16/BF16/Q8_0)",
+        description="Write OUT/minicpm4-<outtype>.gguf (llama.cpp architecture 'minicpm': the three scale keys, "
+                    "LongRoPE factor tensors, q/k rows permuted for ggml's rope, the SentencePiece vocabulary) and "
+                    "minicpm4_manifest.json. Dense attention only.")
+    common(eg)
+    eg.add_argument("--outtype", default="f16", metavar="{f32,f16,bf16,q8_0}",
+                    help="tensor type of the weight matrices (norms and rope factors stay f32; default f16)")
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    from minicpm4_jax.convert.hf_import import import_hf
+
+    res = import_hf(args.dir, args.out, force=args.force, log=lambda m: print(m, file=sys.stderr))
+    print(f"imported {args.dir} -> {res.path} ({res.cfg.num_params():,} parameters)")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if args.target_format == "hf":
+        from minicpm4_jax.convert.hf_export import export_hf
+
+        res = export_hf(args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, step=args.step,
+                        tokenizer=args.tokenizer, force=args.force, max_shard_size=args.max_shard_size, log=log)
+    else:
+        from minicpm4_jax.convert.gguf_export import export_gguf
+
+        res = export_gguf(args.checkpoint, args.out, outtype=args.outtype, step=args.step, tokenizer=args.tokenizer,
+                          force=args.force, log=log)
+    print(f"exported {res.manifest['format']} -> {res.path} ({', '.join(res.files[:4])}"
+          f"{', ...' if len(res.files) > 4 else ''})")
+    return 0
 
 
 def _drop_orbax_tracebacks() -> None:
@@ -142,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(args)
         if args.command == "generate":
             return _cmd_generate(args)
+        if args.command == "import":
+            return _cmd_import(args)
+        if args.command == "export":
+            return _cmd_export(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@
 set -euo pipefail
 VENV=${1:-.venv-torch}
 TORCH_VERSION=2.13.0
-PKGS=("torch==${TORCH_VERSION}" transformers safetensors numpy sentencepiece)
+# pyyaml: imported by llama.cpp's gguf-py (the GGUF oracle, scripts/fetch_llamacpp_converter.sh)
+PKGS=("torch==${TORCH_VERSION}" transformers safetensors numpy sentencepiece pyyaml)
 STAMP_CONTENT="torch-env v1: ${PKGS[*]}"
 STAMP="$VENV/.torch-env-installed"
 

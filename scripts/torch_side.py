@@ -24,6 +24,17 @@ Subcommands:
     with ``transformers.AutoTokenizer`` both fast and slow, encode each string of the JSON list in
     ``FILE`` without special tokens, and print one JSON object: ``{"fast": [[ids]...], "slow": [[ids]...],
     "fast_decoded": [...], "classes": [...]}``.
+
+``hf-check MODEL_DIR --inputs NPZ --out NPZ [--new-tokens N]``
+    Load ``MODEL_DIR`` with stock ``transformers.AutoModelForCausalLM.from_pretrained`` (float32,
+    CPU, eager attention, ``trust_remote_code=False``; missing/unexpected weights are an error), and
+    write to ``--out``: ``logits_<key>`` (float32 ``[batch, seq, vocab]``) for every int array of
+    ``--inputs``, and for its ``prompt`` array (``[1, T]``) ``greedy`` = the ``N`` tokens of
+    ``generate(do_sample=False)``. Prints a JSON line with the model class and versions.
+
+``convert-gguf CONVERTER_DIR MODEL_DIR OUTFILE [--outtype f32]``
+    Run llama.cpp's own ``convert_hf_to_gguf.py`` (from ``CONVERTER_DIR``, as fetched by
+    ``scripts/fetch_llamacpp_converter.sh``; it needs torch) on an official-layout folder.
 """
 
 from __future__ import annotations
@@ -161,6 +172,53 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hf_check(args: argparse.Namespace) -> int:
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
+        local_files_only=True, trust_remote_code=False,
+    )
+    problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if problems:
+        raise SystemExit(f"error: {args.model_dir}: weights do not match {type(model).__name__}: {problems}")
+    model.eval()
+    inputs = np.load(args.inputs)
+    out: dict[str, np.ndarray] = {}
+    with torch.no_grad():
+        for key in inputs.files:
+            ids = torch.from_numpy(np.asarray(inputs[key], dtype=np.int64))
+            out[f"logits_{key}"] = model(input_ids=ids, use_cache=False).logits.to(torch.float32).numpy()
+        if "prompt" in inputs.files and args.new_tokens > 0:
+            ids = torch.from_numpy(np.asarray(inputs["prompt"], dtype=np.int64))
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+            out["greedy"] = gen[0, ids.shape[1]:].numpy()
+    np.savez(args.out, **out)
+    print(json.dumps({"class": type(model).__name__, "torch": torch.__version__,
+                      "transformers": transformers.__version__}))
+    return 0
+
+
+def cmd_convert_gguf(args: argparse.Namespace) -> int:
+    import subprocess
+
+    script = Path(args.converter_dir) / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise SystemExit(f"error: {script} does not exist; run scripts/fetch_llamacpp_converter.sh")
+    proc = subprocess.run([sys.executable, str(script), args.model_dir, "--outfile", args.outfile,
+                           "--outtype", args.outtype], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: convert_hf_to_gguf.py failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    print(json.dumps({"outfile": args.outfile, "log_tail": proc.stderr[-2000:]}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -183,6 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     tk.add_argument("--tokenizer-dir", required=True, help="a saved tokenizer directory")
     tk.add_argument("--texts", required=True, help="JSON file with a list of strings")
     tk.set_defaults(func=cmd_tokenize)
+    hc = sub.add_parser("hf-check", help="AutoModelForCausalLM logits and greedy tokens of an HF folder")
+    hc.add_argument("model_dir", help="a Hugging Face model folder loadable without remote code")
+    hc.add_argument("--inputs", required=True, help="npz of int token arrays [batch, seq] (+ 'prompt' [1, T])")
+    hc.add_argument("--out", required=True, help="npz to write")
+    hc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated after 'prompt'")
+    hc.set_defaults(func=cmd_hf_check)
+    cg = sub.add_parser("convert-gguf", help="run llama.cpp's convert_hf_to_gguf.py on an official-layout folder")
+    cg.add_argument("converter_dir", help="folder with convert_hf_to_gguf.py, conversion/ and gguf-py/")
+    cg.add_argument("model_dir", help="official-layout MiniCPM folder")
+    cg.add_argument("outfile", help="the .gguf to write")
+    cg.add_argument("--outtype", default="f32", help="f32 | f16 | bf16 | q8_0")
+    cg.set_defaults(func=cmd_convert_gguf)
     args = p.parse_args(argv)
     return args.func(args)
 

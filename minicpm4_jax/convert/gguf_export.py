@@ -1,0 +1,410 @@
+"""``minicpm4 export gguf``: a checkpoint -> a llama.cpp ``minicpm``-architecture GGUF (F32/F16/BF16/Q8_0).
+
+Written with the ``gguf`` package (spec ``export.md`` §2.1-§2.2), following what llama.cpp's own
+``convert_hf_to_gguf.py`` (``conversion/minicpm.py`` ``MiniCPMModel``, ``conversion/base.py``
+``TextModel``) writes for an official MiniCPM folder, so the two agree tensor for tensor (the test
+suite runs that converter as an oracle):
+
+* keys: the generic text-model keys (``block_count``, ``context_length``, ``embedding_length``,
+  ``feed_forward_length``, ``attention.head_count[_kv]``, ``attention.layer_norm_rms_epsilon``,
+  ``rope.freq_base``, ``rope.scaling.type = longrope``), **all three** MiniCPM scale keys
+  (``minicpm.embedding_scale`` = scale_emb, ``minicpm.residual_scale`` = scale_depth/sqrt(L),
+  ``minicpm.logit_scale`` = hidden/dim_model_base: llama.cpp's legacy defaults differ, so never
+  omit one), ``general.file_type`` and ``general.quantization_version``; additionally
+  ``rope.scaling.original_context_length`` (llama.cpp picks the long factors when the context
+  exceeds it) and, when ``max_position_embeddings > original``, ``rope.scaling.attn_factor`` =
+  sqrt(1 + ln(max/orig)/ln(orig)) (llama.cpp's LongRoPE magnitude scaling, default 1);
+* tensors: official (unfolded) weights under llama.cpp names (``gguf.get_tensor_name_map``);
+  ``attn_q``/``attn_k`` rows permuted from HF's rotate-half order into ggml's interleaved NORM
+  rope order (``LlamaModel.permute``); ``rope_factors_long``/``rope_factors_short`` float32
+  ``[head_dim/2]``; no ``output`` when tied (llama.cpp reuses ``token_embd``); norms and 1-D
+  tensors in F32, every other tensor in the chosen type (Q8_0 falls back to F16 for rows that are
+  not a multiple of 32, as the converter does);
+* vocabulary: the SentencePiece model (``tokenizer.ggml.model = llama``) with the converter's
+  rules (``_create_vocab_sentencepiece``: piece types, added tokens from ``added_tokens.json`` and
+  ``tokenizer_config.json``, ``[PAD{i}]`` fill up to ``vocab_size``), special ids and the chat
+  template through ``gguf.SpecialVocab``.
+
+Dense attention only: llama.cpp has no InfLLM v2 (a sparse model exports with a warning).
+Tensors are written one at a time (``add_tensor_info`` then ``write_tensor_data``), so the host
+holds the parameters plus one converted tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.convert.io import ConvertError, check_output_target, refuse_output_over_source, staged_output, write_manifest
+from minicpm4_jax.convert.llama_fold import flat_params
+from minicpm4_jax.convert.official import from_official, iter_official_tensors, official_config, official_param_shapes
+
+__all__ = ["OUTTYPES", "write_gguf", "export_gguf", "read_gguf_params", "permute_qk", "unpermute_qk",
+           "gguf_tensor_types", "sentencepiece_vocab"]
+
+#: ``--outtype`` -> (LlamaFileType name, GGMLQuantizationType name of the matrices)
+OUTTYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"),
+            "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half row order -> ggml NORM (interleaved) order, as llama.cpp's ``LlamaModel.permute``.
+
+    ``w``: ``[n_head * head_dim, in]`` (q_proj with ``n_head`` = query heads, k_proj with the KV
+    heads). Within each head, output row ``2j`` takes HF row ``j`` and row ``2j+1`` takes HF row
+    ``j + head_dim/2``, so rotating adjacent pairs equals HF's rotate-half.
+    """
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of :func:`permute_qk`."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def sentencepiece_vocab(tokenizer_dir: Path, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """``(tokens, scores, token types)`` of length ``vocab_size`` by llama.cpp's converter rules.
+
+    Source: ``conversion/base.py`` ``TextModel._create_vocab_sentencepiece`` (llama.cpp as vendored
+    in llama-cpp-python 0.3.36): pieces with their scores and types (unknown/control/unused/byte/
+    normal); ``added_tokens.json`` entries as USER_DEFINED with score -1000; ``tokenizer_config.json``
+    ``added_tokens_decoder`` entries as CONTROL when special (else USER_DEFINED); unused ids as
+    ``[PAD{i}]`` (UNUSED, score -10000).
+
+    Raises:
+        ConvertError: no ``tokenizer.model`` in ``tokenizer_dir`` (llama.cpp reads SentencePiece).
+    """
+    import gguf
+    from sentencepiece import SentencePieceProcessor
+
+    T = gguf.TokenType
+    path = tokenizer_dir / "tokenizer.model"
+    if not path.is_file():
+        raise ConvertError(f"{tokenizer_dir} has no tokenizer.model; the GGUF vocabulary is read from a SentencePiece "
+                           "model (llama.cpp's minicpm path): pass --tokenizer with one")
+    sp = SentencePieceProcessor()
+    sp.LoadFromFile(str(path))
+    tokens = [f"[PAD{i}]".encode() for i in range(vocab_size)]
+    scores = [-10000.0] * vocab_size
+    types = [int(T.UNUSED)] * vocab_size
+    for i in range(min(sp.vocab_size(), vocab_size)):
+        t = T.NORMAL
+        if sp.IsUnknown(i):
+            t = T.UNKNOWN
+        elif sp.IsControl(i):
+            t = T.CONTROL
+        elif sp.IsUnused(i):
+            t = T.UNUSED
+        elif sp.IsByte(i):
+            t = T.BYTE
+        tokens[i], scores[i], types[i] = sp.IdToPiece(i).encode("utf-8"), sp.GetScore(i), int(t)
+    added = tokenizer_dir / "added_tokens.json"
+    if added.is_file():
+        for key, i in json.loads(added.read_text(encoding="utf-8")).items():
+            if int(i) < vocab_size:
+                tokens[int(i)], scores[int(i)], types[int(i)] = key.encode("utf-8"), -1000.0, int(T.USER_DEFINED)
+    tc = tokenizer_dir / "tokenizer_config.json"
+    if tc.is_file():
+        dec = json.loads(tc.read_text(encoding="utf-8")).get("added_tokens_decoder", {}) or {}
+        for sid, data in dec.items():
+            i = int(sid)
+            if i >= vocab_size:
+                continue
+            tok: str = data["content"]
+            if data.get("special") or _looks_special(tok):
+                types[i] = int(T.CONTROL)
+            else:
+                tok = tok.replace("\u2581", " ")
+                types[i] = int(T.USER_DEFINED)
+            scores[i] = -1000.0
+            tokens[i] = tok.encode("utf-8")
+    return tokens, scores, types
+
+
+def _looks_special(tok: str) -> bool:
+    """The converter's ``does_token_look_special`` (``conversion/base.py``)."""
+    return (tok in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+            or (tok.startswith("<|") and tok.endswith("|>"))
+            or (tok.startswith("<\uff5c") and tok.endswith("\uff5c>"))
+            or (tok.startswith("<unused") and tok.endswith(">")))
+
+
+def gguf_tensor_types(cfg: ModelConfig, outtype: str) -> dict[str, str]:
+    """``{gguf tensor name: GGMLQuantizationType name}`` our writer uses for ``cfg`` and ``outtype``."""
+    return {name: q for name, q, _ in _plan(cfg, outtype)}
+
+
+def _plan(cfg: ModelConfig, outtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``[(gguf name, qtype name, numpy shape)]`` in write order."""
+    import gguf
+
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"--outtype {outtype!r} is not supported; use one of {list(OUTTYPES)}")
+    mat_q = OUTTYPES[outtype][1]
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MINICPM, cfg.num_hidden_layers)
+    out = []
+    if cfg.rope_scaling is not None:
+        half = cfg.resolved_head_dim // 2
+        out.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight", "F32", (half,)))
+        out.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight", "F32", (half,)))
+    bs = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[mat_q]][0]
+    for hf_name, shape in official_param_shapes(cfg).items():
+        name = tmap.get_name(hf_name, try_suffixes=(".weight",))
+        if name is None:  # pragma: no cover - table mismatch
+            raise ConvertError(f"no llama.cpp name for {hf_name}")
+        if len(shape) <= 1 or name.endswith("_norm.weight"):
+            q = "F32"
+        elif shape[-1] % bs:
+            q = "F16"  # the converter's QuantError fallback
+        else:
+            q = mat_q
+        out.append((name, q, shape))
+    return out
+
+
+def _gguf_names(cfg: ModelConfig) -> dict[str, str]:
+    import gguf
+
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MINICPM, cfg.num_hidden_layers)
+    return {hf: tmap.get_name(hf, try_suffixes=(".weight",)) for hf in official_param_shapes(cfg)}
+
+
+def _encode(arr: np.ndarray, qname: str) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), gguf.GGMLQuantizationType[qname])
+
+
+def _nbytes(shape: tuple[int, ...], qname: str) -> int:
+    import gguf
+
+    bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qname]]
+    return int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // bs) * ts
+
+
+def _add_metadata(w: Any, cfg: ModelConfig, outtype: str, name: str) -> None:
+    import gguf
+
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    rs = cfg.rope_scaling
+    if rs is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        w.add_rope_scaling_orig_ctx_len(rs.original_max_position_embeddings)
+        if cfg.max_position_embeddings > rs.original_max_position_embeddings:
+            from minicpm4_jax.nn.rope import attention_scaling
+
+            w.add_rope_scaling_attn_factors(float(attention_scaling(cfg)))
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.head_dim is not None:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_file_type(gguf.LlamaFileType[OUTTYPES[outtype][0]])
+    w.add_embedding_scale(float(cfg.scale_emb))
+    w.add_residual_scale(float(cfg.scale_depth / math.sqrt(cfg.num_hidden_layers)))
+    w.add_logit_scale(float(cfg.hidden_size / cfg.dim_model_base))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> None:
+    import gguf
+
+    tokens, scores, types = sentencepiece_vocab(tokenizer_dir, cfg.vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    # SpecialVocab reads tokenizer_config.json / special_tokens_map.json and config.json (bos/eos ids,
+    # add_bos/add_eos, chat template) exactly as the converter does: give it the official view.
+    with tempfile.TemporaryDirectory() as td:
+        tdp = Path(td)
+        for n in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json"):
+            if (tokenizer_dir / n).is_file():
+                (tdp / n).write_bytes((tokenizer_dir / n).read_bytes())
+        (tdp / "config.json").write_text(json.dumps(official_config(cfg)))
+        special = gguf.SpecialVocab(tdp, n_vocab=len(tokens))
+    special.add_to_gguf(w)
+
+
+def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Iterator[np.ndarray]:
+    names = _gguf_names(cfg)
+    qtypes = {n: q for n, q, _ in plan}
+    rs = cfg.rope_scaling
+    if rs is not None:
+        yield _encode(np.asarray(rs.long_factor, np.float32), "F32")
+        yield _encode(np.asarray(rs.short_factor, np.float32), "F32")
+    for hf_name, arr in iter_official_tensors(flat, cfg, np.float32):
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            arr = permute_qk(arr, cfg.num_attention_heads)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            arr = permute_qk(arr, cfg.num_key_value_heads)
+        yield _encode(arr, qtypes[names[hf_name]])
+
+
+def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str = "f16",
+               tokenizer_dir: str | Path, name: str = "minicpm4") -> list[str]:
+    """Write ``params`` as a ``minicpm`` GGUF file at ``path`` (see the module docstring).
+
+    Args:
+        params: our parameters (anything ``llama_fold.flat_params`` accepts), float32.
+        cfg: their model config.
+        path: the ``.gguf`` file to create.
+        outtype: ``f32`` | ``f16`` | ``bf16`` | ``q8_0``.
+        tokenizer_dir: folder with ``tokenizer.model`` (+ ``tokenizer_config.json`` etc.).
+        name: ``general.name``.
+
+    Returns:
+        Warnings (e.g. F16 fallback for rows that Q8_0 cannot block).
+
+    Raises:
+        ConvertError: unknown outtype, no SentencePiece tokenizer, or a tokenizer larger than
+            ``vocab_size``.
+    """
+    import gguf
+
+    plan = _plan(cfg, outtype)
+    flat = flat_params(params)
+    tok_dir = Path(tokenizer_dir)
+    warnings = [f"{n}: row size {s[-1]} is not a multiple of the Q8_0 block; written as F16"
+                for n, q, s in plan if q == "F16" and outtype == "q8_0"]
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MINICPM])
+    try:
+        _add_metadata(w, cfg, outtype, name)
+        _add_vocab(w, cfg, tok_dir)
+        for gname, q, shape in plan:
+            qt = gguf.GGMLQuantizationType[q]
+            nb = _nbytes(shape, q)
+            if q == "F32":
+                w.add_tensor_info(gname, shape, np.dtype(np.float32), nb, raw_dtype=qt)
+            elif q == "F16":
+                w.add_tensor_info(gname, shape, np.dtype(np.float16), nb, raw_dtype=qt)
+            else:
+                byte_shape = (*shape[:-1], nb // max(1, int(np.prod(shape[:-1], dtype=np.int64))))
+                w.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nb, raw_dtype=qt)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for data in _iter_gguf_tensors(flat, cfg, plan):
+            w.write_tensor_data(data)
+    finally:
+        w.close()
+    return warnings
+
+
+def export_gguf(checkpoint: str | Path, out: str | Path, *, outtype: str = "f16", step: int | None = None,
+                tokenizer: str | Path | None = None, force: bool = False,
+                log: Callable[[str], Any] | None = None) -> Any:
+    """``minicpm4 export gguf``: checkpoint -> ``out/minicpm4-<outtype>.gguf`` + ``minicpm4_manifest.json``.
+
+    Returns:
+        ``hf_export.ExportResult``.
+
+    Raises:
+        ConvertError: bad outtype, a non-empty ``out`` without ``force``, no checkpoint/tokenizer,
+            tokenizer/vocabulary mismatch, not enough disk: before anything is written.
+    """
+    from minicpm4_jax.convert.hf_export import load_export_source
+
+    out_abs = Path(out).expanduser().absolute()
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"--outtype {outtype!r} is not supported; use one of {list(OUTTYPES)}")
+    refuse_output_over_source(out_abs, Path(checkpoint))
+    check_output_target(out_abs, force)
+    src = load_export_source(checkpoint, step=step, tokenizer=tokenizer)
+    return write_gguf_dir(src.params, src.cfg, out_abs, outtype=outtype, tokenizer_dir=src.tokenizer_dir,
+                          force=force, provenance=src.provenance, log=log)
+
+
+def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: str = "f16",
+                   tokenizer_dir: str | Path | None, force: bool = False,
+                   provenance: Mapping[str, Any] | None = None, log: Callable[[str], Any] | None = None) -> Any:
+    """Write ``out/minicpm4-<outtype>.gguf`` and the manifest atomically (see :func:`write_gguf`).
+
+    Raises:
+        ConvertError: as :func:`export_gguf`.
+    """
+    from minicpm4_jax.convert.hf_export import ExportResult, check_tokenizer
+
+    plan = _plan(cfg, outtype)
+    if tokenizer_dir is None:
+        raise ConvertError("no tokenizer folder found next to the checkpoint; a GGUF needs the vocabulary: "
+                           "pass --tokenizer DIR (with tokenizer.model)")
+    tok_dir = Path(tokenizer_dir)
+    _tok, warnings = check_tokenizer(tok_dir, cfg)
+    if not (tok_dir / "tokenizer.model").is_file():
+        raise ConvertError(f"{tok_dir} has no tokenizer.model; the GGUF vocabulary is read from a SentencePiece "
+                           "model (llama.cpp's minicpm path): pass --tokenizer with one")
+    if cfg.attention == "infllmv2":
+        warnings.append("GGUF is dense attention only (llama.cpp has no InfLLM v2): the sparse_config is dropped")
+    needed = sum(_nbytes(s, q) for _, q, s in plan) + 64 * cfg.vocab_size + (4 << 20)
+    fname = f"minicpm4-{outtype}.gguf"
+    with staged_output(out, force=force, needed_bytes=needed) as stage:
+        warnings += write_gguf(params, cfg, stage / fname, outtype=outtype, tokenizer_dir=tok_dir)
+        for w_ in warnings:
+            if log:
+                log(f"warning: {w_}")
+        manifest = {
+            "format": "gguf",
+            "architecture": "minicpm",
+            "outtype": outtype,
+            "dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0 (norms, rope factors: float32)"}[outtype],
+            "file": fname,
+            "source": dict(provenance or {}),
+            "folded": [],
+            "applied_at_runtime": ["minicpm.embedding_scale", "minicpm.residual_scale", "minicpm.logit_scale"],
+            "permuted": ["attn_q and attn_k rows: HF rotate-half -> ggml NORM (interleaved) rope order"],
+            "dropped": ["sparse_config"] if cfg.attention == "infllmv2" else [],
+            "attention": "dense",
+            "warnings": warnings,
+        }
+        write_manifest(stage, manifest)
+    return ExportResult(path=Path(out).expanduser().absolute(), files=[fname], warnings=warnings, manifest=manifest)
+
+
+def read_gguf_params(path: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our flat float32 params from a GGUF written for ``cfg`` (dequantized, q/k un-permuted).
+
+    Used to check an export end to end: for F32 the result equals the exported parameters bit for bit.
+
+    Raises:
+        ConvertError: not a ``minicpm`` GGUF, or a tensor is missing or mis-shaped.
+    """
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch = r.fields.get("general.architecture")
+    arch_s = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else None
+    if arch_s != "minicpm":
+        raise ConvertError(f"{path} is a {arch_s!r} GGUF, not 'minicpm'")
+    tens = {t.name: t for t in r.tensors}
+    names = _gguf_names(cfg)
+    shapes = official_param_shapes(cfg)
+
+    def get(hf_name: str) -> np.ndarray:
+        g = names[hf_name]
+        if g not in tens:
+            raise ConvertError(f"{path} has no tensor {g!r} ({hf_name})")
+        t = tens[g]
+        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shapes[hf_name])
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            a = unpermute_qk(a, cfg.num_attention_heads)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            a = unpermute_qk(a, cfg.num_key_value_heads)
+        return a
+
+    return from_official(get, cfg, np.float32)

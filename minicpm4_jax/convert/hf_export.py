@@ -1,0 +1,326 @@
+"""``minicpm4 export hf``: a trained checkpoint -> a Hugging Face model folder.
+
+Two layouts (spec ``export.md`` §1.2, §1.3, §7 rows 1-2):
+
+* ``minicpm`` (official): ``MiniCPMForCausalLM`` ``config.json`` with the μP scalars, LongRoPE
+  (never a ``factor`` key) and ``sparse_config`` when the model was trained sparse; unfolded weights
+  with the official names (spec ``minicpm4_model.md`` §6; no ``lm_head`` when tied). Read by
+  llama.cpp's ``convert_hf_to_gguf.py``, CPM.cu, GPTQModel and transformers once MiniCPM4 is native.
+* ``llama``: a plain ``LlamaForCausalLM`` with the μP scalars folded into the weights
+  (``llama_fold.fold_to_llama``), loadable by stock transformers / vLLM with no remote code. Dense
+  attention only: a sparse model exports with a warning and without ``sparse_config``.
+
+Both write sharded safetensors (``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + a
+valid index), the tokenizer files, ``generation_config.json`` and ``minicpm4_manifest.json``
+(source checkpoint step and parameter hash, format, dtype, what was folded), into a staging folder
+renamed into place only when complete (``io.staged_output``). The MTP/EAGLE draft export is not
+implemented: the model has no MTP module yet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.convert.io import (
+    ConvertError,
+    refuse_output_over_source,
+    params_sha256,
+    parse_size,
+    plan_shards,
+    staged_output,
+    write_manifest,
+    write_safetensors_shards,
+)
+from minicpm4_jax.convert.llama_fold import flat_params, fold_to_llama
+from minicpm4_jax.convert.official import (
+    iter_official_tensors,
+    official_config,
+    official_param_shapes,
+    official_tensor_names,
+    sparse_runtime_warnings,
+)
+
+__all__ = [
+    "ExportSource",
+    "ExportResult",
+    "load_export_source",
+    "write_hf",
+    "export_hf",
+    "TOKENIZER_FILES",
+    "np_dtype",
+    "LAYOUTS",
+    "DTYPES",
+]
+
+LAYOUTS = ("minicpm", "llama")
+DTYPES = ("float32", "bfloat16", "float16")
+#: tokenizer files copied into an HF export (those present in the source tokenizer folder)
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json")
+
+
+def np_dtype(name: str) -> Any:
+    """``"float32"|"bfloat16"|"float16"`` -> numpy dtype (``ml_dtypes.bfloat16`` for bf16).
+
+    Raises:
+        ConvertError: another name.
+    """
+    if name == "float32":
+        return np.dtype(np.float32)
+    if name == "float16":
+        return np.dtype(np.float16)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise ConvertError(f"--dtype {name!r} is not supported; use one of {list(DTYPES)}")
+
+
+@dataclass
+class ExportSource:
+    """What an export reads: parameters, their config, the tokenizer folder and provenance.
+
+    Attributes:
+        cfg: the model config.
+        params: our flat parameters ``{'/'-path: np.ndarray}`` (float32, per-layer stacked ``[L, ...]``).
+        tokenizer_dir: folder with the tokenizer files, or ``None``.
+        provenance: what the manifest records about the source (checkpoint folder, step, hashes).
+    """
+
+    cfg: ModelConfig
+    params: dict[str, np.ndarray]
+    tokenizer_dir: Path | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExportResult:
+    """Where an export went and what it said: ``path`` (folder), ``files`` written, ``warnings``."""
+
+    path: Path
+    files: list[str]
+    warnings: list[str]
+    manifest: dict[str, Any]
+
+
+def _find_tokenizer_dir(ckpt_dir: Path, run_dir: Path | None) -> Path | None:
+    for c in ([run_dir / "tokenizer"] if run_dir else []) + [ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]:
+        if c.is_dir():
+            return c
+    return None
+
+
+def load_export_source(checkpoint: str | Path, *, step: int | None = None,
+                       tokenizer: str | Path | None = None) -> ExportSource:
+    """Read a training run's (or an import's) checkpoint for export.
+
+    Args:
+        checkpoint: a run's ``out_dir`` or its ``checkpoints`` folder.
+        step: which checkpoint step (default: the latest complete one).
+        tokenizer: tokenizer folder; default ``<out_dir>/tokenizer`` when it exists.
+
+    Raises:
+        ConfigError/ConvertError: no checkpoint there, no such step, tokenizer folder missing.
+    """
+    import orbax.checkpoint as ocp
+
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
+
+    ckpt_dir = find_checkpoint_dir(checkpoint)
+    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        steps = sorted(mngr.all_steps())
+    finally:
+        mngr.close()
+    if not steps:
+        raise ConvertError(f"no complete checkpoint in {ckpt_dir}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConvertError(f"--step {step} is not a checkpoint in {ckpt_dir}; available steps: {steps}")
+    train_cfg, model = load_params_for_inference(ckpt_dir, step)
+    params = flat_params(model)
+    run_dir = Path(checkpoint).expanduser().resolve()
+    if tokenizer is not None:
+        tok_dir = Path(tokenizer).expanduser().resolve()
+        if not tok_dir.is_dir():
+            raise ConvertError(f"--tokenizer {tokenizer} is not a folder; give the folder holding tokenizer.model")
+    else:
+        tok_dir = _find_tokenizer_dir(ckpt_dir, run_dir if run_dir != ckpt_dir else None)
+    prov = {
+        "checkpoint": str(ckpt_dir),
+        "step": int(step),
+        "params_sha256": params_sha256(params),
+    }
+    return ExportSource(cfg=train_cfg.model, params=params, tokenizer_dir=tok_dir, provenance=prov)
+
+
+def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig) -> tuple[Any, list[str]]:
+    """Load the tokenizer of ``tokenizer_dir`` and check it against ``cfg``.
+
+    Returns:
+        ``(tokenizer or None, warnings)``.
+
+    Raises:
+        ConvertError: the tokenizer has more ids than ``vocab_size`` (its ids would index past the
+            embedding), or the folder holds no tokenizer.
+    """
+    if tokenizer_dir is None:
+        return None, []
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ConvertError(
+            f"tokenizer {tokenizer_dir} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
+            "the tokenizer does not belong to this checkpoint: pass the right --tokenizer"
+        )
+    warns = []
+    if tok.bos_id is not None and tok.bos_id != cfg.bos_token_id:
+        warns.append(f"tokenizer bos id {tok.bos_id} != model bos_token_id {cfg.bos_token_id}")
+    return tok, warns
+
+
+def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> list[str]:
+    out = []
+    for name in TOKENIZER_FILES:
+        p = tokenizer_dir / name
+        if p.is_file():
+            shutil.copyfile(p, dest / name)
+            out.append(name)
+    return out
+
+
+def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
+    eos = list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]
+    out: dict[str, Any] = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": eos}
+    if cfg.pad_token_id is not None:
+        out["pad_token_id"] = cfg.pad_token_id
+    return out
+
+
+def _tokenizer_bytes(tokenizer_dir: Path | None) -> int:
+    if tokenizer_dir is None:
+        return 0
+    return sum((tokenizer_dir / n).stat().st_size for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
+
+
+def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path, *, layout: str = "minicpm",
+             dtype: str = "float32", tokenizer_dir: str | Path | None = None, force: bool = False,
+             max_shard_size: str | int = "5GB", provenance: Mapping[str, Any] | None = None,
+             log: Callable[[str], Any] | None = None) -> ExportResult:
+    """Write our parameters as a Hugging Face folder ``out`` in ``layout``.
+
+    Args:
+        params: our parameters (anything ``llama_fold.flat_params`` accepts: a model, an
+            ``nnx.State`` or a ``'/'``-keyed dict), float32, per-layer stacked ``[L, ...]``.
+        cfg: their model config.
+        out: the output folder (must be absent or empty unless ``force``).
+        layout: ``"minicpm"`` (official, unfolded) or ``"llama"`` (μP folded, ``LlamaForCausalLM``).
+        dtype: stored dtype, ``float32`` (lossless) | ``bfloat16`` | ``float16`` (round to nearest even).
+        tokenizer_dir: folder whose tokenizer files are copied (checked against ``vocab_size``).
+        force: replace a non-empty ``out``.
+        max_shard_size: shard limit (``"5GB"``, ``"200MB"`` or bytes); one shard is ``model.safetensors``.
+        provenance: source information recorded in the manifest (checkpoint, step, hashes).
+        log: called with each warning line (default: none; warnings are also returned).
+
+    Memory: the official layout converts one tensor at a time and holds one shard; the llama layout
+    folds all tensors first (``fold_to_llama``, float64 math per tensor), i.e. a second copy of the model.
+
+    Returns:
+        :class:`ExportResult`.
+
+    Raises:
+        ConvertError: unknown layout/dtype, a tokenizer larger than the vocabulary, a non-empty
+            ``out`` without ``force``, not enough disk space: all before anything is written.
+    """
+    if layout not in LAYOUTS:
+        raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
+    npdt = np_dtype(dtype)
+    flat = flat_params(params)
+    max_bytes = parse_size(max_shard_size)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    _tok, warnings = check_tokenizer(tok_dir, cfg)
+    if tok_dir is None:
+        warnings.append("no tokenizer folder: the export holds weights and config only (pass --tokenizer)")
+    sparse = cfg.attention == "infllmv2" and cfg.sparse_config is not None
+    folded: list[str] = []
+    dropped: list[str] = []
+    if layout == "minicpm":
+        shapes = official_param_shapes(cfg)
+        names = official_tensor_names(cfg)
+        hf_cfg = official_config(cfg, dtype)
+        warnings += [f"sparse_config: {w}" for w in sparse_runtime_warnings(cfg)]
+        tensors_iter = iter_official_tensors(flat, cfg, npdt)
+    else:
+        tensors, hf_cfg = fold_to_llama(flat, cfg)
+        hf_cfg["torch_dtype"] = dtype
+        names = list(tensors)
+        shapes = {k: v.shape for k, v in tensors.items()}
+        tensors_iter = ((k, np.ascontiguousarray(tensors[k].astype(npdt, copy=False))) for k in names)
+        folded = [f"model.embed_tokens.weight x scale_emb ({cfg.scale_emb})",
+                  f"self_attn.o_proj.weight and mlp.down_proj.weight x scale_depth/sqrt(num_hidden_layers) "
+                  f"({cfg.residual_scale!r})",
+                  f"lm_head.weight = {'embed_tokens (tied)' if cfg.tie_word_embeddings else 'lm_head'} / "
+                  f"(hidden_size/dim_model_base) ({cfg.width_mult!r}); untied"]
+        if sparse:
+            dropped.append("sparse_config")
+            warnings.append("the llama layout is dense attention only: sparse_config is dropped and every runtime "
+                            "loading this folder runs dense attention (use --layout minicpm to keep it)")
+    sizes = [(n, int(np.prod(shapes[n], dtype=np.int64)) * npdt.itemsize) for n in names]
+    plan = plan_shards(sizes, max_bytes)
+    needed = sum(s for _, s in sizes) + _tokenizer_bytes(tok_dir) + (1 << 20)
+    for w in warnings:
+        if log:
+            log(f"warning: {w}")
+    with staged_output(out, force=force, needed_bytes=needed) as stage:
+        files = [p.name for p in write_safetensors_shards(stage, tensors_iter, plan)]
+        (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        (stage / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")
+        files += ["config.json", "generation_config.json"]
+        if tok_dir is not None:
+            files += _copy_tokenizer(tok_dir, stage)
+        manifest = {
+            "format": f"hf-{layout}",
+            "architecture": hf_cfg["architectures"][0],
+            "dtype": dtype,
+            "source": dict(provenance or {}),
+            "folded": folded,
+            "dropped": dropped,
+            "attention": "dense" if (layout == "llama" or not sparse) else "infllmv2 (sparse_config in config.json)",
+            "mtp_draft": "not exported: this model has no MTP module",
+            "warnings": warnings,
+            "shards": len(plan),
+        }
+        write_manifest(stage, manifest)
+    return ExportResult(path=Path(out).expanduser().absolute(), files=files, warnings=warnings, manifest=manifest)
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm", dtype: str = "float32",
+              step: int | None = None, tokenizer: str | Path | None = None, force: bool = False,
+              max_shard_size: str | int = "5GB", log: Callable[[str], Any] | None = None) -> ExportResult:
+    """``minicpm4 export hf``: :func:`load_export_source` then :func:`write_hf`.
+
+    Validation that needs no checkpoint (layout, dtype, shard size, the output folder) runs first,
+    so a bad argument fails before the checkpoint is read.
+    """
+    from minicpm4_jax.convert.io import check_output_target
+
+    if layout not in LAYOUTS:
+        raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
+    np_dtype(dtype)
+    parse_size(max_shard_size)
+    out_abs = Path(out).expanduser().absolute()
+    refuse_output_over_source(out_abs, Path(checkpoint))
+    check_output_target(out_abs, force)
+    src = load_export_source(checkpoint, step=step, tokenizer=tokenizer)
+    return write_hf(src.params, src.cfg, out, layout=layout, dtype=dtype, tokenizer_dir=src.tokenizer_dir,
+                    force=force, max_shard_size=max_shard_size, provenance=src.provenance, log=log)

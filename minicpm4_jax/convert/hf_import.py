@@ -1,0 +1,273 @@
+"""``minicpm4 import hf DIR``: an official-layout MiniCPM4 Hugging Face folder -> this project's checkpoint.
+
+Reads ``MiniCPMForCausalLM`` folders (spec ``export.md`` §1.2, ``minicpm4_model.md`` §6): one
+``model.safetensors`` or shards + ``model.safetensors.index.json``, tied (no ``lm_head.weight``) or
+untied, F32/F16/BF16 tensors. Everything is checked before anything is written: the architecture,
+the config (via ``ModelConfig.from_hf_config`` and ``validate_model``), every safetensors header
+against its file size (truncation), the tensor set against the config (a missing, extra or
+mis-shaped tensor is named), the tokenizer's size against ``vocab_size``, and the free disk space.
+
+Streaming: each parameter is built with ``jax.make_array_from_callback``; the callback reads only
+the per-layer tensors inside the requested shard, one at a time, from memory-mapped safetensors,
+so the host never holds more than the imported model (float32) plus one source tensor, and with a
+target mesh (``shardings``) each device's shard is read directly. The output is the layout of a
+training run: ``OUT/checkpoints/0`` (orbax: ``state`` = ``{"step", "params"}`` and the run config),
+``OUT/config.json``, ``OUT/tokenizer/`` and ``minicpm4_manifest.json``, so ``minicpm4 generate
+--checkpoint OUT`` and ``minicpm4 export ... --checkpoint OUT`` read it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minicpm4_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfig, config_to_dict, validate, validate_model
+from minicpm4_jax.convert.io import (
+    ConvertError,
+    SafetensorsSource,
+    file_sha256,
+    params_sha256,
+    refuse_output_over_source,
+    staged_output,
+    write_manifest,
+)
+from minicpm4_jax.convert.llama_fold import LLAMA_PARAM_MAP, flat_params
+from minicpm4_jax.convert.official import layer_slice_reader, official_param_shapes, sparse_runtime_warnings
+
+__all__ = ["import_hf", "read_hf_config", "check_hf_tensors", "ImportResult", "OFFICIAL_ARCHITECTURE"]
+
+OFFICIAL_ARCHITECTURE = "MiniCPMForCausalLM"
+_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json")
+_DTYPES_OK = ("F32", "F16", "BF16")
+
+
+@dataclass
+class ImportResult:
+    """What an import produced: the output ``path``, the model ``cfg``, the imported ``params``
+    (an ``nnx.State`` of ``jax.Array``, on the requested shardings) and any ``warnings``."""
+
+    path: Path
+    cfg: ModelConfig
+    params: Any
+    warnings: list[str]
+
+
+def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]]:
+    """Read and check ``folder/config.json`` of an official MiniCPM folder.
+
+    Returns:
+        ``(raw dict, ModelConfig (float32, dense or infllmv2 per sparse_config), warnings)``.
+
+    Raises:
+        ConvertError: missing/unparsable config, architecture other than ``MiniCPMForCausalLM``
+            (with the fix for a Llama-folded folder), or an invalid configuration.
+    """
+    p = folder / "config.json"
+    if not p.is_file():
+        raise ConvertError(f"{folder} has no config.json; give an official MiniCPM4 Hugging Face folder")
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{p} is not valid JSON ({e}); fix the file") from None
+    archs = raw.get("architectures") or []
+    if OFFICIAL_ARCHITECTURE not in archs:
+        hint = (" (a Llama-folded export: import the official layout instead, written by "
+                "'minicpm4 export hf --layout minicpm')") if "LlamaForCausalLM" in archs else ""
+        raise ConvertError(f"{p}: architectures={archs!r} is not ['{OFFICIAL_ARCHITECTURE}']{hint}; "
+                           "'minicpm4 import hf' reads official MiniCPM4 folders only")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        if key not in raw:
+            raise ConvertError(f"{p} has no {key!r}; it is not a complete MiniCPM config")
+    try:
+        cfg = ModelConfig.from_hf_config(raw, dtype="float32", param_dtype="float32")
+        validate_model(cfg)
+    except ConfigError as e:
+        raise ConvertError(f"{p}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConvertError(f"{p}: invalid value ({e}); fix the file") from None
+    warns = [f"sparse_config: {w}" for w in sparse_runtime_warnings(cfg)]
+    return raw, cfg, warns
+
+
+def check_hf_tensors(src: SafetensorsSource, cfg: ModelConfig) -> list[str]:
+    """Check the tensor set of ``src`` against ``cfg`` (names, shapes, dtypes).
+
+    A tied model may carry a redundant ``lm_head.weight`` only if it equals the embedding.
+
+    Returns:
+        Warnings (e.g. a redundant tied head that was ignored).
+
+    Raises:
+        ConvertError: naming the first missing tensor, unexpected tensor, wrong shape or dtype.
+    """
+    expected = official_param_shapes(cfg)
+    have = src.entries
+    missing = [n for n in expected if n not in have]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConvertError(f"tensor {missing[0]!r} is missing from {src.folder}{more}; the weights do not match "
+                           "config.json (check num_hidden_layers / tie_word_embeddings)")
+    warns = []
+    extra = [n for n in have if n not in expected]
+    if cfg.tie_word_embeddings and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")
+        if tuple(have["lm_head.weight"].shape) != expected["model.embed_tokens.weight"]:
+            raise ConvertError(f"tensor 'lm_head.weight' has shape {list(have['lm_head.weight'].shape)} but "
+                               f"the embedding is {list(expected['model.embed_tokens.weight'])}")
+        if not np.array_equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
+            raise ConvertError("tensor 'lm_head.weight' differs from model.embed_tokens.weight but config.json has "
+                               "tie_word_embeddings true (the default); set \"tie_word_embeddings\": false")
+        warns.append("lm_head.weight equals the embedding (tied head); ignored")
+    if extra:
+        raise ConvertError(f"unexpected tensor {extra[0]!r} in {src.folder} (not part of MiniCPMForCausalLM for this "
+                           f"config.json{f'; {len(extra) - 1} more' if len(extra) > 1 else ''}); remove it or fix config.json")
+    for n, shape in expected.items():
+        e = have[n]
+        if tuple(e.shape) != tuple(shape):
+            raise ConvertError(f"tensor {n!r} has shape {list(e.shape)} but config.json implies {list(shape)}; "
+                               "the weights do not belong to this config")
+        if e.dtype not in _DTYPES_OK:
+            raise ConvertError(f"tensor {n!r} is {e.dtype}; import reads F32, F16 or BF16 (dequantize it first)")
+    return warns
+
+
+def _train_config(cfg: ModelConfig, out: Path, tokenizer: Path | None) -> TrainConfig:
+    d = DataConfig()
+    data = dataclasses.replace(
+        d,
+        tokenizer=str(tokenizer) if tokenizer is not None else d.tokenizer,
+        tokenizer_vocab_size=min(d.tokenizer_vocab_size, cfg.vocab_size),
+        seq_len=min(d.seq_len, cfg.max_position_embeddings),
+    )
+    tc = TrainConfig(model=cfg, data=data, out_dir=str(out))
+    try:
+        validate(tc)
+    except ConfigError as e:  # pragma: no cover - defaults are chosen to be valid
+        raise ConvertError(f"the imported model gives an invalid run config: {e}") from None
+    return tc
+
+
+def _default_sharding() -> Any:
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
+              shardings: Callable[[str, tuple[int, ...]], Any] | None = None,
+              log: Callable[[str], Any] | None = None) -> ImportResult:
+    """Import the official-layout folder ``src`` as a checkpoint of this project in ``out``.
+
+    Args:
+        src: folder with ``config.json`` (``MiniCPMForCausalLM``), safetensors weights and
+            (optionally) the tokenizer files.
+        out: output folder (absent or empty unless ``force``); gets ``checkpoints/0``,
+            ``config.json``, ``tokenizer/`` and ``minicpm4_manifest.json``.
+        force: replace a non-empty ``out``.
+        shardings: ``(param path, shape) -> jax.sharding.Sharding`` placing each parameter (e.g.
+            a ``NamedSharding`` on the target mesh); default: the first local device.
+        log: called with each warning line.
+
+    Returns:
+        :class:`ImportResult`; ``params`` are float32 ``[L, ...]``-stacked ``jax.Array`` (an ``nnx.State``).
+
+    Raises:
+        ConvertError: every bad input listed in the module docstring, before anything is written.
+    """
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from minicpm4_jax.train.step import init_model
+
+    folder = Path(src).expanduser().resolve()
+    if not folder.is_dir():
+        raise ConvertError(f"{src} is not a folder; give the Hugging Face model folder")
+    out_abs = Path(out).expanduser().absolute()
+    refuse_output_over_source(out_abs, folder)
+    _raw, cfg, warnings = read_hf_config(folder)
+    source = SafetensorsSource(folder)
+    warnings += check_hf_tensors(source, cfg)
+    tok_files = [n for n in _TOKENIZER_FILES if (folder / n).is_file()]
+    if "tokenizer.model" in tok_files or "tokenizer.json" in tok_files:
+        from minicpm4_jax.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(folder)
+        if tok.vocab_size > cfg.vocab_size:
+            raise ConvertError(f"the tokenizer in {folder} has {tok.vocab_size} tokens but config.json has vocab_size "
+                               f"{cfg.vocab_size}; they do not belong together: fix vocab_size or the tokenizer")
+    else:
+        tok_files = []
+        warnings.append(f"no tokenizer.model / tokenizer.json in {folder}: imported weights only")
+    for w in warnings:
+        if log:
+            log(f"warning: {w}")
+
+    n_params = cfg.num_params()
+    needed = 4 * n_params + sum((folder / n).stat().st_size for n in tok_files) + (1 << 20)
+    rows = {r.ours: r for r in LLAMA_PARAM_MAP}
+    place = shardings or (lambda _path, _shape: _default_sharding())
+
+    with staged_output(out_abs, force=force, needed_bytes=needed) as stage:
+        abstract = nnx.eval_shape(lambda: init_model(cfg, 0))
+        _graphdef, state = nnx.split(abstract, nnx.Param)
+        pure = nnx.to_pure_dict(state)
+
+        def fill(d: dict, prefix: str) -> dict:
+            res = {}
+            for k, v in d.items():
+                path = f"{prefix}/{k}" if prefix else str(k)
+                if isinstance(v, dict):
+                    res[k] = fill(v, path)
+                    continue
+                row = rows[path]
+                reader = layer_slice_reader(cfg, row, source.get, np.float32)
+                res[k] = jax.make_array_from_callback(tuple(v.shape), place(path, tuple(v.shape)), reader)
+            return res
+
+        nnx.replace_by_pure_dict(state, fill(pure, ""))
+        source.close()
+        tok_dir = None
+        if tok_files:
+            tok_dir = stage / "tokenizer"
+            tok_dir.mkdir()
+            for n in tok_files:
+                shutil.copyfile(folder / n, tok_dir / n)
+        train_cfg = _train_config(cfg, out_abs, out_abs / "tokenizer" if tok_dir else None)
+        mngr = ocp.CheckpointManager(stage / "checkpoints",
+                                     options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+        try:
+            mngr.save(0, args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"step": jnp.asarray(0, jnp.int32), "params": state}),
+                config=ocp.args.JsonSave(config_to_dict(train_cfg)),
+            ))
+            mngr.wait_until_finished()
+        finally:
+            mngr.close()
+        (stage / "config.json").write_text(json.dumps(config_to_dict(train_cfg), indent=1))
+        src_files = sorted({e.file for e in source.entries.values()})
+        index = folder / "model.safetensors.index.json"
+        manifest = {
+            "format": "import hf-minicpm",
+            "source": {
+                "folder": str(folder),
+                "files": {p.name: file_sha256(p) for p in src_files + ([index] if index.is_file() else [])},
+                "dtypes": sorted({e.dtype for e in source.entries.values()}),
+            },
+            "step": 0,
+            "params_sha256": params_sha256(flat_params(state)),
+            "dtype": "float32",
+            "tokenizer_files": tok_files,
+            "warnings": warnings,
+        }
+        write_manifest(stage, manifest, hash_files=False)
+    return ImportResult(path=out_abs, cfg=cfg, params=state, warnings=warnings)

@@ -1,0 +1,393 @@
+"""File plumbing shared by import and export: atomic output folders, disk-space checks, manifests,
+content hashes and (sharded) safetensors reading/writing.
+
+* :func:`staged_output` writes everything into a hidden sibling folder and renames it into place
+  only when the whole output is complete, so a failure (or a kill) never leaves a folder that looks
+  complete; a non-empty target is refused without ``force``.
+* :class:`SafetensorsSource` opens an HF weight folder (one ``model.safetensors``, or shards with
+  ``model.safetensors.index.json``), validates every header against the file size (a truncated file
+  is reported before anything is read) and reads tensors lazily through ``safetensors.safe_open``.
+* :func:`write_safetensors_shards` writes the HF sharding convention (spec ``export.md`` §6) with
+  ``safetensors.numpy.save_file`` one shard at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minicpm4_jax.config import ConfigError
+
+__all__ = [
+    "ConvertError",
+    "staged_output",
+    "check_disk_space",
+    "check_output_target",
+    "refuse_output_over_source",
+    "params_sha256",
+    "file_sha256",
+    "write_manifest",
+    "SafetensorsSource",
+    "write_safetensors_shards",
+    "plan_shards",
+    "parse_size",
+    "MANIFEST_NAME",
+]
+
+#: name of the manifest every import/export writes
+MANIFEST_NAME = "minicpm4_manifest.json"
+
+_ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class ConvertError(ConfigError):
+    """Bad input to an import/export (one line: the bad value and the fix). A :class:`ConfigError`,
+    so the CLI prints it as ``error: ...`` with exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------------
+# output folders
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_nonempty_dir(p: Path) -> bool:
+    return p.is_dir() and any(p.iterdir())
+
+
+def check_output_target(out: Path, force: bool) -> None:
+    """Refuse a non-empty ``out`` (or a file there) unless ``force``.
+
+    Raises:
+        ConvertError: ``out`` exists as a file, or is a non-empty folder and ``force`` is false.
+    """
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"output {out} exists and is not a folder; pick another --out")
+    if _is_nonempty_dir(out) and not force:
+        raise ConvertError(f"output folder {out} is not empty; pass --force to replace it or pick another --out")
+
+
+def refuse_output_over_source(out: Path, source: Path) -> None:
+    """Raise :class:`ConvertError` when writing ``out`` would replace ``source`` (or a folder holding it)."""
+    o, s = Path(out).expanduser().resolve(), Path(source).expanduser().resolve()
+    if o == s or o in s.parents:
+        raise ConvertError(f"output {out} holds the source {source}; writing there would destroy it: pick another --out")
+
+
+def check_disk_space(folder: Path, needed_bytes: int) -> None:
+    """Raise :class:`ConvertError` unless ``folder``'s file system has ``needed_bytes`` (+1% + 16 MiB) free."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = int(needed_bytes * 1.01) + (16 << 20)
+    if free < need:
+        raise ConvertError(
+            f"not enough disk space in {probe}: the output needs about {need / 2**20:.1f} MiB, "
+            f"{free / 2**20:.1f} MiB are free; free some space or pick another --out"
+        )
+
+
+@contextlib.contextmanager
+def staged_output(out: str | os.PathLike, *, force: bool = False, needed_bytes: int = 0) -> Iterator[Path]:
+    """Context manager yielding a fresh staging folder that becomes ``out`` on success.
+
+    The staging folder is ``<parent>/.<name>.partial-<random>``. On a clean exit it is renamed to
+    ``out`` (an existing empty ``out`` is removed first; with ``force`` a non-empty one is moved
+    aside, replaced, then deleted). On an exception it is deleted and ``out`` is untouched.
+
+    Raises:
+        ConvertError: ``out`` is non-empty without ``force``, is a file, or the disk is too full for
+            ``needed_bytes`` (all checked before anything is written).
+    """
+    out = Path(out).expanduser().absolute()
+    check_output_target(out, force)
+    check_disk_space(out.parent, needed_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    stage = out.parent / f".{out.name}.partial-{tag}"
+    stage.mkdir()
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        if _is_nonempty_dir(out):
+            old = out.parent / f".{out.name}.old-{tag}"
+            out.rename(old)
+        else:
+            out.rmdir()
+    stage.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# hashes and manifests
+# ------------------------------------------------------------------------------------------------
+
+
+def params_sha256(flat: Mapping[str, Any]) -> str:
+    """SHA-256 of parameters: for each name in sorted order, the name, dtype, shape and raw bytes.
+
+    Independent of how the checkpoint is stored (orbax layout, sharding), so two checkpoints with
+    the same parameter values have the same hash.
+    """
+    h = hashlib.sha256()
+    for name in sorted(flat):
+        a = np.ascontiguousarray(np.asarray(flat[name]))
+        h.update(f"{name}|{a.dtype.name}|{list(a.shape)}\n".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike, chunk: int = 1 << 24) -> str:
+    """SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any], *, hash_files: bool = True) -> Path:
+    """Write ``folder/minicpm4_manifest.json``: ``manifest`` plus the tool version, a UTC time stamp
+    and (``hash_files``) every file's size and SHA-256. Written last, so its presence means complete."""
+    from minicpm4_jax import __version__
+
+    files = {}
+    if hash_files:
+        for p in sorted(folder.rglob("*")):
+            if p.is_file() and p.name != MANIFEST_NAME:
+                files[str(p.relative_to(folder))] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    body = {
+        "tool": f"minicpm4-jax {__version__}",
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **manifest,
+        "files": files,
+    }
+    path = folder / MANIFEST_NAME
+    path.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# safetensors
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: ``file`` (a path), safetensors ``dtype`` string and ``shape``."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header and check that the file holds every byte the header promises.
+
+    Raises:
+        ConvertError: unreadable file, bad header, or a truncated file (names the bytes missing).
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ConvertError(f"{path} is truncated ({size} bytes, not even a safetensors header); "
+                                   "download or copy it again")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 << 20:
+                raise ConvertError(f"{path} is truncated or not safetensors (header claims {n} bytes, file has "
+                                   f"{size}); download or copy it again")
+            header = json.loads(f.read(n))
+    except ConvertError:
+        raise
+    except OSError as e:
+        raise ConvertError(f"cannot read {path} ({e.strerror}); check the path and its permissions") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ConvertError(f"{path} has a corrupt safetensors header; download or copy it again") from None
+    out: dict[str, TensorEntry] = {}
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b0, b1) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{path}: corrupt header entry for tensor {name!r}; download or copy it again") from None
+        if dtype in _ST_DTYPES and (b1 - b0) != _ST_DTYPES[dtype] * int(np.prod(shape, dtype=np.int64)):
+            raise ConvertError(f"{path}: tensor {name!r} header size does not match its shape; the file is corrupt")
+        end = max(end, int(b1))
+        out[name] = TensorEntry(path, dtype, shape)
+    if 8 + n + end > size:
+        raise ConvertError(
+            f"{path} is truncated: its header needs {8 + n + end} bytes but the file has {size} "
+            f"({8 + n + end - size} missing); download or copy it again"
+        )
+    return out
+
+
+class SafetensorsSource:
+    """The tensors of an HF weight folder, read lazily.
+
+    Accepts ``model.safetensors.index.json`` + shards, or exactly one ``*.safetensors`` file.
+    Every file's header is validated on construction (truncation, corrupt header, index entries
+    pointing at missing files or tensors), before any tensor data is read.
+
+    Attributes:
+        entries: ``{name: TensorEntry}`` of every tensor in the folder.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        self.entries: dict[str, TensorEntry] = {}
+        if index.is_file():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise ConvertError(f"{index} is not a valid safetensors index (needs a 'weight_map'); fix or remove it") from None
+            headers: dict[str, dict[str, TensorEntry]] = {}
+            for name, fname in wm.items():
+                p = self.folder / fname
+                if fname not in headers:
+                    if not p.is_file():
+                        raise ConvertError(f"{index} maps tensor {name!r} to {fname}, which does not exist; "
+                                           "copy the missing shard")
+                    headers[fname] = read_safetensors_header(p)
+                if name not in headers[fname]:
+                    raise ConvertError(f"{index} maps tensor {name!r} to {fname}, which does not contain it; "
+                                       "the index and the shards do not belong together")
+                self.entries[name] = headers[fname][name]
+            for fname, hd in headers.items():
+                for name in hd:
+                    if name not in wm:
+                        raise ConvertError(f"tensor {name!r} in {fname} is not listed in {index.name}; "
+                                           "the index and the shards do not belong together")
+        else:
+            files = sorted(self.folder.glob("*.safetensors"))
+            if not files:
+                bins = sorted(p.name for p in self.folder.glob("*.bin"))
+                hint = (f" (found PyTorch {bins[:3]}: convert them to safetensors first)" if bins else "")
+                raise ConvertError(f"no model.safetensors or model.safetensors.index.json in {self.folder}{hint}")
+            if len(files) > 1:
+                raise ConvertError(f"{self.folder} holds {len(files)} .safetensors files but no "
+                                   "model.safetensors.index.json; add the index or keep one file")
+            self.entries = read_safetensors_header(files[0])
+        self._open: dict[Path, Any] = {}
+
+    def _handle(self, path: Path) -> Any:
+        from safetensors import safe_open
+
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="np")
+        return self._open[path]
+
+    def get(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a numpy array (bf16 as ``ml_dtypes.bfloat16``), read from disk now."""
+        e = self.entries[name]
+        return self._handle(e.file).get_tensor(name)
+
+    def close(self) -> None:
+        """Release the open files."""
+        self._open.clear()
+
+    def __enter__(self) -> "SafetensorsSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"``/``"500MB"``/``"2GiB"``/``"1000"`` -> bytes (decimal units as transformers' ``max_shard_size``).
+
+    Raises:
+        ConvertError: not a size.
+    """
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper()
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for u, m in units.items():
+        if t.endswith(u):
+            t, mult = t[: -len(u)], m
+            break
+    else:
+        mult = 1
+    try:
+        v = float(t)
+    except ValueError:
+        raise ConvertError(f"size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB") from None
+    if v <= 0:
+        raise ConvertError(f"size {text!r} must be positive")
+    return int(v * mult)
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy in-order split of ``(name, nbytes)`` into shards of at most ``max_shard_bytes``
+    (a tensor larger than the limit gets a shard of its own), as transformers' ``save_pretrained``."""
+    shards: list[list[str]] = [[]]
+    cur = 0
+    for name, nb in sizes:
+        if shards[-1] and cur + nb > max_shard_bytes:
+            shards.append([])
+            cur = 0
+        shards[-1].append(name)
+        cur += nb
+    return shards
+
+
+def write_safetensors_shards(folder: Path, tensors: Iterable[tuple[str, np.ndarray]],
+                             plan: list[list[str]]) -> list[Path]:
+    """Write ``tensors`` (consumed lazily, in ``plan`` order) into ``folder`` following ``plan``.
+
+    One shard: ``model.safetensors``. Several: ``model-0000i-of-0000N.safetensors`` plus
+    ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``; transformers
+    requires both, export.md §6). Each shard carries ``metadata={"format": "pt"}``. Only one shard's
+    tensors are held in memory at a time.
+
+    Raises:
+        ValueError: the tensors do not arrive in ``plan`` order.
+    """
+    from safetensors.numpy import save_file
+
+    n = len(plan)
+    it = iter(tensors)
+    written: list[Path] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, names in enumerate(plan):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        shard: dict[str, np.ndarray] = {}
+        for expected in names:
+            name, arr = next(it)
+            if name != expected:
+                raise ValueError(f"tensor {name!r} arrived where the shard plan expects {expected!r}")
+            shard[name] = arr
+            weight_map[name] = fname
+            total += arr.nbytes
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        written.append(folder / fname)
+        del shard
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        written.append(folder / "model.safetensors.index.json")
+    return written

@@ -1,0 +1,441 @@
+"""Hugging Face import/export (issue 7): round trips, official tables, manifests, bad input, CLI.
+
+No torch here: the transformers checks are in ``test_export_transformers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import shared_path
+from test_convert_common import random_params, read_json, tiny_cfg, tiny_tokenizer_dir  # noqa: F401
+
+from minicpm4_jax.cli import main
+from minicpm4_jax.config import ModelConfig, load_config
+from minicpm4_jax.convert import flat_params, official_config, official_param_shapes, unfold_from_llama
+from minicpm4_jax.convert.hf_export import write_hf
+from minicpm4_jax.convert.hf_import import import_hf, read_hf_config
+from minicpm4_jax.convert.io import MANIFEST_NAME, ConvertError, SafetensorsSource, params_sha256
+from minicpm4_jax.train.checkpoint import load_params_for_inference
+
+
+def _assert_bit_identical(a: dict, b: dict) -> None:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    for k in a:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        assert x.dtype == y.dtype and x.shape == y.shape, (k, x.dtype, y.dtype, x.shape, y.shape)
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), f"{k}: not bit-identical"
+
+
+def _no_leftovers(parent: Path) -> None:
+    left = [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    assert not left, f"staging folders left behind: {left}"
+
+
+# ------------------------------------------------------------------------------------------------
+# round trips
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied,shard", [(True, "4KB"), (False, "5GB")])
+def test_official_layout_round_trip_is_bit_identical(tmp_path, tiny_tokenizer_dir, tied, shard):
+    cfg = tiny_cfg(tied=tied)
+    params = random_params(cfg, seed=1 if tied else 2)
+    res = write_hf(params, cfg, tmp_path / "hf", layout="minicpm", dtype="float32",
+                   tokenizer_dir=tiny_tokenizer_dir, max_shard_size=shard)
+    hf = tmp_path / "hf"
+    names = set(official_param_shapes(cfg))
+    assert ("lm_head.weight" in names) is (not tied)
+    if shard == "4KB":  # sharded: a valid index whose total_size is the tensor bytes
+        index = read_json(hf / "model.safetensors.index.json")
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+        assert set(index["weight_map"]) == names
+        assert index["metadata"]["total_size"] == sum(4 * int(np.prod(s)) for s in official_param_shapes(cfg).values())
+        assert not (hf / "model.safetensors").exists()
+    else:
+        assert (hf / "model.safetensors").is_file() and not (hf / "model.safetensors.index.json").exists()
+    with SafetensorsSource(hf) as src:
+        assert {n: e.shape for n, e in src.entries.items()} == official_param_shapes(cfg)
+        assert {e.dtype for e in src.entries.values()} == {"F32"}
+    for f in ("config.json", "generation_config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+              MANIFEST_NAME):
+        assert (hf / f).is_file(), f
+    man = read_json(hf / MANIFEST_NAME)
+    assert man["format"] == "hf-minicpm" and man["dtype"] == "float32" and man["folded"] == []
+    assert set(man["files"]) >= {"config.json", "tokenizer.model"} and res.path == hf
+
+    imp = import_hf(hf, tmp_path / "run")
+    _assert_bit_identical(flat_params(imp.params), params)
+    assert imp.cfg == cfg
+    # the import is a checkpoint this project reads back (generate / export use this path)
+    train_cfg, model = load_params_for_inference(tmp_path / "run")
+    assert train_cfg.model == cfg
+    _assert_bit_identical(flat_params(model), params)
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.model").is_file()
+    man = read_json(tmp_path / "run" / MANIFEST_NAME)
+    assert man["params_sha256"] == params_sha256(params)
+    _no_leftovers(tmp_path)
+
+
+def test_bf16_export_rounds_once_and_bf16_values_round_trip(tmp_path):
+    cfg = tiny_cfg(tied=False)
+    params = random_params(cfg, seed=3)
+    write_hf(params, cfg, tmp_path / "a", dtype="bfloat16")
+    with SafetensorsSource(tmp_path / "a") as src:
+        assert {e.dtype for e in src.entries.values()} == {"BF16"}
+    got = flat_params(import_hf(tmp_path / "a", tmp_path / "ra").params)
+    rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in params.items()}
+    _assert_bit_identical(got, rounded)  # one round-to-nearest-even, nothing else
+    assert any(not np.array_equal(rounded[k], params[k]) for k in params)  # the rounding is real
+    # parameters that already hold bf16 values survive a bf16 export exactly
+    write_hf(rounded, cfg, tmp_path / "b", dtype="bfloat16")
+    _assert_bit_identical(flat_params(import_hf(tmp_path / "b", tmp_path / "rb").params), rounded)
+
+
+def test_llama_layout_folds_and_unfolds_within_rounding(tmp_path):
+    """The Llama layout is not lossless (x*s/s in float32): its inverse is within 1e-6 relative."""
+    cfg = tiny_cfg(tied=True)
+    params = random_params(cfg, seed=4)
+    res = write_hf(params, cfg, tmp_path / "l", layout="llama")
+    hf = read_json(tmp_path / "l" / "config.json")
+    assert hf["architectures"] == ["LlamaForCausalLM"] and hf["tie_word_embeddings"] is False
+    for k in ("scale_emb", "scale_depth", "dim_model_base", "sparse_config"):
+        assert k not in hf
+    with SafetensorsSource(tmp_path / "l") as src:
+        tensors = {k: src.get(k) for k in src.entries}
+    assert "lm_head.weight" in tensors
+    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"],
+                                  (params["embed_tokens/embedding"].astype(np.float64) * 7.0).astype(np.float32))
+    back = unfold_from_llama(tensors, cfg)
+    for k in params:
+        np.testing.assert_allclose(back[k], params[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert len(res.manifest["folded"]) == 3 and res.manifest["format"] == "hf-llama"
+
+
+def test_import_places_params_on_a_mesh(tmp_path):
+    """With target shardings, every parameter lands on the mesh with the requested sharding."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    cfg = tiny_cfg(tied=False)
+    params = random_params(cfg, seed=5)
+    write_hf(params, cfg, tmp_path / "hf", max_shard_size="8KB")
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
+
+    def shard(path: str, shape: tuple[int, ...]):
+        spec = [None] * len(shape)
+        if len(shape) >= 2 and shape[-1] % 2 == 0:
+            spec[-1] = "tensor"
+        if shape[0] % 4 == 0 and len(shape) >= 2:
+            spec[0] = "fsdp"
+        return NamedSharding(mesh, P(*spec))
+
+    imp = import_hf(tmp_path / "hf", tmp_path / "run", shardings=shard)
+    flat_arrays = {"/".join(map(str, p)): v.get_value() for p, v in __import__("flax").nnx.to_flat_state(imp.params)}
+    for k, a in flat_arrays.items():
+        assert a.sharding == shard(k, a.shape), k
+        assert len(a.sharding.device_set) == 8
+    _assert_bit_identical({k: np.asarray(v) for k, v in flat_arrays.items()}, params)
+
+
+# ------------------------------------------------------------------------------------------------
+# official layout vs the released tables (spec minicpm4_model.md §6)
+# ------------------------------------------------------------------------------------------------
+
+#: spec §6: name -> (8B shape, 0.5B shape); per-layer names with {i}
+SPEC_TABLE = {
+    "model.embed_tokens.weight": ((73448, 4096), (73448, 1024)),
+    "model.layers.{i}.input_layernorm.weight": ((4096,), (1024,)),
+    "model.layers.{i}.self_attn.q_proj.weight": ((4096, 4096), (1024, 1024)),
+    "model.layers.{i}.self_attn.k_proj.weight": ((256, 4096), (128, 1024)),
+    "model.layers.{i}.self_attn.v_proj.weight": ((256, 4096), (128, 1024)),
+    "model.layers.{i}.self_attn.o_proj.weight": ((4096, 4096), (1024, 1024)),
+    "model.layers.{i}.post_attention_layernorm.weight": ((4096,), (1024,)),
+    "model.layers.{i}.mlp.gate_proj.weight": ((16384, 4096), (4096, 1024)),
+    "model.layers.{i}.mlp.up_proj.weight": ((16384, 4096), (4096, 1024)),
+    "model.layers.{i}.mlp.down_proj.weight": ((4096, 16384), (1024, 4096)),
+    "model.norm.weight": ((4096,), (1024,)),
+    "lm_head.weight": ((73448, 4096), None),  # 0.5B: tied, not stored
+}
+
+
+def _spec_shapes(col: int, layers: int) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for name, shapes in SPEC_TABLE.items():
+        if shapes[col] is None:
+            continue
+        for i in range(layers) if "{i}" in name else [None]:
+            out[name.format(i=i)] = shapes[col]
+    return out
+
+
+def test_official_key_set_and_shapes_equal_released_05b():
+    released = ModelConfig.from_hf_config(read_json(shared_path("data", "minicpm4-0.5b", "config.json")))
+    shapes = official_param_shapes(released)
+    assert shapes == _spec_shapes(1, 24)
+    assert len(shapes) == 24 * 9 + 2 and "lm_head.weight" not in shapes
+
+
+@pytest.mark.parametrize("preset", ["minicpm4_8b", "minicpm41_8b"])
+def test_official_key_set_and_shapes_equal_8b_table(preset):
+    shapes = official_param_shapes(load_config(preset).model)
+    assert shapes == _spec_shapes(0, 32)
+    assert len(shapes) == 32 * 9 + 3
+
+
+def test_official_config_reproduces_released_05b_config(tmp_path):
+    raw = read_json(shared_path("data", "minicpm4-0.5b", "config.json"))
+    cfg = ModelConfig.from_hf_config(raw)
+    out = official_config(cfg, "bfloat16")
+    loader_only = {"auto_map", "_name_or_path", "transformers_version", "use_cache"}
+    diffs = {k: (raw[k], out.get(k, "<missing>")) for k in raw if k not in loader_only and out.get(k) != raw[k]}
+    assert not diffs, diffs
+    assert "factor" not in out["rope_scaling"] and "sparse_config" not in out
+    assert out["tie_word_embeddings"] is True  # written explicitly (the released file relies on the default)
+    # the importer reads the released config.json itself to the same model
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    _, cfg2, warns = read_hf_config(tmp_path)
+    assert cfg2 == ModelConfig.from_hf_config(raw, dtype="float32", param_dtype="float32") and warns == []
+
+
+# ------------------------------------------------------------------------------------------------
+# export from a checkpoint + CLI + manifests
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def imported_run(tmp_path, tiny_tokenizer_dir):
+    """A run folder made by ``minicpm4 import hf`` from an official export of random params."""
+    cfg = tiny_cfg(tied=True)
+    params = random_params(cfg, seed=6)
+    write_hf(params, cfg, tmp_path / "src", tokenizer_dir=tiny_tokenizer_dir)
+    rc = main(["import", "hf", str(tmp_path / "src"), "--out", str(tmp_path / "run")])
+    assert rc == 0
+    return tmp_path / "run", cfg, params
+
+
+def test_cli_export_hf_from_checkpoint_records_provenance(imported_run, tmp_path, capsys):
+    run, cfg, params = imported_run
+    rc = main(["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "e1"), "--layout", "minicpm"])
+    assert rc == 0, capsys.readouterr().err
+    man = read_json(tmp_path / "e1" / MANIFEST_NAME)
+    assert man["source"]["step"] == 0 and man["source"]["params_sha256"] == params_sha256(params)
+    assert man["source"]["checkpoint"].endswith("checkpoints")
+    assert man["mtp_draft"].startswith("not exported")
+    # the CLI export is the same bytes as exporting the params directly
+    write_hf(params, cfg, tmp_path / "direct")
+    for f in ("model.safetensors", "config.json"):
+        assert (tmp_path / "e1" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
+    # non-empty output: refused without --force (one line, exit 2), replaced with it
+    capsys.readouterr()
+    rc = main(["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "e1"), "--layout", "llama"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "not empty" in err[0] and "--force" in err[0]
+    assert read_json(tmp_path / "e1" / "config.json")["architectures"] == ["MiniCPMForCausalLM"]
+    rc = main(["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "e1"), "--layout", "llama", "--force",
+               "--dtype", "bfloat16"])
+    assert rc == 0
+    assert read_json(tmp_path / "e1" / "config.json")["architectures"] == ["LlamaForCausalLM"]
+    man = read_json(tmp_path / "e1" / MANIFEST_NAME)
+    assert man["format"] == "hf-llama" and man["dtype"] == "bfloat16" and len(man["folded"]) == 3
+    assert set(man["files"]) == {p.name for p in (tmp_path / "e1").iterdir() if p.name != MANIFEST_NAME}
+    _no_leftovers(tmp_path)
+
+
+def test_cli_errors_are_one_line(tmp_path, imported_run, capsys):
+    run, _, _ = imported_run
+    cases = [
+        (["import", "hf", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "is not a folder"),
+        (["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--layout", "gpt"], "--layout 'gpt'"),
+        (["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--dtype", "int8"], "--dtype 'int8'"),
+        (["export", "gguf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--outtype", "q4_k"], "'q4_k'"),
+        (["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--step", "7"], "--step 7"),
+        (["export", "hf", "--checkpoint", str(run), "--out", str(run)], "holds the source"),
+        (["export", "hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "does not exist"),
+    ]
+    for argv, needle in cases:
+        capsys.readouterr()
+        rc = main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and needle in err[0], (argv, err)
+        assert not (tmp_path / "x").exists()
+    _no_leftovers(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def official_dir(tmp_path, tiny_tokenizer_dir) -> tuple[Path, ModelConfig]:
+    cfg = tiny_cfg(tied=False)
+    write_hf(random_params(cfg, seed=7), cfg, tmp_path / "hf", tokenizer_dir=tiny_tokenizer_dir, max_shard_size="16KB")
+    return tmp_path / "hf", cfg
+
+
+def _edit_shard(folder: Path, edit) -> None:
+    """Rewrite the shard files with ``edit(dict)`` applied and the index regenerated."""
+    from safetensors.numpy import save_file
+
+    with SafetensorsSource(folder) as src:
+        tensors = {k: src.get(k) for k in src.entries}
+    for p in folder.glob("model*.safetensors*"):
+        p.unlink()
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("missing", "tensor 'model.layers.1.mlp.up_proj.weight' is missing"),
+    ("extra", "unexpected tensor 'model.layers.2.mlp.up_proj.weight'"),
+    ("shape", "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 64] but config.json implies [32, 64]"),
+    ("dtype", "tensor 'model.norm.weight' is I32"),
+])
+def test_import_names_the_bad_tensor(official_dir, tmp_path, what, needle):
+    folder, _ = official_dir
+
+    def edit(t):
+        if what == "missing":
+            del t["model.layers.1.mlp.up_proj.weight"]
+        elif what == "extra":
+            t["model.layers.2.mlp.up_proj.weight"] = t["model.layers.1.mlp.up_proj.weight"]
+        elif what == "shape":
+            t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:16]
+        else:
+            t["model.norm.weight"] = t["model.norm.weight"].astype(np.int32)
+
+    _edit_shard(folder, edit)
+    with pytest.raises(ConvertError) as e:
+        import_hf(folder, tmp_path / "out")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()
+    _no_leftovers(tmp_path)
+
+
+def test_import_rejects_truncated_and_inconsistent_files(official_dir, tmp_path):
+    folder, _ = official_dir
+    index = read_json(folder / "model.safetensors.index.json")
+    shard = folder / sorted(set(index["weight_map"].values()))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(ConvertError, match=rf"{shard.name} is truncated: .* \(100 missing\)"):
+        import_hf(folder, tmp_path / "out")
+    shard.write_bytes(data[:5])
+    with pytest.raises(ConvertError, match="not even a safetensors header"):
+        import_hf(folder, tmp_path / "out")
+    shard.unlink()
+    with pytest.raises(ConvertError, match=rf"to {shard.name}, which does not exist"):
+        import_hf(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch,needle", [
+    (["LlamaForCausalLM"], "a Llama-folded export"),
+    (["MiniCPM3ForCausalLM"], "is not ['MiniCPMForCausalLM']"),
+    (None, "architectures=[]"),
+])
+def test_import_rejects_wrong_architecture(official_dir, tmp_path, arch, needle):
+    folder, _ = official_dir
+    cfg = read_json(folder / "config.json")
+    if arch is None:
+        cfg.pop("architectures")
+    else:
+        cfg["architectures"] = arch
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConvertError) as e:
+        import_hf(folder, tmp_path / "out")
+    assert needle in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_tied_model_with_redundant_head(tmp_path, tiny_tokenizer_dir):
+    cfg = tiny_cfg(tied=True)
+    write_hf(random_params(cfg, seed=8), cfg, tmp_path / "hf")
+    _edit_shard(tmp_path / "hf", lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].copy()))
+    assert "lm_head.weight equals the embedding (tied head); ignored" in import_hf(tmp_path / "hf", tmp_path / "a").warnings
+    _edit_shard(tmp_path / "hf", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"] * 2))
+    with pytest.raises(ConvertError, match='set "tie_word_embeddings": false'):
+        import_hf(tmp_path / "hf", tmp_path / "b")
+
+
+def test_vocabulary_mismatch_is_refused_both_ways(tmp_path, tiny_tokenizer_dir):
+    cfg = tiny_cfg(vocab=300)  # the tokenizer has 320 ids
+    params = random_params(cfg, seed=9)
+    with pytest.raises(ConvertError, match=r"has 320 tokens but the model's vocab_size is 300"):
+        write_hf(params, cfg, tmp_path / "e", tokenizer_dir=tiny_tokenizer_dir)
+    assert not (tmp_path / "e").exists()
+    write_hf(params, cfg, tmp_path / "hf")
+    for n in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer_dir / n, tmp_path / "hf" / n)
+    with pytest.raises(ConvertError, match=r"has 320 tokens but config.json has vocab_size 300"):
+        import_hf(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_not_enough_disk_space_writes_nothing(tmp_path, monkeypatch):
+    import minicpm4_jax.convert.io as cio
+
+    cfg = tiny_cfg()
+    params = random_params(cfg, seed=10)
+    real = cio.shutil.disk_usage
+    monkeypatch.setattr(cio.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(ConvertError, match=r"not enough disk space in .*: the output needs about [\d.]+ MiB, 1.0 MiB"):
+        write_hf(params, cfg, tmp_path / "e")
+    assert not (tmp_path / "e").exists()
+    monkeypatch.setattr(cio.shutil, "disk_usage", real)
+    write_hf(params, cfg, tmp_path / "hf")
+    monkeypatch.setattr(cio.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(ConvertError, match="not enough disk space"):
+        import_hf(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_failure_mid_write_leaves_no_folder_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import minicpm4_jax.convert.hf_export as hx
+
+    cfg = tiny_cfg()
+    params = random_params(cfg, seed=11)
+    write_hf(params, cfg, tmp_path / "e")
+    before = (tmp_path / "e" / "model.safetensors").read_bytes()
+    real = hx.write_safetensors_shards
+
+    def crash(folder, tensors, plan):
+        real(folder, tensors, plan[:1])  # writes the first shard, then "the disk fails"
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hx, "write_safetensors_shards", crash)
+    with pytest.raises(OSError):
+        write_hf(params, cfg, tmp_path / "new", max_shard_size="8KB")
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(OSError):
+        write_hf(params, cfg, tmp_path / "e", max_shard_size="8KB", force=True)
+    assert (tmp_path / "e" / "model.safetensors").read_bytes() == before  # the old export is intact
+    assert (tmp_path / "e" / MANIFEST_NAME).is_file()
+    _no_leftovers(tmp_path)
+
+
+def test_sparse_model_exports_with_warnings(tmp_path):
+    cfg = tiny_cfg(sparse=True)
+    params = random_params(cfg, seed=12)
+    logged: list[str] = []
+    res = write_hf(params, cfg, tmp_path / "m", layout="minicpm", log=logged.append)
+    hf = read_json(tmp_path / "m" / "config.json")
+    assert hf["sparse_config"]["kernel_size"] == 32 and hf["sparse_config"]["topk"] == 4
+    assert any("GQA group size 2" in w and "groups of 16" in w for w in res.warnings)
+    assert any("head_dim 16 is not 128" in w for w in res.warnings)
+    assert all(line.startswith("warning: ") for line in logged) and len(logged) == len(res.warnings)
+    # the import brings the sparse settings back
+    assert import_hf(tmp_path / "m", tmp_path / "r").cfg.sparse_config == cfg.sparse_config
+    res = write_hf(params, cfg, tmp_path / "l", layout="llama")
+    assert "sparse_config" not in read_json(tmp_path / "l" / "config.json")
+    assert any("dense attention only" in w for w in res.warnings)
+    assert read_json(tmp_path / "l" / MANIFEST_NAME)["dropped"] == ["sparse_config"]
+    assert read_json(tmp_path / "l" / MANIFEST_NAME)["attention"] == "dense"

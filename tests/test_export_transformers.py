@@ -1,0 +1,90 @@
+"""Exports loaded by stock transformers (issue 7), in the Python 3.11 CPU-torch environment.
+
+* Llama layout: ``AutoModelForCausalLM.from_pretrained(dir)`` with ``trust_remote_code=False`` loads
+  the exported folder itself (sharded safetensors + index, longrope, folded μP scalars); its float32
+  logits match the JAX model to <= 1e-4 and its greedy continuation equals ours token for token.
+* Official layout: the exported ``MiniCPMForCausalLM`` folder is folded *inside the test* with plain
+  numpy from its own ``config.json`` scalars (``test_convert_common.fold_official_dir_in_test``), loaded
+  the same way and compared the same way: this proves names, shapes and scalars of the official
+  export without remote code (export.md §7 row 2b).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_convert_common import (  # noqa: F401
+    fold_official_dir_in_test,
+    greedy,
+    jax_logits,
+    random_params,
+    tiny_cfg,
+    tiny_tokenizer_dir,
+)
+
+from minicpm4_jax.convert.hf_export import write_hf
+
+TOL = 1e-4
+NEW_TOKENS = 16
+LENGTHS = (23, 64, 100)  # below, at and above original_max_position_embeddings (64)
+# (max_position_embeddings above the original makes the LongRoPE attention scaling != 1: exercised)
+
+CASES = {
+    # name: (config kwargs, layout, parameter seed)
+    "llama_untied_max2x_sharded": (dict(tied=False, max_pos=128, layers=3), "llama", 31),
+    "llama_tied_mqa": (dict(tied=True, max_pos=128, heads=4, kv=1), "llama", 32),
+    "official_tied_folded_in_test": (dict(tied=True, max_pos=128, scale_emb=12.0, scale_depth=1.4), "minicpm", 33),
+    "official_untied_mha_max4x_folded_in_test": (dict(tied=False, max_pos=256, kv=4), "minicpm", 34),
+}
+
+
+def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
+    from torch_env import run_torch_side
+
+    kwargs, layout, seed = CASES[name]
+    cfg = tiny_cfg(**kwargs)
+    params = random_params(cfg, seed=seed)
+    export = root / name / "export"
+    write_hf(params, cfg, export, layout=layout, tokenizer_dir=tok_dir, max_shard_size="32KB")
+    model_dir = export
+    if layout == "minicpm":
+        from safetensors.numpy import save_file
+
+        tensors, hf_cfg = fold_official_dir_in_test(export)
+        model_dir = root / name / "folded"
+        model_dir.mkdir()
+        save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        (model_dir / "config.json").write_text(json.dumps(hf_cfg))
+    r = np.random.default_rng(7)
+    inputs = {f"T{t}": r.integers(0, cfg.vocab_size, (2, t)).astype(np.int64) for t in LENGTHS}
+    inputs["prompt"] = r.integers(3, cfg.vocab_size, (1, 9)).astype(np.int64)
+    np.savez(root / name / "inputs.npz", **inputs)
+    proc = run_torch_side("hf-check", str(model_dir), "--inputs", str(root / name / "inputs.npz"), "--out",
+                          str(root / name / "torch.npz"), "--new-tokens", str(NEW_TOKENS), timeout=600)
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    torch_out = dict(np.load(root / name / "torch.npz"))
+    errs = {}
+    for key in inputs:
+        if key == "prompt":
+            continue
+        ref = jax_logits(cfg, params, inputs[key])
+        assert float(np.max(np.abs(ref))) > 0.5
+        errs[key] = float(np.max(np.abs(torch_out[f"logits_{key}"] - ref)))
+    ours = greedy(cfg, params, [int(x) for x in inputs["prompt"][0]], NEW_TOKENS)
+    return {"errs": errs, "greedy_torch": [int(x) for x in torch_out["greedy"]], "greedy_jax": ours,
+            "class": info["class"], "cfg": cfg}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_loads_in_stock_transformers(tmp_path, tiny_tokenizer_dir, name):
+    res = _run_case(tmp_path, name, tiny_tokenizer_dir)
+    print(f"{name}: {res['class']}, max|dlogit| per length {res['errs']}, greedy {res['greedy_jax']}")
+    assert res["class"] == "LlamaForCausalLM"
+    bad = {k: e for k, e in res["errs"].items() if not e <= TOL}
+    assert not bad, f"{name}: transformers vs JAX logits above {TOL}: {bad}"
+    assert len(res["greedy_jax"]) == NEW_TOKENS
+    assert res["greedy_torch"] == res["greedy_jax"], "greedy continuations differ"

@@ -1,0 +1,291 @@
+"""GGUF export (issue 7): structure read back with ``gguf.GGUFReader``, round trips and logits from the
+dequantized file, the q/k permutation against ggml's rope convention, llama.cpp's own converter as an
+independent oracle (torch env), and an opt-in run in llama.cpp itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from conftest import shared_path
+from test_convert_common import jax_logits, random_params, read_json, tiny_cfg, tiny_tokenizer_dir  # noqa: F401
+
+from minicpm4_jax.cli import main
+from minicpm4_jax.convert.gguf_export import (
+    gguf_tensor_types,
+    permute_qk,
+    read_gguf_params,
+    unpermute_qk,
+    write_gguf,
+    write_gguf_dir,
+)
+from minicpm4_jax.convert.hf_export import write_hf
+from minicpm4_jax.convert.io import MANIFEST_NAME, ConvertError
+from minicpm4_jax.nn.rope import attention_scaling
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _fields(path: Path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(str(path))
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    return kv, {t.name: t for t in r.tensors}
+
+
+def _ids(cfg, seed: int, t: int = 40) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, t)).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# structure
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outtype,mat", [("f32", "F32"), ("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")])
+def test_gguf_structure(tmp_path, tiny_tokenizer_dir, outtype, mat):
+    cfg = tiny_cfg(tied=outtype != "f16", max_pos=128 if outtype == "q8_0" else 64)
+    params = random_params(cfg, seed=20)
+    res = write_gguf_dir(params, cfg, tmp_path / "g", outtype=outtype, tokenizer_dir=tiny_tokenizer_dir)
+    path = tmp_path / "g" / f"minicpm4-{outtype}.gguf"
+    kv, tens = _fields(path)
+    L = cfg.num_hidden_layers
+    expect = {
+        "general.architecture": "minicpm", "minicpm.block_count": L, "minicpm.context_length": cfg.max_position_embeddings,
+        "minicpm.embedding_length": 64, "minicpm.feed_forward_length": 96, "minicpm.attention.head_count": 4,
+        "minicpm.attention.head_count_kv": 2, "minicpm.rope.freq_base": 10000.0, "minicpm.rope.scaling.type": "longrope",
+        "minicpm.rope.scaling.original_context_length": 64, "general.file_type": gguf.LlamaFileType[
+            {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}[outtype]].value,
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "general.quantization_version": gguf.GGML_QUANT_VERSION,
+    }
+    for k, v in expect.items():
+        assert kv.get(k) == v, (k, kv.get(k), v)
+    # all three MiniCPM scale keys (llama.cpp's legacy defaults differ: 12, 1.4/sqrt(L), 256/n_embd)
+    assert kv["minicpm.embedding_scale"] == pytest.approx(7.0, rel=1e-7)
+    assert kv["minicpm.residual_scale"] == pytest.approx(1.9 / math.sqrt(L), rel=1e-7)
+    assert kv["minicpm.logit_scale"] == pytest.approx(64 / 16, rel=1e-7)
+    assert kv["minicpm.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5, rel=1e-6)
+    if cfg.max_position_embeddings > 64:
+        assert attention_scaling(cfg) > 1.05
+        assert kv["minicpm.rope.scaling.attn_factor"] == pytest.approx(attention_scaling(cfg), rel=1e-7)
+    else:
+        assert "minicpm.rope.scaling.attn_factor" not in kv
+    assert len(kv["tokenizer.ggml.tokens"]) == cfg.vocab_size == len(kv["tokenizer.ggml.token_type"])
+    # tensor names, reversed (ggml ne[0] = in_features) shapes and types
+    names = {"token_embd.weight", "output_norm.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+    for i in range(L):
+        names |= {f"blk.{i}.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                                                   "ffn_gate", "ffn_up", "ffn_down")}
+    if not cfg.tie_word_embeddings:
+        names.add("output.weight")
+    assert set(tens) == names
+    shapes = {"token_embd.weight": [64, 320], "output.weight": [64, 320], "blk.0.attn_q.weight": [64, 64],
+              "blk.0.attn_k.weight": [64, 32], "blk.1.attn_output.weight": [64, 64], "blk.1.ffn_down.weight": [96, 64],
+              "blk.0.ffn_gate.weight": [64, 96], "output_norm.weight": [64], "rope_factors_long.weight": [8]}
+    for n, s in shapes.items():
+        if n in tens:
+            assert list(tens[n].shape) == s, (n, list(tens[n].shape))
+    types = gguf_tensor_types(cfg, outtype)
+    for n, t in tens.items():
+        want = "F32" if (n.endswith("norm.weight") or n.startswith("rope_factors")) else mat
+        assert t.tensor_type.name == want == types[n], n
+    np.testing.assert_array_equal(tens["rope_factors_long.weight"].data, np.asarray(cfg.rope_scaling.long_factor, np.float32))
+    man = read_json(tmp_path / "g" / MANIFEST_NAME)
+    assert man["format"] == "gguf" and man["outtype"] == outtype and man["file"] == path.name
+    assert res.files == [path.name]
+
+
+def test_gguf_vocabulary_of_the_official_tokenizer(tmp_path):
+    """Added chat/FIM tokens are control tokens, the chat template and special ids are carried."""
+    tok_dir = shared_path("data", "minicpm4-0.5b")
+    cfg = tiny_cfg(vocab=73448, layers=1)
+    write_gguf(random_params(cfg, seed=21), cfg, tmp_path / "v.gguf", outtype="f16", tokenizer_dir=tok_dir)
+    kv, _ = _fields(tmp_path / "v.gguf")
+    toks, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
+    assert len(toks) == 73448
+    assert (toks[0], toks[1], toks[2]) == ("<unk>", "<s>", "</s>")
+    assert toks[73440] == "<|im_end|>" and toks[73441] == "<|im_start|>" and toks[73447] == "<|fim_suffix|>"
+    assert types[73440] == gguf.TokenType.CONTROL and types[1] == gguf.TokenType.CONTROL
+    # <unk> is listed as special in tokenizer_config.json's added_tokens_decoder: CONTROL, as the converter does
+    assert types[0] == gguf.TokenType.CONTROL and types[100] in (gguf.TokenType.NORMAL, gguf.TokenType.BYTE)
+    assert "<|im_start|>" in kv["tokenizer.chat_template"]
+    assert kv["tokenizer.ggml.bos_token_id"] == 1 and kv["tokenizer.ggml.add_bos_token"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# contents: round trip and logits from the dequantized file
+# ------------------------------------------------------------------------------------------------
+
+
+def test_gguf_round_trip_and_logits(tmp_path, tiny_tokenizer_dir):
+    cfg = tiny_cfg(tied=False)
+    params = random_params(cfg, seed=22)
+    ids = _ids(cfg, 1)
+    ref = jax_logits(cfg, params, ids)
+    scale = float(np.max(np.abs(ref)))
+    assert scale > 1.0
+    errs = {}
+    for outtype in ("f32", "f16", "bf16", "q8_0"):
+        p = tmp_path / f"{outtype}.gguf"
+        write_gguf(params, cfg, p, outtype=outtype, tokenizer_dir=tiny_tokenizer_dir)
+        back = read_gguf_params(p, cfg)
+        if outtype == "f32":  # lossless: bit-identical parameters, identical logits
+            for k in params:
+                assert np.array_equal(back[k].view(np.uint32), params[k].view(np.uint32)), k
+        logits = jax_logits(cfg, back, ids)
+        errs[outtype] = float(np.max(np.abs(logits - ref)))
+        top1 = float(np.mean(np.argmax(logits, -1) == np.argmax(ref, -1)))
+        print(f"{outtype}: max|dlogit| {errs[outtype]:.3e} (max|logit| {scale:.2f}), top-1 agreement {top1:.3f}")
+        if outtype == "f32":
+            assert errs[outtype] == 0.0
+        elif outtype in ("f16", "bf16"):
+            assert errs[outtype] <= 1e-2 * scale and errs[outtype] > 0
+        else:
+            assert top1 >= 0.95 and errs[outtype] <= 5e-2 * scale
+    assert errs["f16"] < errs["bf16"]  # 10 vs 7 mantissa bits: the file really holds what it says
+
+
+def test_qk_permutation_matches_ggml_norm_rope():
+    """HF rotate-half rope on the original rows == ggml NORM (adjacent-pair) rope on the permuted rows."""
+    rng = np.random.default_rng(0)
+    n_head, d, h = 3, 8, 5
+    w = rng.standard_normal((n_head * d, h))
+    x = rng.standard_normal(h)
+    theta = rng.uniform(0.1, 3.0, d // 2)
+    q = (w @ x).reshape(n_head, d)
+    c, s = np.cos(theta), np.sin(theta)
+    # HF / MiniCPM: pairs (j, j + d/2)
+    a, b = q[:, : d // 2], q[:, d // 2:]
+    hf = np.concatenate([a * c - b * s, b * c + a * s], axis=1)
+    # ggml LLAMA_ROPE_TYPE_NORM: pairs (2j, 2j+1) on the permuted weight
+    qp = (permute_qk(w, n_head) @ x).reshape(n_head, d)
+    e, o = qp[:, 0::2], qp[:, 1::2]
+    norm = np.empty_like(qp)
+    norm[:, 0::2], norm[:, 1::2] = e * c - o * s, o * c + e * s
+    np.testing.assert_allclose(norm.reshape(-1), permute_qk((hf.reshape(-1, 1)), n_head).reshape(-1), rtol=1e-12)
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, n_head), n_head), w)
+    assert not np.array_equal(permute_qk(w, n_head), w)
+
+
+def test_gguf_bad_input(tmp_path, tiny_tokenizer_dir):
+    cfg = tiny_cfg(vocab=300)
+    params = random_params(cfg, seed=23)
+    with pytest.raises(ConvertError, match="has 320 tokens but the model's vocab_size is 300"):
+        write_gguf_dir(params, cfg, tmp_path / "a", outtype="f16", tokenizer_dir=tiny_tokenizer_dir)
+    with pytest.raises(ConvertError, match="needs the vocabulary"):
+        write_gguf_dir(params, cfg, tmp_path / "a", outtype="f16", tokenizer_dir=None)
+    json_only = tmp_path / "tok"
+    json_only.mkdir()
+    (json_only / "tokenizer.json").write_bytes((tiny_tokenizer_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(ConvertError, match="no tokenizer.model"):
+        write_gguf_dir(params, tiny_cfg(), tmp_path / "a", outtype="f16", tokenizer_dir=json_only)
+    with pytest.raises(ConvertError, match="--outtype 'q4_k_m' is not supported"):
+        write_gguf_dir(params, cfg, tmp_path / "a", outtype="q4_k_m", tokenizer_dir=tiny_tokenizer_dir)
+    assert not (tmp_path / "a").exists()
+    sparse = tiny_cfg(sparse=True)
+    res = write_gguf_dir(random_params(sparse, seed=24), sparse, tmp_path / "s", outtype="f16",
+                         tokenizer_dir=tiny_tokenizer_dir)
+    assert any("dense attention only" in w for w in res.warnings)
+    assert read_json(tmp_path / "s" / MANIFEST_NAME)["dropped"] == ["sparse_config"]
+
+
+def test_cli_export_gguf(tmp_path, tiny_tokenizer_dir, capsys):
+    cfg = tiny_cfg(tied=True)
+    params = random_params(cfg, seed=25)
+    write_hf(params, cfg, tmp_path / "src", tokenizer_dir=tiny_tokenizer_dir)
+    assert main(["import", "hf", str(tmp_path / "src"), "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", "gguf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "g"),
+                 "--outtype", "f32"]) == 0
+    back = read_gguf_params(tmp_path / "g" / "minicpm4-f32.gguf", cfg)
+    for k in params:
+        assert np.array_equal(back[k], params[k]), k
+    man = read_json(tmp_path / "g" / MANIFEST_NAME)
+    assert man["source"]["step"] == 0 and len(man["source"]["params_sha256"]) == 64
+    capsys.readouterr()
+    assert main(["export", "gguf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "g")]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# independent oracle: llama.cpp's own convert_hf_to_gguf.py (torch env)
+# ------------------------------------------------------------------------------------------------
+
+
+def _converter_dir() -> Path:
+    """llama.cpp's converter from the llama-cpp-python sdist (cached under .cache/); skip if PyPI is unreachable."""
+    from torch_env import TORCH_PY, ensure_torch_env
+
+    ensure_torch_env()
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "fetch_llamacpp_converter.sh")], cwd=REPO,
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PIP": f"{TORCH_PY} -m pip"})
+    if proc.returncode == 3:
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return REPO / proc.stdout.strip().splitlines()[-1]
+
+
+#: keys the converter derives from the folder name / parameter count (not model facts)
+_NAMING_KEYS = {"general.name", "general.size_label", "general.basename", "general.finetune"}
+#: keys only our writer adds (documented in gguf_export: llama.cpp reads them, the converter omits them)
+_OUR_EXTRA_KEYS = {"minicpm.rope.scaling.original_context_length", "minicpm.rope.scaling.attn_factor"}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", ["tiny_tok_untied", "official_tok_tied"])
+def test_gguf_equals_llamacpp_converter(tmp_path, tiny_tokenizer_dir, case):
+    from torch_env import run_torch_side
+
+    if case == "official_tok_tied":
+        tok_dir, cfg = shared_path("data", "minicpm4-0.5b"), tiny_cfg(tied=True, vocab=73448, layers=1, eos=(2, 73440))
+    else:
+        tok_dir, cfg = tiny_tokenizer_dir, tiny_cfg(tied=False, layers=3, max_pos=256)
+    params = random_params(cfg, seed=26)
+    conv = _converter_dir()
+    write_hf(params, cfg, tmp_path / "hf", layout="minicpm", tokenizer_dir=tok_dir, max_shard_size="64KB")
+    theirs = tmp_path / "theirs.gguf"
+    run_torch_side("convert-gguf", str(conv), str(tmp_path / "hf"), str(theirs), "--outtype", "f32", timeout=600)
+    write_gguf(params, cfg, tmp_path / "ours.gguf", outtype="f32", tokenizer_dir=tok_dir)
+    kv_o, t_o = _fields(tmp_path / "ours.gguf")
+    kv_t, t_t = _fields(theirs)
+    assert set(kv_t) - _NAMING_KEYS == set(kv_o) - _NAMING_KEYS - _OUR_EXTRA_KEYS
+    for k in set(kv_t) - _NAMING_KEYS:
+        assert kv_o[k] == kv_t[k], (k, kv_o[k] if not isinstance(kv_o[k], list) else len(kv_o[k]))
+    assert set(t_o) == set(t_t)
+    for n in t_t:
+        a, b = t_o[n], t_t[n]
+        assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)), n
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), f"{n}: tensor bytes differ from llama.cpp's converter"
+    print(f"{case}: {len(t_t)} tensors and {len(set(kv_t) - _NAMING_KEYS)} keys identical to convert_hf_to_gguf.py")
+
+
+# ------------------------------------------------------------------------------------------------
+# opt-in: run the GGUF in llama.cpp itself (builds llama-cpp-python from source: 15-30 min)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(os.environ.get("MINICPM4_LLAMACPP") != "1",
+                    reason="opt-in: set MINICPM4_LLAMACPP=1 (builds llama-cpp-python from source, 15-30 min) "
+                           "and run with -m llamacpp")
+def test_gguf_logits_in_llamacpp(tmp_path, tiny_tokenizer_dir):
+    cfg = tiny_cfg(tied=False, layers=2)
+    params = random_params(cfg, seed=27)
+    write_gguf(params, cfg, tmp_path / "m.gguf", outtype="f32", tokenizer_dir=tiny_tokenizer_dir)
+    ids = _ids(cfg, 2, t=24)[:1]
+    np.save(tmp_path / "ids.npy", ids[0])
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "verify_gguf_llamacpp.sh"), str(tmp_path / "m.gguf"),
+                           str(tmp_path / "ids.npy"), str(tmp_path / "scores.npy")], cwd=REPO, capture_output=True,
+                          text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scores = np.load(tmp_path / "scores.npy")
+    ref = jax_logits(cfg, params, ids)[0]
+    err = float(np.max(np.abs(scores - ref)))
+    print(f"llama.cpp F32 vs JAX: max|dlogit| {err:.3e}")
+    assert err <= 1e-3
