@@ -100,7 +100,7 @@ def _softmax_state(logits, ok, vv, v_dtype):
 def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Array, *, q_positions: jax.Array,
                     kv_positions: jax.Array, block_size: int, window_blocks: int = 0, init_blocks: int = 0,
                     gather_width: int | None = None, kv_valid: jax.Array | None = None,
-                    scale: float | None = None, q_tile: int = 64, gather_tile: int = 2,
+                    scale: float | None = None, q_tile: int = 64, gather_tile: int | None = None,
                     remat: bool = True) -> jax.Array:
     """Block-sparse attention over a given selection (§5.5), differentiable in q, k, v.
 
@@ -127,7 +127,9 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
         kv_valid: optional bool ``[batch, kv_len]`` (False = padding / unwritten cache slot).
         scale: softmax scale, default ``head_dim ** -0.5``.
         q_tile: query tokens per tile of the forced (dense) part (clamped to T).
-        gather_tile: query tokens per sub-tile of the gathered part (divides ``q_tile`` after clamping).
+        gather_tile: query tokens per sub-tile of the gathered part (``q_tile`` is rounded up to a multiple).
+            Default: as many as keep a sub-tile's gathered K and V within 16 MiB (2 tokens for the 8B
+            layout, the whole tile for small models).
         remat: ``jax.checkpoint`` tiles and sub-tiles so the backward re-gathers K/V instead of storing
             them (default). ``False`` only for tools that cannot trace ``checkpoint``.
 
@@ -149,6 +151,9 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     g = nq // nkv
     scale = d**-0.5 if scale is None else scale
     tile = max(1, min(q_tile, t))
+    if gather_tile is None:
+        per_token = 2 * b * nkv * width * block_size * d * jnp.dtype(k.dtype).itemsize
+        gather_tile = (16 * 2**20) // max(per_token, 1)
     sub = max(1, min(gather_tile, tile))
     tile = -(-tile // sub) * sub
     nb = -(-s // block_size)

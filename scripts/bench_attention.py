@@ -15,7 +15,10 @@ q/k/v, positions ``0 .. T-1``, CPU. Compared per length:
   compiled analysis only, never run (256 GiB of temporaries at 32K).
 
 Times are the median of ``--repeats`` runs of the ahead-of-time compiled function (compile excluded).
-Peak memory = ``temp + argument + output`` bytes of ``jax.jit(f).lower(...).compile().memory_analysis()``.
+Peak memory = ``temp + argument + output`` bytes of ``jax.jit(f).lower(...).compile().memory_analysis()``;
+the arguments and outputs (q, k, v, the output; in the backward also the cotangent and the three gradients)
+are the same for every method, so the working memory of the attention itself is the ``temp`` column,
+printed separately with its own ratio.
 The attended fraction is (mean visible selected keys per query) / (mean causal keys per query), averaged
 over tokens and KV heads. The theoretical speed bound is mean causal keys per query divided by
 (mean selected keys per query + stage-1 cost in key equivalents), where stage 1 costs one q.k product
@@ -123,9 +126,10 @@ def _inputs(t, dtype):
     return q, k, v, gout
 
 
-def _peak(compiled) -> int:
+def _peak(compiled) -> tuple[int, int]:
+    """(temp + argument + output bytes, temp bytes) of a compiled function."""
     ma = compiled.memory_analysis()
-    return int(ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes)
+    return int(ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes), int(ma.temp_size_in_bytes)
 
 
 def _time(compiled, args, repeats) -> float:
@@ -182,7 +186,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--attn-q-tile", type=int, default=64, help="stage-2 query tile (dense forced part)")
-    ap.add_argument("--gather-tile", type=int, default=2, help="stage-2 sub-tile of the gathered top-k part")
+    ap.add_argument("--gather-tile", type=int, default=None,
+                    help="stage-2 sub-tile of the gathered top-k part (default: automatic, 2 for this layout)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     a = ap.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -196,7 +201,8 @@ def main(argv=None):
             continue
         print(f"\n== {mode} ==")
         print(f"{'T':>6} {'sparse s':>9} {'dense s':>9} {'speedup':>8} {'bound':>6} {'attended':>8} "
-              f"{'sparse GiB':>10} {'dense GiB':>9} {'mem ratio':>9} {'naive GiB':>9}", flush=True)
+              f"{'sparse GiB':>10} {'dense GiB':>9} {'mem ratio':>9} {'sp temp':>8} {'dn temp':>8} {'temp ratio':>10} "
+              f"{'naive GiB':>9}", flush=True)
         for t in lens:
             q, k, v, gout = _inputs(t, dtype)
             frac, sel_mean, causal_mean, bound = _attended(t, q, k, cfg)
@@ -209,16 +215,18 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 compiled = jax.jit(f).lower(*args).compile()
                 row[f"{name}_compile_s"] = time.perf_counter() - t0
-                row[f"{name}_peak_bytes"] = _peak(compiled)
+                row[f"{name}_peak_bytes"], row[f"{name}_temp_bytes"] = _peak(compiled)
                 if name != "naive":
                     row[f"{name}_s"] = _time(compiled, args, a.repeats)
                 del compiled
             row["speedup"] = row["dense_s"] / row["sparse_s"]
             row["mem_ratio"] = row["sparse_peak_bytes"] / row["dense_peak_bytes"]
+            row["temp_ratio"] = row["sparse_temp_bytes"] / row["dense_temp_bytes"]
             results.append(row)
             print(f"{t:>6} {row['sparse_s']:>9.2f} {row['dense_s']:>9.2f} {row['speedup']:>7.2f}x {bound:>5.2f}x "
                   f"{frac:>8.3f} {row['sparse_peak_bytes'] / GIB:>10.3f} {row['dense_peak_bytes'] / GIB:>9.3f} "
-                  f"{row['mem_ratio']:>9.3f} {row['naive_peak_bytes'] / GIB:>9.1f}", flush=True)
+                  f"{row['mem_ratio']:>9.3f} {row['sparse_temp_bytes'] / GIB:>8.3f} {row['dense_temp_bytes'] / GIB:>8.3f} "
+                  f"{row['temp_ratio']:>10.3f} {row['naive_peak_bytes'] / GIB:>9.1f}", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -10,6 +10,10 @@ Inputs (one of):
                 (e.g. dumped from a forward pass).
   --random T    synthetic inputs (``--heads``, ``--kv-heads``, ``--head-dim``) with a few "topic"
                 directions so the top-k picks have structure.
+  --checkpoint RUN --text FILE [--layer N] [--tokens T]
+                a trained model (a run's ``out_dir``; its ``tokenizer/`` folder and sparse_config are
+                used): the first T tokens of FILE, selection inputs of decoder layer N (pre-RoPE when
+                ``use_nope``).
 
 Selection settings come from ``--config`` (a YAML preset with ``model.sparse_config``) or the flags
 (``--variant``, ``--topk``, ``--window``, ``--block-size``, ...); ``dense_len`` is ignored (the
@@ -24,6 +28,7 @@ matplotlib is imported lazily (``pip install matplotlib``; not a project depende
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -40,6 +45,33 @@ def _sparse_cfg(args):
     return SparseConfig(kernel_size=args.kernel_size, kernel_stride=args.kernel_stride, block_size=args.block_size,
                         init_blocks=args.init_blocks, window_size=args.window, topk=args.topk, variant=args.variant,
                         dense_len=-1)
+
+
+def _checkpoint_inputs(args):
+    """(q, k, sparse_cfg) of one layer of a trained model on the first ``--tokens`` tokens of ``--text``."""
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    from minicpm4_jax.tokenizer import load_tokenizer
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
+
+    if not args.text:
+        sys.exit("--checkpoint needs --text FILE (the input whose selection is drawn)")
+    ckpt = find_checkpoint_dir(args.checkpoint)
+    cfg, model = load_params_for_inference(ckpt)
+    sc = cfg.model.sparse_config
+    if sc is None:
+        sys.exit(f"{args.checkpoint} was not trained with model.sparse_config; pass --config for the geometry")
+    tok = load_tokenizer(str(next(p for p in (Path(args.checkpoint) / "tokenizer", ckpt.parent / "tokenizer")
+                                  if p.is_dir())))
+    ids = tok.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))[: args.tokens]
+    if len(ids) < args.tokens:
+        print(f"note: {args.text} has only {len(ids)} tokens")
+    q, k, _, q_nope, k_nope = model.layer_attention_inputs(jnp.asarray([ids], jnp.int32), args.layer)
+    if sc.use_nope:
+        q, k = q_nope, k_nope
+    return np.asarray(q[0], np.float32), np.asarray(k[0], np.float32), sc
 
 
 def _inputs(args):
@@ -120,6 +152,10 @@ def main(argv=None) -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--npz", help="file with arrays q [T, heads, d] and k [T, kv_heads, d] of one layer")
     src.add_argument("--random", type=int, metavar="T", help="synthetic inputs of T tokens")
+    src.add_argument("--checkpoint", metavar="RUN", help="a trained run (out_dir) to draw one layer of")
+    ap.add_argument("--text", help="with --checkpoint: the input text file")
+    ap.add_argument("--layer", type=int, default=0, help="with --checkpoint: decoder layer (0-based)")
+    ap.add_argument("--tokens", type=int, default=1536, help="with --checkpoint: tokens of --text to use")
     ap.add_argument("--out", default="infllm_selection.png")
     ap.add_argument("--config", help="YAML preset whose model.sparse_config is used")
     ap.add_argument("--variant", default="gen2", choices=["gen1", "gen2"])
@@ -135,10 +171,17 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cfg = _sparse_cfg(args)
-    q, k = _inputs(args)
+    if args.checkpoint:
+        q, k, cfg = _checkpoint_inputs(args)
+        if args.config:
+            cfg = _sparse_cfg(args)
+        cfg = dataclasses.replace(cfg, dense_len=-1)
+    else:
+        cfg = _sparse_cfg(args)
+        q, k = _inputs(args)
     grid, counts = selection_image(q, k, cfg, kernel_offby1_quirk=args.quirk)
-    title = (f"InfLLM v2 {cfg.variant}: T={q.shape[0]}, topk={cfg.topk}, window={cfg.window_size}, "
+    src = f"{args.checkpoint} layer {args.layer}, " if args.checkpoint else ""
+    title = (f"InfLLM v2 {src}{cfg.variant}: T={q.shape[0]}, topk={cfg.topk}, window={cfg.window_size}, "
              f"block={cfg.block_size}, mean picks/token={counts.mean():.1f}")
     plot(grid, args.out, title=title, block_size=cfg.block_size)
     print(f"wrote {args.out}")

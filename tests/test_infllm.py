@@ -24,7 +24,7 @@ from minicpm4_jax.ops import attention_ref, infllm_ref
 
 # Everything under test is called through jit (one compile per shape instead of op-by-op dispatch).
 _ATTN_STATIC = ("sparse_cfg", "kernel_offby1_quirk", "score_dtype", "select_q_tile", "attn_q_tile", "gather_tile", "remat",
-                "return_selection", "scale")
+                "return_selection", "return_stats", "scale")
 infllmv2_attention = jax.jit(infllm_attention.infllmv2_attention, static_argnames=_ATTN_STATIC)
 infllmv2_stage2 = jax.jit(infllm_ref.infllmv2_stage2,
                           static_argnames=("block_size", "window_blocks", "init_blocks", "gather_width", "scale",
@@ -303,6 +303,31 @@ def test_stage2_forced_split_width_bounds_real_selections():
         full = np.asarray(compact_topk(sel.topk_idx[..., :k_used], pos, block_size=p.block_size, init_blocks=init,
                                        window_blocks=window, width=k_used))
         assert (full[..., width:] == -1).all() and (full[..., width - 1] >= 0).any()  # tight, and never cut
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_attended_fraction_counts_the_oracle_mask(variant):
+    """``return_stats``: attended visible keys per query = the NumPy oracle's token mask, averaged / causal."""
+    cfg = dataclasses.replace(SMALL, variant=variant)
+    b, t = 2, 150
+    q, k, v = _qkv(6, b, t, 8, 2, 16)
+    pos = _pos(b, t)
+    _, sel, stats = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg,
+                                       return_selection=True, return_stats=True)
+    mask = _attended_mask_np(np.asarray(sel.topk_idx), pos, pos, cfg, t)  # [b, kv, T, N]
+    p = select_params(cfg)
+    keys = infllm_attention.attended_keys(sel.topk_idx, pos, block_size=cfg.block_size,
+                                          window_blocks=p.local_blocks if variant == "gen1" else 0)
+    np.testing.assert_array_equal(np.asarray(keys), mask.sum(-1))
+    want = (mask.sum(-1) / (np.arange(t) + 1.0)).mean()
+    assert 0.2 < want < 0.9
+    np.testing.assert_allclose(float(stats["attended_fraction"]), want, rtol=1e-6)
+    # a sequence on the dense fallback counts as fully attended
+    dl = dataclasses.replace(cfg, dense_len=t + 10)
+    _, st = infllmv2_attention(q, jnp.pad(k, ((0, 0), (0, 20), (0, 0), (0, 0))),
+                               jnp.pad(v, ((0, 0), (0, 20), (0, 0), (0, 0))), q_positions=pos,
+                               kv_positions=_pos(b, t + 20), sparse_cfg=dl, return_stats=True)
+    assert float(st["attended_fraction"]) == 1.0
 
 
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])

@@ -221,6 +221,51 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, cache_dir,
     assert s["step"] == 8 and np.isfinite(s["val_loss"])
 
 
+def test_sparse_run_logs_attended_fraction(corpus, cache_dir, tmp_path):
+    """InfLLM v2 training: every log row carries the mean attended key fraction, and it is really < 1."""
+    sparse = {"model.attention": "infllmv2", "model.sparse_config.block_size": 16,
+              "model.sparse_config.kernel_size": 16, "model.sparse_config.kernel_stride": 8,
+              "model.sparse_config.window_size": 16, "model.sparse_config.topk": 2,
+              "model.sparse_config.dense_len": 32, "data.seq_len": 96, "model.max_position_embeddings": 128,
+              "tensorboard": False, "sample_tokens": 0}
+    logs: list[str] = []
+    s = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "sparse", **sparse), log=logs.append, progress=False)
+    fr = [h["attended_fraction"] for h in s["history"]]
+    assert len(fr) == 4 and all(0.5 < f < 0.9 for f in fr), fr  # <= 3 blocks of 16 of a <= 96-token prefix
+    assert s["attended_fraction"] == fr[-1]
+    assert all(np.isfinite(h["loss"]) for h in s["history"])
+    dense = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "dense", **{**sparse, "model.attention": "dense"}),
+                         log=lambda _m: None, progress=False)
+    assert "attended_fraction" not in dense["history"][0] and dense["attended_fraction"] is None
+    # the researcher-facing scripts on these runs: selection of a trained layer, and the two loss curves
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    text = tmp_path / "input.txt"
+    text.write_text("".join(p.read_text() for p in sorted(corpus.iterdir())[:3]))
+    png = tmp_path / "sel.png"
+    _run_script(scripts / "plot_infllm_selection.py", ["--checkpoint", str(tmp_path / "sparse"), "--text", str(text),
+                                                        "--layer", "1", "--tokens", "96", "--out", str(png)])
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    curves = tmp_path / "curves.png"
+    _run_script(scripts / "plot_train_curves.py", [str(tmp_path / "dense"), str(tmp_path / "sparse"), "--labels",
+                                                    "dense", "sparse", "--out", str(curves)])
+    assert curves.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit, match="--checkpoint needs --text"):
+        _run_script(scripts / "plot_infllm_selection.py", ["--checkpoint", str(tmp_path / "sparse")])
+    with pytest.raises(ValueError, match="layer=7 is outside"):
+        _run_script(scripts / "plot_infllm_selection.py", ["--checkpoint", str(tmp_path / "sparse"), "--text",
+                                                            str(text), "--layer", "7", "--out", str(png)])
+
+
+def _run_script(path: Path, argv: list[str]) -> None:
+    """Run a script's ``main(argv)`` in this process (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(argv)
+
+
 def test_huge_learning_rate_reports_step(corpus, cache_dir, tmp_path):
     cfg = tiny_cfg(corpus, cache_dir, tmp_path / "lr", **{"optimizer.learning_rate": 1e30,
                                                           "optimizer.warmup_steps": 0})

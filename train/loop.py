@@ -376,6 +376,8 @@ def run_training(
                 msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
                        f"lr {last_vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
                        f"MFU {100 * util:.1f}%")
+                if "attended_fraction" in last_vals:
+                    msg += f"  attended {last_vals['attended_fraction']:.3f}"
                 if pbar is not None:
                     pbar.write(msg)
                     pbar.set_postfix(loss=f"{mean_loss:.3f}")
@@ -455,6 +457,7 @@ def run_training(
             "val_loss": final_val,
             "val_history": val_history,
             "train_loss": last_vals.get("loss"),
+            "attended_fraction": last_vals.get("attended_fraction"),
             "unigram_entropy": ent["unigram"],
             "bigram_entropy": ent["bigram"],
             "unigram_heldout_xent": held["unigram"],

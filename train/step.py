@@ -86,21 +86,28 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[[Train
 
     ``batch``: int32 ``[batch, seq_len + 1]``. Metrics (float32 scalars): ``loss`` (mean next-token
     CE on the params *before* the update), ``grad_norm`` (global L2 norm before clipping), ``lr``
-    (the base-group LR used for this update; hidden matrices use ``lr / width_mult`` under μP).
+    (the base-group LR used for this update; hidden matrices use ``lr / width_mult`` under μP) and, for
+    ``attention: infllmv2``, ``attended_fraction`` (mean attended / causal keys per query over layers,
+    sequences, KV heads and tokens; 1 where the dense fallback ran).
     """
     tx = make_optimizer_for(cfg)
     schedule = wsd_schedule(cfg.optimizer, cfg.steps)
 
-    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
+    sparse = cfg.model.attention == "infllmv2"
+
+    def loss_fn(params: Any, batch: jax.Array) -> tuple[jax.Array, dict]:
         model = nnx.merge(graphdef, params)
-        logits = model(batch[:, :-1])
-        return next_token_loss(logits, batch[:, 1:])
+        if sparse:
+            hidden, stats = model.hidden_states(batch[:, :-1], return_stats=True)
+        else:
+            hidden, stats = model.hidden_states(batch[:, :-1]), {}
+        return next_token_loss(model.logits(hidden), batch[:, 1:]), stats
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step), **stats}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(train_step, donate_argnums=0)

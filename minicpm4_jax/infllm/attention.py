@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.select import SelectParams, Selection, select_blocks, select_params
 from minicpm4_jax.ops.attention_ref import dense_attention
-from minicpm4_jax.ops.infllm_ref import infllmv2_stage2, tiled_dense_attention
+from minicpm4_jax.ops.infllm_ref import compact_topk, infllmv2_stage2, tiled_dense_attention
 
-__all__ = ["infllmv2_attention", "stage2_forced_split"]
+__all__ = ["attended_keys", "infllmv2_attention", "stage2_forced_split"]
 
 
 def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, int]:
@@ -59,10 +59,11 @@ def infllmv2_attention(
     score_dtype: str = "float32",
     select_q_tile: int = 128,
     attn_q_tile: int = 64,
-    gather_tile: int = 2,
+    gather_tile: int | None = None,
     remat: bool = True,
     return_selection: bool = False,
-) -> jax.Array | tuple[jax.Array, Selection | None]:
+    return_stats: bool = False,
+) -> jax.Array | tuple:
     """InfLLM v2 causal GQA attention: dense fallback, or stage-1 selection + stage-2 sparse attention.
 
     Args:
@@ -83,9 +84,13 @@ def infllmv2_attention(
             part and of its gathered top-k part (:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
         return_selection: also return the :class:`Selection` (``None`` when the dense path is static).
+        return_stats: also return ``{"attended_fraction": float32 scalar}``, the mean over (sequence,
+            KV head, query) of attended visible keys / causal keys (:func:`attended_keys`; 1 on the dense
+            path).
 
     Returns:
-        ``[batch, T, num_heads, head_dim]`` in ``q.dtype`` (and the selection if asked).
+        ``out`` ``[batch, T, num_heads, head_dim]`` in ``q.dtype``; ``(out, selection)``, ``(out, stats)`` or
+        ``(out, selection, stats)`` when asked.
 
     Dispatch (§5.0, strict ``<``): ``dense_len <= 0`` (``-1`` or ``0``) -> always sparse; a kv axis
     shorter than ``dense_len`` -> statically dense (``dense_attention``); otherwise per sequence:
@@ -102,7 +107,7 @@ def infllmv2_attention(
     if dl > 0 and s < dl:
         out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid,
                               scale=scale)
-        return (out, None) if return_selection else out
+        return _result(out, None, jnp.float32(1.0), return_selection, return_stats)
     if sparse_cfg.use_nope and (q_sel is None or k_sel is None):
         raise ValueError("sparse_config.use_nope=True needs the pre-RoPE q_sel and k_sel for selection")
     q_sel = q if q_sel is None else q_sel
@@ -127,4 +132,38 @@ def infllmv2_attention(
 
         dense = jax.lax.cond(jnp.any(use_dense), dense_branch, lambda _: jnp.zeros_like(out), None)
         out = jnp.where(use_dense[:, None, None, None], dense, out)
-    return (out, sel) if return_selection else out
+    else:
+        use_dense = jnp.zeros((b,), bool)
+    frac = None
+    if return_stats:
+        keys = attended_keys(sel.topk_idx[..., :k_used], q_positions, block_size=params.block_size,
+                             window_blocks=params.local_blocks if params.variant == "gen1" else 0)
+        causal = (q_positions.astype(jnp.float32) + 1.0)[:, None, :]
+        per_row = jnp.where(use_dense[:, None, None], 1.0, keys.astype(jnp.float32) / jnp.maximum(causal, 1.0))
+        valid = jnp.broadcast_to((q_positions >= 0)[:, None, :], per_row.shape)
+        frac = jnp.sum(jnp.where(valid, per_row, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    return _result(out, sel, frac, return_selection, return_stats)
+
+
+def _result(out, sel, frac, return_selection: bool, return_stats: bool):
+    extra = ((sel,) if return_selection else ()) + (({"attended_fraction": frac},) if return_stats else ())
+    return (out, *extra) if extra else out
+
+
+def attended_keys(topk_idx: jax.Array, q_positions: jax.Array, *, block_size: int, window_blocks: int = 0) -> jax.Array:
+    """Visible keys each query attends: ``[batch, kv_heads, T]`` int32.
+
+    Counts the union of the ``topk_idx`` blocks and (gen-1) the stage-2 window
+    ``max(0, q_blk - window_blocks + 1) .. q_blk`` with token-level causality, assuming kv index = position
+    (block ``j`` holds ``min(block_size, max(0, p - j * block_size + 1))`` keys visible to position ``p``).
+    Rows at position ``-1`` count 0.
+    """
+    pos = q_positions.astype(jnp.int32)[:, None, :]  # [b, 1, T]
+    idx = compact_topk(topk_idx, q_positions, block_size=block_size, init_blocks=0, window_blocks=window_blocks,
+                       width=topk_idx.shape[-1]) if window_blocks else topk_idx.astype(jnp.int32)
+    vis = jnp.clip(pos[..., None] - idx * block_size + 1, 0, block_size)
+    keys = jnp.sum(jnp.where(idx >= 0, vis, 0), axis=-1)
+    if window_blocks:
+        lo = jnp.maximum(jnp.floor_divide(pos, block_size) - window_blocks + 1, 0) * block_size
+        keys = keys + jnp.maximum(pos + 1 - lo, 0)
+    return jnp.where(pos >= 0, keys, 0).astype(jnp.int32)

@@ -8,6 +8,7 @@ layer calls :func:`attend`; no attention code is duplicated per layer.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
@@ -27,7 +28,8 @@ def attend(
     kv_valid: jax.Array | None = None,
     q_nope: jax.Array | None = None,
     k_nope: jax.Array | None = None,
-) -> jax.Array:
+    return_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, dict]:
     """Causal GQA attention dispatched on ``cfg.attention`` / ``cfg.attention_impl``.
 
     Args:
@@ -38,16 +40,19 @@ def attend(
         kv_valid: optional bool ``[batch, kv_len]`` (False = padding / empty cache slot).
         q_nope, k_nope: pre-RoPE q / k, used for InfLLM v2 block selection when
             ``sparse_config.use_nope`` (stage 2 always uses the rotated q / k).
+        return_stats: also return ``{"attended_fraction": float32 scalar}`` (mean attended / causal keys
+            per query; exactly 1 for dense attention).
 
     Returns:
-        ``[batch, q_len, num_attention_heads, head_dim]`` in ``q.dtype``.
+        ``[batch, q_len, num_attention_heads, head_dim]`` in ``q.dtype`` (and the stats when asked).
 
     Raises:
         ConfigError: an algorithm/implementation this build does not provide.
     """
     if cfg.attention == "dense":
         if cfg.attention_impl in ("xla", "auto"):
-            return dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid)
+            out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid)
+            return (out, {"attended_fraction": jnp.float32(1.0)}) if return_stats else out
         raise ConfigError(
             f"model.attention_impl={cfg.attention_impl!r} has no dense kernel in this version; use 'xla' or 'auto'"
         )
@@ -57,7 +62,7 @@ def attend(
             return infllmv2_attention(
                 q, k, v, q_positions=q_positions, kv_positions=kv_positions, sparse_cfg=sc, kv_valid=kv_valid,
                 q_sel=q_nope if sc.use_nope else None, k_sel=k_nope if sc.use_nope else None,
-                kernel_offby1_quirk=sc.kernel_offby1_quirk,
+                kernel_offby1_quirk=sc.kernel_offby1_quirk, return_stats=return_stats,
             )
         raise ConfigError(
             f"model.attention_impl={cfg.attention_impl!r} has no InfLLM v2 kernel in this version; use 'xla' or 'auto'"

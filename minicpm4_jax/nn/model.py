@@ -16,6 +16,8 @@ rematerialisation policy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -83,28 +85,43 @@ class DecoderLayer(nnx.Module):
         self.up_proj = param(rngs, (h, f), std, ("embed", "mlp"), pd)
         self.down_proj = param(rngs, (f, h), std, ("mlp", "embed"), pd)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
-                 cfg: ModelConfig) -> jax.Array:
-        """``x`` ``[batch, seq, hidden]`` (compute dtype) -> same shape."""
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+        """Attention inputs of this layer from the residual stream ``x`` ``[batch, seq, hidden]``.
+
+        Returns:
+            ``(q, k, v, q_nope, k_nope)``: ``q`` ``[batch, seq, heads, head_dim]`` and ``k``/``v``
+            ``[batch, seq, kv_heads, head_dim]`` (q, k after RoPE), and q/k before RoPE.
+        """
         dt = x.dtype
         b, t, _ = x.shape
         nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.resolved_head_dim
-        res = jnp.asarray(cfg.residual_scale, dt)
         hs = rms_norm(x, self.input_layernorm[...], cfg.rms_norm_eps)
         q = _dense(hs, self.q_proj[...].reshape(-1, nq * d).astype(dt)).reshape(b, t, nq, d)
         k = _dense(hs, self.k_proj[...].reshape(-1, nkv * d).astype(dt)).reshape(b, t, nkv, d)
         v = _dense(hs, self.v_proj[...].reshape(-1, nkv * d).astype(dt)).reshape(b, t, nkv, d)
-        q_nope, k_nope = q, k
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        a = attend(q, k, v, q_positions=positions, kv_positions=positions, cfg=cfg, q_nope=q_nope, k_nope=k_nope)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, q, k
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
+                 cfg: ModelConfig, return_stats: bool = False) -> jax.Array | tuple[jax.Array, dict]:
+        """``x`` ``[batch, seq, hidden]`` (compute dtype) -> same shape (and the attention stats if asked)."""
+        dt = x.dtype
+        b, t, _ = x.shape
+        nq, d = cfg.num_attention_heads, cfg.resolved_head_dim
+        res = jnp.asarray(cfg.residual_scale, dt)
+        q, k, v, q_nope, k_nope = self.qkv(x, cos, sin, cfg)
+        a = attend(q, k, v, q_positions=positions, kv_positions=positions, cfg=cfg, q_nope=q_nope, k_nope=k_nope,
+                   return_stats=return_stats)
+        stats = None
+        if return_stats:
+            a, stats = a
         a = _dense(a.reshape(b, t, nq * d), self.o_proj[...].reshape(nq * d, -1).astype(dt))
         x = x + a * res
         hs = rms_norm(x, self.post_attention_layernorm[...], cfg.rms_norm_eps)
         g = _dense(hs, self.gate_proj[...].astype(dt))
         u = _dense(hs, self.up_proj[...].astype(dt))
         m = _dense(swiglu(g, u), self.down_proj[...].astype(dt))
-        return x + m * res
+        x = x + m * res
+        return (x, stats) if return_stats else x
 
 
 def remat_policy(name: str):
@@ -141,13 +158,8 @@ class MiniCPM4(nnx.Module):
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.initializer_range,
                                  ("embed", "vocab"), dtype_of(cfg.param_dtype))
 
-    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """Final-norm output ``[batch, seq, hidden]`` (compute dtype), before the ÷width_mult.
-
-        Args:
-            input_ids: int32 ``[batch, seq]``.
-            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row.
-        """
+    def _embed(self, input_ids: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, ...]:
+        """Scaled embeddings ``[batch, seq, hidden]``, positions (default ``arange``) and RoPE tables."""
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         b, t = input_ids.shape
@@ -155,21 +167,65 @@ class MiniCPM4(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed_tokens.encode(input_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
         cos, sin = rope_tables(positions, cfg)
+        return x, positions, cos, sin
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                      return_stats: bool = False) -> jax.Array | tuple[jax.Array, dict]:
+        """Final-norm output ``[batch, seq, hidden]`` (compute dtype), before the ÷width_mult.
+
+        Args:
+            input_ids: int32 ``[batch, seq]``.
+            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row.
+            return_stats: also return ``{"attended_fraction": float32 scalar}``, the mean over layers of
+                attended / causal keys per query (InfLLM v2; 1 for dense attention).
+        """
+        cfg = self.cfg
+        x, positions, cos, sin = self._embed(input_ids, positions)
         graphdef, layer_state = nnx.split(self.layers)
 
-        def body(carry: jax.Array, state) -> tuple[jax.Array, None]:
+        def body(carry: jax.Array, state) -> tuple[jax.Array, Any]:
             layer = nnx.merge(graphdef, state)
+            if return_stats:
+                return layer(carry, cos, sin, positions, cfg, return_stats=True)
             return layer(carry, cos, sin, positions, cfg), None
 
         policy = remat_policy(cfg.remat)
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=policy)
         if cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, layer_state)
+            x, per_layer = jax.lax.scan(body, x, layer_state)
         else:
+            outs = []
             for i in range(cfg.num_hidden_layers):
-                x, _ = body(x, jax.tree.map(lambda a, i=i: a[i], layer_state))
-        return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+                x, st = body(x, jax.tree.map(lambda a, i=i: a[i], layer_state))
+                outs.append(st)
+            per_layer = jax.tree.map(lambda *a: jnp.stack(a), *outs) if return_stats else None
+        h = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+        if return_stats:
+            return h, jax.tree.map(lambda a: jnp.mean(a.astype(jnp.float32)), per_layer)
+        return h
+
+    def layer_attention_inputs(self, input_ids: jax.Array, layer: int,
+                               positions: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """``(q, k, v, q_nope, k_nope)`` of decoder layer ``layer`` (0-based) for ``input_ids`` ``[batch, seq]``.
+
+        Runs layers ``0 .. layer-1`` and returns what :meth:`DecoderLayer.qkv` gives layer ``layer``
+        (e.g. to look at its InfLLM v2 selection).
+
+        Raises:
+            ValueError: ``layer`` outside ``[0, num_hidden_layers)``.
+        """
+        cfg = self.cfg
+        if not 0 <= layer < cfg.num_hidden_layers:
+            raise ValueError(f"layer={layer} is outside [0, {cfg.num_hidden_layers}) for this model")
+        x, positions, cos, sin = self._embed(input_ids, positions)
+        graphdef, layer_state = nnx.split(self.layers)
+        for i in range(layer + 1):
+            one = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], layer_state))
+            if i == layer:
+                return one.qkv(x, cos, sin, cfg)
+            x = one(x, cos, sin, positions, cfg)
+        raise AssertionError("unreachable")
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits ``[batch, seq, vocab]`` from final-norm hidden states (÷ width_mult first)."""
