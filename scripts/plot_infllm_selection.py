@@ -119,6 +119,17 @@ def selection_image(q: np.ndarray, k: np.ndarray, sparse_cfg, *, kernel_offby1_q
     return grid, np.asarray(sel.counts)[0]
 
 
+def attended_share(mask: np.ndarray, block_size: int) -> float:
+    """Attended visible keys / causal keys, summed over queries, for a ``[T, NB]`` block mask (positions 0..T-1).
+
+    Block ``b`` holds ``min(block_size, max(0, t - b * block_size + 1))`` keys visible to query ``t``, so the
+    current block counts only its past and present tokens (the share never exceeds 1).
+    """
+    t, nb = mask.shape
+    vis = np.clip(np.arange(t)[:, None] - np.arange(nb)[None, :] * block_size + 1, 0, block_size)
+    return float((mask * vis).sum() / max(1, (np.arange(t) + 1).sum()))
+
+
 def plot(grid: np.ndarray, out: str, *, title: str, block_size: int) -> None:
     """Write ``grid`` (from :func:`selection_image`) to ``out`` as a PNG, one panel per KV head."""
     try:
@@ -137,8 +148,8 @@ def plot(grid: np.ndarray, out: str, *, title: str, block_size: int) -> None:
                   extent=(-0.5, nb - 0.5, t - 0.5, -0.5))
         tt = np.arange(t)
         ax.plot(tt // block_size, tt, color="black", lw=0.5, alpha=0.6)  # causal boundary (current block)
-        frac = grid[h].astype(bool).sum() * block_size / max(1, (tt + 1).sum())
-        ax.set_title(f"KV head {h}  (~{frac:.0%} of causal keys)")
+        frac = attended_share(grid[h].astype(bool), block_size)
+        ax.set_title(f"KV head {h}: {frac:.0%} of all causal keys")
         ax.set_xlabel("KV block")
         ax.set_ylabel("query token")
     fig.suptitle(title)
@@ -180,7 +191,7 @@ def main(argv=None) -> None:
         cfg = _sparse_cfg(args)
         q, k = _inputs(args)
     grid, counts = selection_image(q, k, cfg, kernel_offby1_quirk=args.quirk)
-    src = f"{args.checkpoint} layer {args.layer}, " if args.checkpoint else ""
+    src = f"{args.checkpoint} layer {args.layer}\n" if args.checkpoint else ""
     title = (f"InfLLM v2 {src}{cfg.variant}: T={q.shape[0]}, topk={cfg.topk}, window={cfg.window_size}, "
              f"block={cfg.block_size}, mean picks/token={counts.mean():.1f}")
     plot(grid, args.out, title=title, block_size=cfg.block_size)

@@ -256,6 +256,23 @@ def test_sparse_run_logs_attended_fraction(corpus, cache_dir, tmp_path):
                                                             str(text), "--layer", "7", "--out", str(png)])
 
 
+def test_selection_plot_share_counts_visible_keys_only():
+    """The plot's per-panel share: a full causal mask is exactly 100% (the current block's future keys excluded)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "plot_infllm_selection.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    t, bs = 100, 32
+    full = np.arange(4)[None, :] <= (np.arange(t) // bs)[:, None]
+    assert mod.attended_share(full, bs) == 1.0
+    first = np.zeros((t, 4), bool)
+    first[:, 0] = True
+    want = np.minimum(np.arange(t) + 1, bs).sum() / (np.arange(t) + 1).sum()
+    assert abs(mod.attended_share(first, bs) - want) < 1e-12
+
+
 def _run_script(path: Path, argv: list[str]) -> None:
     """Run a script's ``main(argv)`` in this process (the scripts are not a package)."""
     import importlib.util
