@@ -83,11 +83,16 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
         description="Read an official MiniCPM4 Hugging Face folder (config.json with MiniCPMForCausalLM, "
                     "model.safetensors or shards + index, tokenizer files) tensor by tensor and write OUT/checkpoints/0 "
                     "(orbax), OUT/config.json, OUT/tokenizer and minicpm4_manifest.json. Every check (architecture, "
-                    "tensor names/shapes, truncated files, vocabulary, disk space) runs before anything is written; "
-                    "the output appears only when complete. Then: minicpm4 generate --checkpoint OUT ...")
+                    "tensor names/shapes, truncated files, tokenizer and vocabulary, OUT, disk space) runs before "
+                    "anything is written; every tensor is checked to be finite while it is read; the output appears "
+                    "only when complete. Then: minicpm4 generate --checkpoint OUT ...")
     ih.add_argument("dir", metavar="DIR", help="the Hugging Face model folder")
-    ih.add_argument("--out", required=True, metavar="OUT", help="output run folder (must be absent or empty)")
+    ih.add_argument("--out", required=True, metavar="OUT",
+                    help="output run folder (must be absent or empty, and outside DIR)")
     ih.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    ih.add_argument("--no-tokenizer", action="store_true",
+                    help="import the weights without a tokenizer (default: DIR must hold tokenizer.model or "
+                         "tokenizer.json); recorded in the manifest")
 
     exp = sub.add_parser(
         "export", help="export a trained checkpoint to Hugging Face or GGUF",
@@ -97,18 +102,25 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     def common(q: argparse.ArgumentParser) -> None:
         q.add_argument("--checkpoint", required=True, metavar="DIR",
                        help="a training run's out_dir (or an import's OUT) or its checkpoints folder")
-        q.add_argument("--out", required=True, metavar="OUT", help="output folder (must be absent or empty)")
+        q.add_argument("--out", required=True, metavar="OUT",
+                       help="output folder (must be absent or empty, and outside the run, checkpoints and tokenizer "
+                            "folders being read)")
         q.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
         q.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="tokenizer folder (default: <out_dir>/tokenizer next to the checkpoint)")
         q.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+        q.add_argument("--allow-dense", action="store_true",
+                       help="export a sparse (InfLLM v2) model to a dense-only format anyway (--layout llama, GGUF): "
+                            "sparse_config is dropped and the output runs dense attention; recorded in the manifest "
+                            "(default: refused)")
 
     eh = esub.add_parser(
         "hf", help="a Hugging Face folder (official MiniCPM layout or a μP-folded Llama)",
         description="Write a Hugging Face model folder. --layout minicpm: the official MiniCPMForCausalLM layout "
                     "(μP scalars, LongRoPE and sparse_config in config.json, unfolded weights; for CPM.cu, llama.cpp's "
                     "converter, GPTQModel). --layout llama: a plain LlamaForCausalLM with the μP scalars folded into the "
-                    "weights, loadable by stock transformers / vLLM without remote code; dense attention only. Sharded "
+                    "weights, loadable by stock transformers / vLLM without remote code; dense attention only (a "
+                    "sparse model needs --allow-dense). Sharded "
                     "safetensors with an index, tokenizer files, generation_config.json and minicpm4_manifest.json. "
                     "(The MTP draft export is not available: the model has no MTP module yet.)")
     common(eh)
@@ -118,11 +130,15 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                     help="stored dtype (default float32, lossless; bfloat16 as the official release)")
     eh.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                     help="largest safetensors shard, e.g. 5GB, 500MB (default 5GB; one shard is model.safetensors)")
+    eh.add_argument("--no-tokenizer", action="store_true",
+                    help="export the weights and config without a tokenizer (default: a tokenizer is required); "
+                         "recorded in the manifest")
     eg = esub.add_parser(
         "gguf", help="a llama.cpp GGUF (arch minicpm; F32/F16/BF16/Q8_0)",
         description="Write OUT/minicpm4-<outtype>.gguf (llama.cpp architecture 'minicpm': the three scale keys, "
                     "LongRoPE factor tensors, q/k rows permuted for ggml's rope, the SentencePiece vocabulary) and "
-                    "minicpm4_manifest.json. Dense attention only.")
+                    "minicpm4_manifest.json into the folder OUT. Dense attention only (a sparse model needs "
+                    "--allow-dense). The vocabulary needs the tokenizer's tokenizer.model.")
     common(eg)
     eg.add_argument("--outtype", default="f16", metavar="{f32,f16,bf16,q8_0}",
                     help="tensor type of the weight matrices (norms and rope factors stay f32; default f16)")
@@ -131,7 +147,8 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
 def _cmd_import(args: argparse.Namespace) -> int:
     from minicpm4_jax.convert.hf_import import import_hf
 
-    res = import_hf(args.dir, args.out, force=args.force, log=lambda m: print(m, file=sys.stderr))
+    res = import_hf(args.dir, args.out, force=args.force, no_tokenizer=args.no_tokenizer,
+                    log=lambda m: print(m, file=sys.stderr))
     print(f"imported {args.dir} -> {res.path} ({res.cfg.num_params():,} parameters)")
     return 0
 
@@ -142,12 +159,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
         from minicpm4_jax.convert.hf_export import export_hf
 
         res = export_hf(args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, step=args.step,
-                        tokenizer=args.tokenizer, force=args.force, max_shard_size=args.max_shard_size, log=log)
+                        tokenizer=args.tokenizer, force=args.force, max_shard_size=args.max_shard_size, log=log,
+                        no_tokenizer=args.no_tokenizer, allow_dense=args.allow_dense)
     else:
         from minicpm4_jax.convert.gguf_export import export_gguf
 
         res = export_gguf(args.checkpoint, args.out, outtype=args.outtype, step=args.step, tokenizer=args.tokenizer,
-                          force=args.force, log=log)
+                          force=args.force, log=log, allow_dense=args.allow_dense)
     print(f"exported {res.manifest['format']} -> {res.path} ({', '.join(res.files[:4])}"
           f"{', ...' if len(res.files) > 4 else ''})")
     return 0
@@ -192,12 +210,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.tokenizer import load_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
-    ckpt_dir = find_checkpoint_dir(args.checkpoint)
+    ckpt_dir = find_checkpoint_dir(args.checkpoint, step_option=None)  # generate has no --step: the latest
     cands = [Path(args.checkpoint) / "tokenizer", ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
     tok_dir = next((c for c in cands if c.is_dir()), None)
     if tok_dir is None:
         raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]})")
-    _cfg, model = load_params_for_inference(ckpt_dir)
+    _cfg, model = load_params_for_inference(ckpt_dir, step_option=None)
     tokenizer = load_tokenizer(str(tok_dir))
     # This project's data pipeline separates documents with EOS: a new document follows an EOS.
     prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []

@@ -625,6 +625,11 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.attention_impl={m.attention_impl!r}; use 'xla', 'pallas' or 'auto'")
     if m.attention == "infllmv2" and m.sparse_config is None:
         raise ConfigError("model.attention='infllmv2' needs a model.sparse_config section")
+    if m.attention_impl == "pallas":  # the same message as the dispatch in nn/attention.py, before any work
+        kernel = "dense" if m.attention == "dense" else "InfLLM v2"
+        raise ConfigError(
+            f"model.attention_impl={m.attention_impl!r} has no {kernel} kernel in this version; use 'xla' or 'auto'"
+        )
     if m.sparse_config is not None:
         s = m.sparse_config
         if s.variant not in ("gen1", "gen2"):

@@ -38,7 +38,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 TAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-"$TAG"-*.whl 2>/dev/null | head -1 || true)
+WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-{"$TAG",py3}-*.whl 2>/dev/null | head -1 || true)  # the wheel is tagged py3-none
 if [[ -z "$WHEEL" ]]; then
   command -v cmake >/dev/null || { echo "error: cmake is needed to build llama-cpp-python (apt-get install cmake)" >&2; exit 2; }
   command -v g++ >/dev/null || { echo "error: g++ is needed to build llama-cpp-python (apt-get install g++)" >&2; exit 2; }
@@ -48,7 +48,7 @@ if [[ -z "$WHEEL" ]]; then
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
     "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
     -w "$WHEELS" "llama-cpp-python==$VERSION"
-  WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-"$TAG"-*.whl | head -1)
+  WHEEL=$(ls "$WHEELS"/llama_cpp_python-"$VERSION"-{"$TAG",py3}-*.whl 2>/dev/null | head -1)
 fi
 "$PY" -c "import llama_cpp, numpy" 2>/dev/null || \
   "$PY" -m pip install -q --disable-pip-version-check "$WHEEL" numpy 2>&1 | grep -v "^WARNING: Location" >&2 || true

@@ -87,23 +87,23 @@ def test_official_layout_round_trip_is_bit_identical(tmp_path, tiny_tokenizer_di
 def test_bf16_export_rounds_once_and_bf16_values_round_trip(tmp_path):
     cfg = tiny_cfg(tied=False)
     params = random_params(cfg, seed=3)
-    write_hf(params, cfg, tmp_path / "a", dtype="bfloat16")
+    write_hf(params, cfg, tmp_path / "a", dtype="bfloat16", no_tokenizer=True)
     with SafetensorsSource(tmp_path / "a") as src:
         assert {e.dtype for e in src.entries.values()} == {"BF16"}
-    got = flat_params(import_hf(tmp_path / "a", tmp_path / "ra").params)
+    got = flat_params(import_hf(tmp_path / "a", tmp_path / "ra", no_tokenizer=True).params)
     rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in params.items()}
     _assert_bit_identical(got, rounded)  # one round-to-nearest-even, nothing else
     assert any(not np.array_equal(rounded[k], params[k]) for k in params)  # the rounding is real
     # parameters that already hold bf16 values survive a bf16 export exactly
-    write_hf(rounded, cfg, tmp_path / "b", dtype="bfloat16")
-    _assert_bit_identical(flat_params(import_hf(tmp_path / "b", tmp_path / "rb").params), rounded)
+    write_hf(rounded, cfg, tmp_path / "b", dtype="bfloat16", no_tokenizer=True)
+    _assert_bit_identical(flat_params(import_hf(tmp_path / "b", tmp_path / "rb", no_tokenizer=True).params), rounded)
 
 
 def test_llama_layout_folds_and_unfolds_within_rounding(tmp_path):
     """The Llama layout is not lossless (x*s/s in float32): its inverse is within 1e-6 relative."""
     cfg = tiny_cfg(tied=True)
     params = random_params(cfg, seed=4)
-    res = write_hf(params, cfg, tmp_path / "l", layout="llama")
+    res = write_hf(params, cfg, tmp_path / "l", layout="llama", no_tokenizer=True)
     hf = read_json(tmp_path / "l" / "config.json")
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["tie_word_embeddings"] is False
     for k in ("scale_emb", "scale_depth", "dim_model_base", "sparse_config"):
@@ -126,7 +126,7 @@ def test_import_places_params_on_a_mesh(tmp_path):
 
     cfg = tiny_cfg(tied=False)
     params = random_params(cfg, seed=5)
-    write_hf(params, cfg, tmp_path / "hf", max_shard_size="8KB")
+    write_hf(params, cfg, tmp_path / "hf", max_shard_size="8KB", no_tokenizer=True)
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
 
     def shard(path: str, shape: tuple[int, ...]):
@@ -137,7 +137,7 @@ def test_import_places_params_on_a_mesh(tmp_path):
             spec[0] = "fsdp"
         return NamedSharding(mesh, P(*spec))
 
-    imp = import_hf(tmp_path / "hf", tmp_path / "run", shardings=shard)
+    imp = import_hf(tmp_path / "hf", tmp_path / "run", shardings=shard, no_tokenizer=True)
     flat_arrays = {"/".join(map(str, p)): v.get_value() for p, v in __import__("flax").nnx.to_flat_state(imp.params)}
     for k, a in flat_arrays.items():
         assert a.sharding == shard(k, a.shape), k
@@ -230,7 +230,7 @@ def test_cli_export_hf_from_checkpoint_records_provenance(imported_run, tmp_path
     assert man["source"]["checkpoint"].endswith("checkpoints")
     assert man["mtp_draft"].startswith("not exported")
     # the CLI export is the same bytes as exporting the params directly
-    write_hf(params, cfg, tmp_path / "direct")
+    write_hf(params, cfg, tmp_path / "direct", no_tokenizer=True)
     for f in ("model.safetensors", "config.json"):
         assert (tmp_path / "e1" / f).read_bytes() == (tmp_path / "direct" / f).read_bytes(), f
     # non-empty output: refused without --force (one line, exit 2), replaced with it
@@ -257,7 +257,7 @@ def test_cli_errors_are_one_line(tmp_path, imported_run, capsys):
         (["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--dtype", "int8"], "--dtype 'int8'"),
         (["export", "gguf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--outtype", "q4_k"], "'q4_k'"),
         (["export", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "x"), "--step", "7"], "--step 7"),
-        (["export", "hf", "--checkpoint", str(run), "--out", str(run)], "holds the source"),
+        (["export", "hf", "--checkpoint", str(run), "--out", str(run)], "overlaps the source"),
         (["export", "hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "does not exist"),
     ]
     for argv, needle in cases:
@@ -358,12 +358,12 @@ def test_import_rejects_wrong_architecture(official_dir, tmp_path, arch, needle)
 
 def test_import_tied_model_with_redundant_head(tmp_path, tiny_tokenizer_dir):
     cfg = tiny_cfg(tied=True)
-    write_hf(random_params(cfg, seed=8), cfg, tmp_path / "hf")
+    write_hf(random_params(cfg, seed=8), cfg, tmp_path / "hf", no_tokenizer=True)
     _edit_shard(tmp_path / "hf", lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].copy()))
-    assert "lm_head.weight equals the embedding (tied head); ignored" in import_hf(tmp_path / "hf", tmp_path / "a").warnings
+    assert "lm_head.weight equals the embedding (tied head); ignored" in import_hf(tmp_path / "hf", tmp_path / "a", no_tokenizer=True).warnings
     _edit_shard(tmp_path / "hf", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"] * 2))
     with pytest.raises(ConvertError, match='set "tie_word_embeddings": false'):
-        import_hf(tmp_path / "hf", tmp_path / "b")
+        import_hf(tmp_path / "hf", tmp_path / "b", no_tokenizer=True)
 
 
 def test_vocabulary_mismatch_is_refused_both_ways(tmp_path, tiny_tokenizer_dir):
@@ -372,7 +372,7 @@ def test_vocabulary_mismatch_is_refused_both_ways(tmp_path, tiny_tokenizer_dir):
     with pytest.raises(ConvertError, match=r"has 320 tokens but the model's vocab_size is 300"):
         write_hf(params, cfg, tmp_path / "e", tokenizer_dir=tiny_tokenizer_dir)
     assert not (tmp_path / "e").exists()
-    write_hf(params, cfg, tmp_path / "hf")
+    write_hf(params, cfg, tmp_path / "hf", no_tokenizer=True)
     for n in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(tiny_tokenizer_dir / n, tmp_path / "hf" / n)
     with pytest.raises(ConvertError, match=r"has 320 tokens but config.json has vocab_size 300"):
@@ -388,13 +388,13 @@ def test_not_enough_disk_space_writes_nothing(tmp_path, monkeypatch):
     real = cio.shutil.disk_usage
     monkeypatch.setattr(cio.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     with pytest.raises(ConvertError, match=r"not enough disk space in .*: the output needs about [\d.]+ MiB, 1.0 MiB"):
-        write_hf(params, cfg, tmp_path / "e")
+        write_hf(params, cfg, tmp_path / "e", no_tokenizer=True)
     assert not (tmp_path / "e").exists()
     monkeypatch.setattr(cio.shutil, "disk_usage", real)
-    write_hf(params, cfg, tmp_path / "hf")
+    write_hf(params, cfg, tmp_path / "hf", no_tokenizer=True)
     monkeypatch.setattr(cio.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
     with pytest.raises(ConvertError, match="not enough disk space"):
-        import_hf(tmp_path / "hf", tmp_path / "out")
+        import_hf(tmp_path / "hf", tmp_path / "out", no_tokenizer=True)
     assert not (tmp_path / "out").exists()
 
 
@@ -403,7 +403,7 @@ def test_failure_mid_write_leaves_no_folder_and_keeps_the_old_one(tmp_path, monk
 
     cfg = tiny_cfg()
     params = random_params(cfg, seed=11)
-    write_hf(params, cfg, tmp_path / "e")
+    write_hf(params, cfg, tmp_path / "e", no_tokenizer=True)
     before = (tmp_path / "e" / "model.safetensors").read_bytes()
     real = hx.write_safetensors_shards
 
@@ -413,10 +413,10 @@ def test_failure_mid_write_leaves_no_folder_and_keeps_the_old_one(tmp_path, monk
 
     monkeypatch.setattr(hx, "write_safetensors_shards", crash)
     with pytest.raises(OSError):
-        write_hf(params, cfg, tmp_path / "new", max_shard_size="8KB")
+        write_hf(params, cfg, tmp_path / "new", max_shard_size="8KB", no_tokenizer=True)
     assert not (tmp_path / "new").exists()
     with pytest.raises(OSError):
-        write_hf(params, cfg, tmp_path / "e", max_shard_size="8KB", force=True)
+        write_hf(params, cfg, tmp_path / "e", max_shard_size="8KB", force=True, no_tokenizer=True)
     assert (tmp_path / "e" / "model.safetensors").read_bytes() == before  # the old export is intact
     assert (tmp_path / "e" / MANIFEST_NAME).is_file()
     _no_leftovers(tmp_path)
@@ -426,16 +426,21 @@ def test_sparse_model_exports_with_warnings(tmp_path):
     cfg = tiny_cfg(sparse=True)
     params = random_params(cfg, seed=12)
     logged: list[str] = []
-    res = write_hf(params, cfg, tmp_path / "m", layout="minicpm", log=logged.append)
+    res = write_hf(params, cfg, tmp_path / "m", layout="minicpm", log=logged.append, no_tokenizer=True)
     hf = read_json(tmp_path / "m" / "config.json")
     assert hf["sparse_config"]["kernel_size"] == 32 and hf["sparse_config"]["topk"] == 4
     assert any("GQA group size 2" in w and "groups of 16" in w for w in res.warnings)
     assert any("head_dim 16 is not 128" in w for w in res.warnings)
     assert all(line.startswith("warning: ") for line in logged) and len(logged) == len(res.warnings)
     # the import brings the sparse settings back
-    assert import_hf(tmp_path / "m", tmp_path / "r").cfg.sparse_config == cfg.sparse_config
-    res = write_hf(params, cfg, tmp_path / "l", layout="llama")
+    assert import_hf(tmp_path / "m", tmp_path / "r", no_tokenizer=True).cfg.sparse_config == cfg.sparse_config
+    # the dense-only llama layout: refused by default (tests/test_convert_errors.py), kept with allow_dense
+    with pytest.raises(ConvertError, match="--allow-dense"):
+        write_hf(params, cfg, tmp_path / "l", layout="llama", no_tokenizer=True)
+    assert not (tmp_path / "l").exists()
+    res = write_hf(params, cfg, tmp_path / "l", layout="llama", no_tokenizer=True, allow_dense=True)
     assert "sparse_config" not in read_json(tmp_path / "l" / "config.json")
     assert any("dense attention only" in w for w in res.warnings)
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["dropped"] == ["sparse_config"]
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["attention"] == "dense"
+    assert read_json(tmp_path / "l" / MANIFEST_NAME)["allow_dense"] is True

@@ -189,10 +189,15 @@ def test_gguf_bad_input(tmp_path, tiny_tokenizer_dir):
         write_gguf_dir(params, cfg, tmp_path / "a", outtype="q4_k_m", tokenizer_dir=tiny_tokenizer_dir)
     assert not (tmp_path / "a").exists()
     sparse = tiny_cfg(sparse=True)
+    with pytest.raises(ConvertError, match=r"sparse attention \(model.attention=infllmv2\).*--allow-dense"):
+        write_gguf_dir(random_params(sparse, seed=24), sparse, tmp_path / "s", outtype="f16",
+                       tokenizer_dir=tiny_tokenizer_dir)
+    assert not (tmp_path / "s").exists()
     res = write_gguf_dir(random_params(sparse, seed=24), sparse, tmp_path / "s", outtype="f16",
-                         tokenizer_dir=tiny_tokenizer_dir)
+                         tokenizer_dir=tiny_tokenizer_dir, allow_dense=True)
     assert any("dense attention only" in w for w in res.warnings)
     assert read_json(tmp_path / "s" / MANIFEST_NAME)["dropped"] == ["sparse_config"]
+    assert read_json(tmp_path / "s" / MANIFEST_NAME)["allow_dense"] is True
 
 
 def test_cli_export_gguf(tmp_path, tiny_tokenizer_dir, capsys):

@@ -283,57 +283,135 @@ class Checkpointer:
         return step, state
 
 
-def find_checkpoint_dir(path: str | Path) -> Path:
+def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step") -> Path:
     """Resolve ``path`` (a run's ``out_dir`` or its checkpoint folder) to the checkpoint folder.
 
+    Args:
+        path: what the user gave as ``--checkpoint``.
+        step_option: the command's option choosing a step (named in the message for a step folder);
+            ``None`` for a command without one (``generate`` reads the latest step).
+
     Raises:
-        ConfigError: the path does not exist or holds no checkpoint.
+        ConfigError: the path does not exist, is a file, is one step's folder (names the run folder
+            and the step to give instead) or holds no checkpoint.
     """
     p = Path(path).expanduser().resolve()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--checkpoint {path} is a file, not a folder; give the training run's folder "
+                          "(its out_dir, holding checkpoints/) or its checkpoints folder")
     if not p.is_dir():
         raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
     if (p / "checkpoints").is_dir():
         p = p / "checkpoints"
+    elif p.name.isdigit() and any((p / n).exists() for n in ("_CHECKPOINT_METADATA", "state", "config")):
+        # one orbax step folder (<checkpoints>/<step>), not a run or checkpoints folder
+        run = p.parent.parent if p.parent.name == "checkpoints" else p.parent
+        how = (f"--checkpoint {run} {step_option} {int(p.name)}" if step_option
+               else f"--checkpoint {run} (the latest step is used)")
+        raise ConfigError(f"--checkpoint {path} is the folder of one checkpoint step ({int(p.name)}), not a run; "
+                          f"give the run folder instead: {how}")
     if not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
         raise ConfigError(f"no checkpoint found in {str(path)!r}; give a run's out_dir or its checkpoints folder")
     return p
 
 
-def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None) -> tuple[TrainConfig, Any]:
+def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None, *,
+                              check_config: Any = None, step_option: str | None = "--step") -> tuple[TrainConfig, Any]:
     """Load a trained model for generation: ``(cfg, model)``.
 
     ``checkpoint_dir`` is a run's ``out_dir`` or its ``checkpoints`` folder; the latest step is used
     unless ``step`` is given. Only the params are read (no optimizer state, no data iterator).
 
+    Args:
+        check_config: optional ``cfg -> None`` called with the stored :class:`TrainConfig` after the
+            (small) config item is read and before any parameter is: a caller's checks that depend on
+            the model config (it raises :class:`ConfigError` to stop).
+        step_option: the command's option choosing a step, named in the messages (``None``: the
+            command has none).
+
     Raises:
-        ConfigError: no checkpoint there.
+        ConfigError: no checkpoint there, or the step is incomplete/corrupt (a file of it is missing
+            or unreadable): one line naming the step, the folder, the short cause and the fix.
     """
     import orbax.checkpoint as ocp
     from flax import nnx
 
     from minicpm4_jax.train.step import init_model
 
-    directory = find_checkpoint_dir(checkpoint_dir)
+    directory = find_checkpoint_dir(checkpoint_dir, step_option=step_option)
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+
+    def short_cause(e: BaseException, limit: int = 220) -> str:
+        """The error type and the tail of its first line (orbax/tensorstore nest ``"outer: inner:
+        innermost"`` and append a long JSON spec)."""
+        text = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0].strip()
+        if len(text) > limit:
+            parts, tail = text.split(": "), ""
+            while parts and len(tail) + len(parts[-1]) + 2 <= limit:
+                tail = parts.pop() + (": " + tail if tail else "")
+            text = "..." + (tail or text[-limit:])
+        return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+    # A restore that fails on one array leaves tensorstore reads of the others in flight; as they
+    # finish they post to orbax's closed event loop, and Python prints a "RuntimeError: Event loop is
+    # closed" traceback for each through sys.unraisablehook (during the restore and after it). Drop
+    # exactly those while loading; the failure itself is reported as one ConfigError by corrupt().
+    import sys
+
+    prev_hook = sys.unraisablehook
+
+    def drop_closed_loop(u: Any) -> None:
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            prev_hook(u)
+
+    sys.unraisablehook = drop_closed_loop
+
+    def corrupt(e: BaseException) -> ConfigError:
+        others = [s for s in sorted(mngr.all_steps()) if s != step]
+        if step_option:
+            fix = f"pass {step_option} N for another saved step or re-save it"
+            if others:
+                fix += f" (saved steps: {', '.join(map(str, others))})"
+        else:
+            fix = ("move that step folder aside to use the previous saved step, or re-save it" if others
+                   else "re-save it")
+        return ConfigError(f"checkpoint step {step} in {directory} is incomplete or corrupt ({short_cause(e)}); {fix}")
+
     try:
         if step is None:
             step = mngr.latest_step()
         if step is None:
             raise ConfigError(f"no complete checkpoint in {directory}")
-        cfg = config_from_dict(mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+        try:
+            saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            cfg = config_from_dict(saved)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
+            raise corrupt(e) from None
+        if check_config is not None:
+            check_config(cfg)
         abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
         graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
         target = _with_default_sharding({"params": abstract_params})
         # Partial restore: only the params subtree of the saved state.
-        restored = mngr.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
-                partial_restore=True,
-            )),
-        )
+        try:
+            restored = mngr.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                    item=target,
+                    restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
+                    partial_restore=True,
+                )),
+            )
+        except Exception as e:  # noqa: BLE001
+            raise corrupt(e) from None
         params = restored["state"]["params"]
+    except BaseException:
+        raise  # keep drop_closed_loop: the in-flight reads of a failed restore finish after this
+    else:
+        if sys.unraisablehook is drop_closed_loop:
+            sys.unraisablehook = prev_hook
     finally:
         mngr.close()
     model = nnx.merge(graphdef, params)

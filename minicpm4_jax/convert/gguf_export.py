@@ -25,7 +25,10 @@ suite runs that converter as an oracle):
   ``tokenizer_config.json``, ``[PAD{i}]`` fill up to ``vocab_size``), special ids and the chat
   template through ``gguf.SpecialVocab``.
 
-Dense attention only: llama.cpp has no InfLLM v2 (a sparse model exports with a warning).
+Dense attention only: llama.cpp has no InfLLM v2, so a sparse model is refused unless ``allow_dense``
+(``--allow-dense``: exported dense, ``sparse_config`` dropped, the opt-in recorded in the manifest).
+``--out`` is a folder (it receives ``minicpm4-<outtype>.gguf`` and the manifest): one ending in
+``.gguf`` is refused.
 Tensors are written one at a time (``add_tensor_info`` then ``write_tensor_data``), so the host
 holds the parameters plus one converted tensor.
 """
@@ -42,7 +45,15 @@ from typing import Any
 import numpy as np
 
 from minicpm4_jax.config import ModelConfig
-from minicpm4_jax.convert.io import ConvertError, check_output_target, refuse_output_over_source, staged_output, write_manifest
+from minicpm4_jax.convert.io import (
+    MANIFEST_NAME,
+    ConvertError,
+    check_disk_space,
+    check_output_target,
+    refuse_output_over_source,
+    staged_output,
+    write_manifest,
+)
 from minicpm4_jax.convert.llama_fold import flat_params
 from minicpm4_jax.convert.official import from_official, iter_official_tensors, official_config, official_param_shapes
 
@@ -257,7 +268,7 @@ def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Itera
 
 
 def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str = "f16",
-               tokenizer_dir: str | Path, name: str = "minicpm4") -> list[str]:
+               tokenizer_dir: str | Path, name: str = "minicpm4", allow_dense: bool = False) -> list[str]:
     """Write ``params`` as a ``minicpm`` GGUF file at ``path`` (see the module docstring).
 
     Args:
@@ -267,21 +278,25 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
         outtype: ``f32`` | ``f16`` | ``bf16`` | ``q8_0``.
         tokenizer_dir: folder with ``tokenizer.model`` (+ ``tokenizer_config.json`` etc.).
         name: ``general.name``.
+        allow_dense: write a sparse (InfLLM v2) model as a dense one (``--allow-dense``).
 
     Returns:
-        Warnings (e.g. F16 fallback for rows that Q8_0 cannot block).
+        Warnings (e.g. F16 fallback for rows that Q8_0 cannot block, ``--allow-dense``).
 
     Raises:
-        ConvertError: unknown outtype, no SentencePiece tokenizer, or a tokenizer larger than
-            ``vocab_size``.
+        ConvertError: unknown outtype, a sparse model without ``allow_dense``, no SentencePiece
+            tokenizer, or a tokenizer larger than ``vocab_size``.
     """
     import gguf
 
+    from minicpm4_jax.convert.hf_export import check_dense_only
+
     plan = _plan(cfg, outtype)
+    dense_warn = check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)
     flat = flat_params(params)
     tok_dir = Path(tokenizer_dir)
     warnings = [f"{n}: row size {s[-1]} is not a multiple of the Q8_0 block; written as F16"
-                for n, q, s in plan if q == "F16" and outtype == "q8_0"]
+                for n, q, s in plan if q == "F16" and outtype == "q8_0"] + dense_warn
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MINICPM])
     try:
         _add_metadata(w, cfg, outtype, name)
@@ -306,55 +321,90 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     return warnings
 
 
+_GGUF_TARGET = "GGUF (llama.cpp has no InfLLM v2)"
+_GGUF_KEEP_HINT = "'minicpm4 export hf --layout minicpm' keeps sparse_config"
+
+
+def _check_out_is_a_folder_name(out: str | Path, outtype: str) -> None:
+    if Path(out).suffix.lower() == ".gguf":
+        raise ConvertError(f"--out {out} ends in .gguf, but --out is the output folder (it receives "
+                           f"minicpm4-{outtype}.gguf and {MANIFEST_NAME}); give a folder, e.g. --out "
+                           f"{Path(out).with_suffix('')}")
+
+
 def export_gguf(checkpoint: str | Path, out: str | Path, *, outtype: str = "f16", step: int | None = None,
                 tokenizer: str | Path | None = None, force: bool = False,
-                log: Callable[[str], Any] | None = None) -> Any:
+                log: Callable[[str], Any] | None = None, allow_dense: bool = False) -> Any:
     """``minicpm4 export gguf``: checkpoint -> ``out/minicpm4-<outtype>.gguf`` + ``minicpm4_manifest.json``.
+
+    Every check that needs no parameter runs before the parameters are read (as ``export_hf``): the
+    arguments (``outtype``, ``out`` not ending in ``.gguf``), the source (checkpoint folder, step, a
+    tokenizer folder with ``tokenizer.model``: the GGUF vocabulary needs it), ``out`` against the
+    source and the file system, then from the stored config a sparse model without ``allow_dense``,
+    the tokenizer against ``vocab_size`` and the free disk space.
 
     Returns:
         ``hf_export.ExportResult``.
 
     Raises:
-        ConvertError: bad outtype, a non-empty ``out`` without ``force``, no checkpoint/tokenizer,
-            tokenizer/vocabulary mismatch, not enough disk: before anything is written.
+        ConvertError: bad outtype or ``out``, a non-empty ``out`` without ``force``, ``out`` over the
+            source, no checkpoint/tokenizer, tokenizer/vocabulary mismatch, a sparse model without
+            ``allow_dense``, not enough disk: before anything is written.
     """
-    from minicpm4_jax.convert.hf_export import load_export_source
+    from minicpm4_jax.convert.hf_export import check_dense_only, check_tokenizer, load_export_source, \
+        resolve_export_source
 
     out_abs = Path(out).expanduser().absolute()
     if outtype not in OUTTYPES:
         raise ConvertError(f"--outtype {outtype!r} is not supported; use one of {list(OUTTYPES)}")
-    refuse_output_over_source(out_abs, Path(checkpoint))
+    _check_out_is_a_folder_name(out, outtype)
+    paths = resolve_export_source(checkpoint, step=step, tokenizer=tokenizer, sentencepiece=True)
+    refuse_output_over_source(out_abs, paths.protected())
     check_output_target(out_abs, force)
-    src = load_export_source(checkpoint, step=step, tokenizer=tokenizer)
+
+    def check(cfg: ModelConfig) -> None:
+        check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)
+        check_tokenizer(paths.tokenizer_dir, cfg)
+        check_disk_space(out_abs.parent, _needed_bytes(cfg, outtype))
+
+    src = load_export_source(checkpoint, paths=paths, check_config=check)
     return write_gguf_dir(src.params, src.cfg, out_abs, outtype=outtype, tokenizer_dir=src.tokenizer_dir,
-                          force=force, provenance=src.provenance, log=log)
+                          force=force, provenance=src.provenance, log=log, allow_dense=allow_dense)
+
+
+def _needed_bytes(cfg: ModelConfig, outtype: str) -> int:
+    return sum(_nbytes(s, q) for _, q, s in _plan(cfg, outtype)) + 64 * cfg.vocab_size + (4 << 20)
 
 
 def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: str = "f16",
                    tokenizer_dir: str | Path | None, force: bool = False,
-                   provenance: Mapping[str, Any] | None = None, log: Callable[[str], Any] | None = None) -> Any:
+                   provenance: Mapping[str, Any] | None = None, log: Callable[[str], Any] | None = None,
+                   allow_dense: bool = False) -> Any:
     """Write ``out/minicpm4-<outtype>.gguf`` and the manifest atomically (see :func:`write_gguf`).
 
     Raises:
         ConvertError: as :func:`export_gguf`.
     """
-    from minicpm4_jax.convert.hf_export import ExportResult, check_tokenizer
+    from minicpm4_jax.convert.hf_export import ExportResult, check_dense_only, check_tokenizer
 
     plan = _plan(cfg, outtype)
+    _check_out_is_a_folder_name(out, outtype)
+    check_output_target(Path(out), force)
     if tokenizer_dir is None:
         raise ConvertError("no tokenizer folder found next to the checkpoint; a GGUF needs the vocabulary: "
                            "pass --tokenizer DIR (with tokenizer.model)")
     tok_dir = Path(tokenizer_dir)
-    _tok, warnings = check_tokenizer(tok_dir, cfg)
     if not (tok_dir / "tokenizer.model").is_file():
         raise ConvertError(f"{tok_dir} has no tokenizer.model; the GGUF vocabulary is read from a SentencePiece "
                            "model (llama.cpp's minicpm path): pass --tokenizer with one")
-    if cfg.attention == "infllmv2":
-        warnings.append("GGUF is dense attention only (llama.cpp has no InfLLM v2): the sparse_config is dropped")
-    needed = sum(_nbytes(s, q) for _, q, s in plan) + 64 * cfg.vocab_size + (4 << 20)
+    _tok, warnings = check_tokenizer(tok_dir, cfg)
+    check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)  # before anything is written
+    sparse = cfg.attention == "infllmv2"
+    needed = _needed_bytes(cfg, outtype)
     fname = f"minicpm4-{outtype}.gguf"
     with staged_output(out, force=force, needed_bytes=needed) as stage:
-        warnings += write_gguf(params, cfg, stage / fname, outtype=outtype, tokenizer_dir=tok_dir)
+        warnings += write_gguf(params, cfg, stage / fname, outtype=outtype, tokenizer_dir=tok_dir,
+                               allow_dense=allow_dense)
         for w_ in warnings:
             if log:
                 log(f"warning: {w_}")
@@ -368,8 +418,9 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
             "folded": [],
             "applied_at_runtime": ["minicpm.embedding_scale", "minicpm.residual_scale", "minicpm.logit_scale"],
             "permuted": ["attn_q and attn_k rows: HF rotate-half -> ggml NORM (interleaved) rope order"],
-            "dropped": ["sparse_config"] if cfg.attention == "infllmv2" else [],
+            "dropped": ["sparse_config"] if sparse else [],
             "attention": "dense",
+            "allow_dense": bool(allow_dense and sparse),
             "warnings": warnings,
         }
         write_manifest(stage, manifest)

@@ -8,18 +8,23 @@ Two layouts (spec ``export.md`` §1.2, §1.3, §7 rows 1-2):
   llama.cpp's ``convert_hf_to_gguf.py``, CPM.cu, GPTQModel and transformers once MiniCPM4 is native.
 * ``llama``: a plain ``LlamaForCausalLM`` with the μP scalars folded into the weights
   (``llama_fold.fold_to_llama``), loadable by stock transformers / vLLM with no remote code. Dense
-  attention only: a sparse model exports with a warning and without ``sparse_config``.
+  attention only: a sparse (InfLLM v2) model is refused unless ``allow_dense`` (``--allow-dense``),
+  which exports it without ``sparse_config`` and records the opt-in in the manifest.
 
 Both write sharded safetensors (``model.safetensors`` or ``model-0000i-of-0000N.safetensors`` + a
 valid index), the tokenizer files, ``generation_config.json`` and ``minicpm4_manifest.json``
 (source checkpoint step and parameter hash, format, dtype, what was folded), into a staging folder
-renamed into place only when complete (``io.staged_output``). The MTP/EAGLE draft export is not
-implemented: the model has no MTP module yet.
+renamed into place only when complete (``io.staged_output``). A missing tokenizer is an error
+unless ``no_tokenizer`` (``--no-tokenizer``, recorded in the manifest). :func:`export_hf` runs every
+check that needs no parameters (arguments, source paths, ``--out`` against the source and the file
+system, tokenizer, the stored model config) before the checkpoint's parameters are read. The MTP/EAGLE
+draft export is not implemented: the model has no MTP module yet.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,11 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.convert.io import (
     ConvertError,
-    refuse_output_over_source,
+    check_disk_space,
+    check_output_target,
+    default_file_mode,
     params_sha256,
+    refuse_output_over_source,
     parse_size,
     plan_shards,
     staged_output,
@@ -51,7 +59,11 @@ from minicpm4_jax.convert.official import (
 __all__ = [
     "ExportSource",
     "ExportResult",
+    "SourcePaths",
+    "resolve_export_source",
     "load_export_source",
+    "check_tokenizer",
+    "check_dense_only",
     "write_hf",
     "export_hf",
     "TOKENIZER_FILES",
@@ -111,30 +123,91 @@ class ExportResult:
     manifest: dict[str, Any]
 
 
-def _find_tokenizer_dir(ckpt_dir: Path, run_dir: Path | None) -> Path | None:
-    for c in ([run_dir / "tokenizer"] if run_dir else []) + [ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]:
-        if c.is_dir():
-            return c
-    return None
+def _find_tokenizer_dir(ckpt_dir: Path, run_dir: Path | None) -> tuple[Path | None, list[Path]]:
+    cands = ([run_dir / "tokenizer"] if run_dir else []) + [ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
+    cands = list(dict.fromkeys(cands))
+    return next((c for c in cands if c.is_dir()), None), cands
 
 
-def load_export_source(checkpoint: str | Path, *, step: int | None = None,
-                       tokenizer: str | Path | None = None) -> ExportSource:
-    """Read a training run's (or an import's) checkpoint for export.
+@dataclass
+class SourcePaths:
+    """Where an export reads from, resolved without reading any parameter.
+
+    Attributes:
+        checkpoint_dir: the orbax checkpoints folder.
+        run_dir: the run folder holding it (``None`` when not known, e.g. a custom checkpoint folder).
+        tokenizer_dir: the tokenizer folder (checked to hold a tokenizer), or ``None`` with ``--no-tokenizer``.
+        step: the checkpoint step to export.
+    """
+
+    checkpoint_dir: Path
+    run_dir: Path | None
+    tokenizer_dir: Path | None
+    step: int
+
+    def protected(self) -> list[tuple[str, Path]]:
+        """``[(what, folder)]`` an output must not overlap (see ``io.refuse_output_over_source``)."""
+        out = [("run folder", self.run_dir), ("checkpoints folder", self.checkpoint_dir),
+               ("tokenizer folder", self.tokenizer_dir)]
+        return [(w, p) for w, p in out if p is not None]
+
+
+def _check_tokenizer_files(tok_dir: Path, label: str, *, sentencepiece: bool, opt_out: bool) -> None:
+    if sentencepiece:
+        if not (tok_dir / "tokenizer.model").is_file():
+            raise ConvertError(f"{label} {tok_dir} has no tokenizer.model; a GGUF's vocabulary is read from the "
+                               "SentencePiece model (llama.cpp's minicpm path): pass --tokenizer with a folder holding one")
+        return
+    if not any((tok_dir / n).is_file() for n in ("tokenizer.model", "tokenizer.json")):
+        raise ConvertError(f"{label} {tok_dir} holds neither tokenizer.model nor tokenizer.json; pass --tokenizer with "
+                           "the folder of the model's tokenizer (a run's tokenizer/ folder)"
+                           + (", or --no-tokenizer to export without one" if opt_out else ""))
+
+
+def resolve_export_source(checkpoint: str | Path, *, step: int | None = None, tokenizer: str | Path | None = None,
+                          no_tokenizer: bool = False, sentencepiece: bool = False,
+                          step_option: str = "--step") -> SourcePaths:
+    """Resolve a checkpoint, its step and the tokenizer folder, reading no parameter.
 
     Args:
         checkpoint: a run's ``out_dir`` or its ``checkpoints`` folder.
         step: which checkpoint step (default: the latest complete one).
-        tokenizer: tokenizer folder; default ``<out_dir>/tokenizer`` when it exists.
+        tokenizer: tokenizer folder; default ``<out_dir>/tokenizer`` next to the checkpoint.
+        no_tokenizer: export without a tokenizer (``--no-tokenizer``); the default requires one.
+        sentencepiece: the tokenizer must be a SentencePiece ``tokenizer.model`` (GGUF); implies a
+            tokenizer is required.
 
     Raises:
-        ConfigError/ConvertError: no checkpoint there, no such step, tokenizer folder missing.
+        ConfigError/ConvertError: no checkpoint there (or a file, or one step's folder), no such step,
+            no tokenizer (or a folder without tokenizer files), ``--tokenizer`` with ``--no-tokenizer``.
     """
     import orbax.checkpoint as ocp
 
-    from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir
 
-    ckpt_dir = find_checkpoint_dir(checkpoint)
+    ckpt_dir = find_checkpoint_dir(checkpoint, step_option=step_option)
+    given = Path(checkpoint).expanduser().resolve()
+    run_dir = given if given != ckpt_dir else (ckpt_dir.parent if ckpt_dir.name == "checkpoints" else None)
+    if no_tokenizer and tokenizer is not None:
+        raise ConvertError(f"--tokenizer {tokenizer} and --no-tokenizer contradict each other; pass one of them")
+    if tokenizer is not None:
+        tok_dir = Path(tokenizer).expanduser().resolve()
+        if not tok_dir.is_dir():
+            raise ConvertError(f"--tokenizer {tokenizer} is not a folder; give the folder holding tokenizer.model")
+        _check_tokenizer_files(tok_dir, "--tokenizer", sentencepiece=sentencepiece, opt_out=not sentencepiece)
+    elif no_tokenizer and not sentencepiece:
+        tok_dir = None
+    else:
+        tok_dir, looked = _find_tokenizer_dir(ckpt_dir, run_dir)
+        if tok_dir is None:
+            where = ", ".join(str(c) for c in looked)
+            if sentencepiece:
+                raise ConvertError(f"no tokenizer folder next to the checkpoint (looked in {where}); a GGUF needs the "
+                                   "vocabulary: pass --tokenizer DIR (a folder with tokenizer.model)")
+            raise ConvertError(f"no tokenizer folder next to the checkpoint (looked in {where}); pass --tokenizer DIR "
+                               "(a folder with tokenizer.model or tokenizer.json), or --no-tokenizer to export the "
+                               "weights and config only")
+        _check_tokenizer_files(tok_dir, "tokenizer folder", sentencepiece=sentencepiece, opt_out=not sentencepiece)
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(create=False))
     try:
         steps = sorted(mngr.all_steps())
@@ -146,38 +219,88 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
         step = steps[-1]
     elif step not in steps:
         raise ConvertError(f"--step {step} is not a checkpoint in {ckpt_dir}; available steps: {steps}")
-    train_cfg, model = load_params_for_inference(ckpt_dir, step)
+    return SourcePaths(checkpoint_dir=ckpt_dir, run_dir=run_dir, tokenizer_dir=tok_dir, step=int(step))
+
+
+def load_export_source(checkpoint: str | Path, *, step: int | None = None,
+                       tokenizer: str | Path | None = None, no_tokenizer: bool = False,
+                       paths: SourcePaths | None = None,
+                       check_config: Callable[[ModelConfig], Any] | None = None) -> ExportSource:
+    """Read a training run's (or an import's) checkpoint for export.
+
+    Args:
+        checkpoint: a run's ``out_dir`` or its ``checkpoints`` folder.
+        step: which checkpoint step (default: the latest complete one).
+        tokenizer: tokenizer folder; default ``<out_dir>/tokenizer`` when it exists.
+        no_tokenizer: allow a source without a tokenizer.
+        paths: the already resolved :func:`resolve_export_source` (then ``step``/``tokenizer`` are ignored).
+        check_config: called with the stored model config before any parameter is read.
+
+    Raises:
+        ConfigError/ConvertError: no checkpoint there, no such step, no tokenizer, a corrupt step, or
+            what ``check_config`` raises.
+    """
+    from minicpm4_jax.train.checkpoint import load_params_for_inference
+
+    if paths is None:
+        paths = resolve_export_source(checkpoint, step=step, tokenizer=tokenizer, no_tokenizer=no_tokenizer)
+    train_cfg, model = load_params_for_inference(
+        paths.checkpoint_dir, paths.step,
+        check_config=(lambda tc: check_config(tc.model)) if check_config is not None else None)
     params = flat_params(model)
-    run_dir = Path(checkpoint).expanduser().resolve()
-    if tokenizer is not None:
-        tok_dir = Path(tokenizer).expanduser().resolve()
-        if not tok_dir.is_dir():
-            raise ConvertError(f"--tokenizer {tokenizer} is not a folder; give the folder holding tokenizer.model")
-    else:
-        tok_dir = _find_tokenizer_dir(ckpt_dir, run_dir if run_dir != ckpt_dir else None)
     prov = {
-        "checkpoint": str(ckpt_dir),
-        "step": int(step),
+        "checkpoint": str(paths.checkpoint_dir),
+        "step": int(paths.step),
         "params_sha256": params_sha256(params),
     }
-    return ExportSource(cfg=train_cfg.model, params=params, tokenizer_dir=tok_dir, provenance=prov)
+    return ExportSource(cfg=train_cfg.model, params=params, tokenizer_dir=paths.tokenizer_dir, provenance=prov)
 
 
-def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig) -> tuple[Any, list[str]]:
+def check_dense_only(cfg: ModelConfig, target: str, allow_dense: bool, keep_hint: str) -> list[str]:
+    """Refuse a sparse (InfLLM v2) model for a dense-only ``target`` unless ``allow_dense``.
+
+    Returns:
+        The warning to record when ``allow_dense`` lets it through (empty for a dense model).
+
+    Raises:
+        ConvertError: a sparse model without ``allow_dense`` (names why and both ways out).
+    """
+    if cfg.attention != "infllmv2":
+        return []
+    if not allow_dense:
+        raise ConvertError(
+            f"the model uses sparse attention (model.attention=infllmv2) but {target} runs dense attention only, so "
+            f"the export would compute something other than the trained model; {keep_hint}, or pass --allow-dense "
+            "to export it as a dense model anyway"
+        )
+    return [f"--allow-dense: {target} runs dense attention only; sparse_config is dropped and every runtime loading "
+            "this export runs the model dense"]
+
+
+def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
+                    fix: str = "pass --tokenizer with the folder of the model's tokenizer (a run's tokenizer/ folder)"
+                    ) -> tuple[Any, list[str]]:
     """Load the tokenizer of ``tokenizer_dir`` and check it against ``cfg``.
+
+    Args:
+        fix: the hint appended when the tokenizer cannot be read.
 
     Returns:
         ``(tokenizer or None, warnings)``.
 
     Raises:
         ConvertError: the tokenizer has more ids than ``vocab_size`` (its ids would index past the
-            embedding), or the folder holds no tokenizer.
+            embedding), or the folder holds no readable tokenizer.
     """
     if tokenizer_dir is None:
         return None, []
     from minicpm4_jax.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tokenizer_dir)
+    try:
+        tok = load_tokenizer(tokenizer_dir)
+    except ConfigError as e:  # its hint is for training (data.tokenizer=...): give this command's fix
+        what = (str(e).splitlines() or [""])[0].rsplit("; ", 1)[0]
+        raise ConvertError(f"{what}; {fix}") from None
     if tok.vocab_size > cfg.vocab_size:
         raise ConvertError(
             f"tokenizer {tokenizer_dir} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
@@ -195,6 +318,7 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> list[str]:
         p = tokenizer_dir / name
         if p.is_file():
             shutil.copyfile(p, dest / name)
+            os.chmod(dest / name, default_file_mode())
             out.append(name)
     return out
 
@@ -216,7 +340,8 @@ def _tokenizer_bytes(tokenizer_dir: Path | None) -> int:
 def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path, *, layout: str = "minicpm",
              dtype: str = "float32", tokenizer_dir: str | Path | None = None, force: bool = False,
              max_shard_size: str | int = "5GB", provenance: Mapping[str, Any] | None = None,
-             log: Callable[[str], Any] | None = None) -> ExportResult:
+             log: Callable[[str], Any] | None = None, no_tokenizer: bool = False,
+             allow_dense: bool = False) -> ExportResult:
     """Write our parameters as a Hugging Face folder ``out`` in ``layout``.
 
     Args:
@@ -231,6 +356,9 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         max_shard_size: shard limit (``"5GB"``, ``"200MB"`` or bytes); one shard is ``model.safetensors``.
         provenance: source information recorded in the manifest (checkpoint, step, hashes).
         log: called with each warning line (default: none; warnings are also returned).
+        no_tokenizer: write without a tokenizer (``--no-tokenizer``); otherwise ``tokenizer_dir`` is required.
+        allow_dense: let a sparse (InfLLM v2) model through to the dense-only ``llama`` layout
+            (``--allow-dense``); recorded in the manifest.
 
     Memory: the official layout converts one tensor at a time and holds one shard; the llama layout
     folds all tensors first (``fold_to_llama``, float64 math per tensor), i.e. a second copy of the model.
@@ -239,19 +367,27 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         :class:`ExportResult`.
 
     Raises:
-        ConvertError: unknown layout/dtype, a tokenizer larger than the vocabulary, a non-empty
-            ``out`` without ``force``, not enough disk space: all before anything is written.
+        ConvertError: unknown layout/dtype, no tokenizer without ``no_tokenizer``, a tokenizer larger
+            than the vocabulary, a sparse model to the llama layout without ``allow_dense``, a
+            non-empty ``out`` without ``force``, not enough disk space: all before anything is written.
     """
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
     npdt = np_dtype(dtype)
-    flat = flat_params(params)
     max_bytes = parse_size(max_shard_size)
+    check_output_target(Path(out), force)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    if tok_dir is None and not no_tokenizer:
+        raise ConvertError("no tokenizer folder given: pass --tokenizer DIR (tokenizer_dir), or --no-tokenizer "
+                           "(no_tokenizer=True) to write the weights and config only")
+    if tok_dir is not None and no_tokenizer:
+        raise ConvertError(f"--tokenizer {tok_dir} and --no-tokenizer contradict each other; pass one of them")
     _tok, warnings = check_tokenizer(tok_dir, cfg)
-    if tok_dir is None:
-        warnings.append("no tokenizer folder: the export holds weights and config only (pass --tokenizer)")
     sparse = cfg.attention == "infllmv2" and cfg.sparse_config is not None
+    if layout == "llama":
+        warnings += check_dense_only(cfg, "--layout llama (LlamaForCausalLM)", allow_dense,
+                                     "use --layout minicpm to keep sparse_config")
+    flat = flat_params(params)
     folded: list[str] = []
     dropped: list[str] = []
     if layout == "minicpm":
@@ -273,8 +409,6 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
                   f"(hidden_size/dim_model_base) ({cfg.width_mult!r}); untied"]
         if sparse:
             dropped.append("sparse_config")
-            warnings.append("the llama layout is dense attention only: sparse_config is dropped and every runtime "
-                            "loading this folder runs dense attention (use --layout minicpm to keep it)")
     sizes = [(n, int(np.prod(shapes[n], dtype=np.int64)) * npdt.itemsize) for n in names]
     plan = plan_shards(sizes, max_bytes)
     needed = sum(s for _, s in sizes) + _tokenizer_bytes(tok_dir) + (1 << 20)
@@ -286,8 +420,8 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         (stage / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")
         files += ["config.json", "generation_config.json"]
-        if tok_dir is not None:
-            files += _copy_tokenizer(tok_dir, stage)
+        tok_files = _copy_tokenizer(tok_dir, stage) if tok_dir is not None else []
+        files += tok_files
         manifest = {
             "format": f"hf-{layout}",
             "architecture": hf_cfg["architectures"][0],
@@ -296,6 +430,9 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
             "folded": folded,
             "dropped": dropped,
             "attention": "dense" if (layout == "llama" or not sparse) else "infllmv2 (sparse_config in config.json)",
+            "allow_dense": bool(allow_dense and sparse and layout == "llama"),
+            "no_tokenizer": tok_dir is None,
+            "tokenizer_files": tok_files,
             "mtp_draft": "not exported: this model has no MTP module",
             "warnings": warnings,
             "shards": len(plan),
@@ -306,21 +443,37 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm", dtype: str = "float32",
               step: int | None = None, tokenizer: str | Path | None = None, force: bool = False,
-              max_shard_size: str | int = "5GB", log: Callable[[str], Any] | None = None) -> ExportResult:
+              max_shard_size: str | int = "5GB", log: Callable[[str], Any] | None = None,
+              no_tokenizer: bool = False, allow_dense: bool = False) -> ExportResult:
     """``minicpm4 export hf``: :func:`load_export_source` then :func:`write_hf`.
 
-    Validation that needs no checkpoint (layout, dtype, shard size, the output folder) runs first,
-    so a bad argument fails before the checkpoint is read.
+    Every check that needs no parameter runs first, in this order: the arguments (layout, dtype,
+    shard size), the source (checkpoint folder, step, tokenizer folder), ``out`` against the source
+    (never the run/checkpoints/tokenizer folder, a folder holding one or a folder inside one, with or
+    without ``force``), ``out`` itself (not under a file, empty unless ``force``), then, from the
+    stored config alone, a sparse model for the llama layout, the tokenizer against ``vocab_size``
+    and the free disk space. Only then are the parameters read.
     """
-    from minicpm4_jax.convert.io import check_output_target
-
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
-    np_dtype(dtype)
+    npdt = np_dtype(dtype)
     parse_size(max_shard_size)
+    paths = resolve_export_source(checkpoint, step=step, tokenizer=tokenizer, no_tokenizer=no_tokenizer)
     out_abs = Path(out).expanduser().absolute()
-    refuse_output_over_source(out_abs, Path(checkpoint))
+    refuse_output_over_source(out_abs, paths.protected())
     check_output_target(out_abs, force)
-    src = load_export_source(checkpoint, step=step, tokenizer=tokenizer)
-    return write_hf(src.params, src.cfg, out, layout=layout, dtype=dtype, tokenizer_dir=src.tokenizer_dir,
-                    force=force, max_shard_size=max_shard_size, provenance=src.provenance, log=log)
+
+    def check(cfg: ModelConfig) -> None:
+        if layout == "llama":
+            check_dense_only(cfg, "--layout llama (LlamaForCausalLM)", allow_dense,
+                             "use --layout minicpm to keep sparse_config")
+        check_tokenizer(paths.tokenizer_dir, cfg)
+        n = sum(int(np.prod(s, dtype=np.int64)) for s in official_param_shapes(cfg).values())
+        if layout == "llama" and cfg.tie_word_embeddings:
+            n += cfg.vocab_size * cfg.hidden_size
+        check_disk_space(out_abs.parent, n * npdt.itemsize + _tokenizer_bytes(paths.tokenizer_dir))
+
+    src = load_export_source(checkpoint, paths=paths, check_config=check)
+    return write_hf(src.params, src.cfg, out_abs, layout=layout, dtype=dtype, tokenizer_dir=src.tokenizer_dir,
+                    force=force, max_shard_size=max_shard_size, provenance=src.provenance, log=log,
+                    no_tokenizer=no_tokenizer, allow_dense=allow_dense)

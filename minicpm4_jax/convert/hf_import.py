@@ -5,7 +5,11 @@ Reads ``MiniCPMForCausalLM`` folders (spec ``export.md`` §1.2, ``minicpm4_model
 untied, F32/F16/BF16 tensors. Everything is checked before anything is written: the architecture,
 the config (via ``ModelConfig.from_hf_config`` and ``validate_model``), every safetensors header
 against its file size (truncation), the tensor set against the config (a missing, extra or
-mis-shaped tensor is named), the tokenizer's size against ``vocab_size``, and the free disk space.
+mis-shaped tensor is named; a renamed one is reported as both), the tokenizer (required unless
+``no_tokenizer`` / ``--no-tokenizer``, recorded in the manifest) and its size against ``vocab_size``,
+``OUT`` against the source (never ``DIR`` itself, a folder holding it or a folder inside it) and the
+file system, and the free disk space. Every tensor is also checked to be finite as it is streamed
+(a NaN/inf is named and nothing is left behind).
 
 Streaming: each parameter is built with ``jax.make_array_from_callback``; the callback reads only
 the per-layer tensors inside the requested shard, one at a time, from memory-mapped safetensors,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +37,8 @@ from minicpm4_jax.config import ConfigError, DataConfig, ModelConfig, TrainConfi
 from minicpm4_jax.convert.io import (
     ConvertError,
     SafetensorsSource,
+    check_output_target,
+    default_file_mode,
     file_sha256,
     params_sha256,
     refuse_output_over_source,
@@ -111,6 +118,14 @@ def check_hf_tensors(src: SafetensorsSource, cfg: ModelConfig) -> list[str]:
     expected = official_param_shapes(cfg)
     have = src.entries
     missing = [n for n in expected if n not in have]
+    unexpected = [n for n in have if n not in expected and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if missing and unexpected:  # e.g. a renamed tensor: name both sides
+        more = ([f"{len(missing) - 1} more missing"] if len(missing) > 1 else []) + (
+            [f"{len(unexpected) - 1} more unexpected"] if len(unexpected) > 1 else [])
+        counts = f" ({', '.join(more)})" if more else ""
+        raise ConvertError(f"tensor {missing[0]!r} is missing from {src.folder} and tensor {unexpected[0]!r} is "
+                           f"unexpected{counts}; the tensor names do not match MiniCPMForCausalLM for this "
+                           "config.json (a renamed tensor?): fix the names or config.json")
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ConvertError(f"tensor {missing[0]!r} is missing from {src.folder}{more}; the weights do not match "
@@ -122,7 +137,7 @@ def check_hf_tensors(src: SafetensorsSource, cfg: ModelConfig) -> list[str]:
         if tuple(have["lm_head.weight"].shape) != expected["model.embed_tokens.weight"]:
             raise ConvertError(f"tensor 'lm_head.weight' has shape {list(have['lm_head.weight'].shape)} but "
                                f"the embedding is {list(expected['model.embed_tokens.weight'])}")
-        if not np.array_equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight")):
+        if not np.array_equal(src.get("lm_head.weight"), src.get("model.embed_tokens.weight"), equal_nan=True):
             raise ConvertError("tensor 'lm_head.weight' differs from model.embed_tokens.weight but config.json has "
                                "tie_word_embeddings true (the default); set \"tie_word_embeddings\": false")
         warns.append("lm_head.weight equals the embedding (tied head); ignored")
@@ -161,9 +176,29 @@ def _default_sharding() -> Any:
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
+def _finite_reader(source: SafetensorsSource) -> Callable[[str], np.ndarray]:
+    """``source.get`` that refuses a tensor holding NaN or inf (checked on each read, no second pass)."""
+
+    def get(name: str) -> np.ndarray:
+        a = source.get(name)
+        ok = np.isfinite(a)
+        if not ok.all():
+            bad = np.argwhere(~ok)
+            first = tuple(int(i) for i in bad[0])
+            v = a[first]
+            raise ConvertError(
+                f"tensor {name!r} in {source.entries[name].file.name} holds {len(bad)} non-finite value(s) "
+                f"({'NaN' if np.isnan(v) else 'inf' if v > 0 else '-inf'} at index {list(first)}); the weights are "
+                "corrupt: download or convert them again"
+            )
+        return a
+
+    return get
+
+
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
               shardings: Callable[[str, tuple[int, ...]], Any] | None = None,
-              log: Callable[[str], Any] | None = None) -> ImportResult:
+              log: Callable[[str], Any] | None = None, no_tokenizer: bool = False) -> ImportResult:
     """Import the official-layout folder ``src`` as a checkpoint of this project in ``out``.
 
     Args:
@@ -172,6 +207,8 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         out: output folder (absent or empty unless ``force``); gets ``checkpoints/0``,
             ``config.json``, ``tokenizer/`` and ``minicpm4_manifest.json``.
         force: replace a non-empty ``out``.
+        no_tokenizer: import the weights only (``--no-tokenizer``); otherwise ``src`` must hold
+            ``tokenizer.model`` or ``tokenizer.json``.
         shardings: ``(param path, shape) -> jax.sharding.Sharding`` placing each parameter (e.g.
             a ``NamedSharding`` on the target mesh); default: the first local device.
         log: called with each warning line.
@@ -193,21 +230,33 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     if not folder.is_dir():
         raise ConvertError(f"{src} is not a folder; give the Hugging Face model folder")
     out_abs = Path(out).expanduser().absolute()
-    refuse_output_over_source(out_abs, folder)
+    refuse_output_over_source(out_abs, [("model folder", folder)])
+    check_output_target(out_abs, force)
     _raw, cfg, warnings = read_hf_config(folder)
     source = SafetensorsSource(folder)
     warnings += check_hf_tensors(source, cfg)
     tok_files = [n for n in _TOKENIZER_FILES if (folder / n).is_file()]
-    if "tokenizer.model" in tok_files or "tokenizer.json" in tok_files:
+    has_tok = "tokenizer.model" in tok_files or "tokenizer.json" in tok_files
+    if no_tokenizer:
+        if has_tok:
+            warnings.append(f"--no-tokenizer: the tokenizer files in {folder} were not imported")
+        tok_files = []
+    elif has_tok:
         from minicpm4_jax.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(folder)
+        try:
+            tok = load_tokenizer(folder)
+        except ConfigError as e:  # its hint is for training (data.tokenizer=...): give this command's fix
+            what = (str(e).splitlines() or [""])[0].rsplit("; ", 1)[0]
+            raise ConvertError(f"{what}; fix the tokenizer files in {folder}, or pass --no-tokenizer to import "
+                               "the weights only") from None
         if tok.vocab_size > cfg.vocab_size:
             raise ConvertError(f"the tokenizer in {folder} has {tok.vocab_size} tokens but config.json has vocab_size "
                                f"{cfg.vocab_size}; they do not belong together: fix vocab_size or the tokenizer")
     else:
-        tok_files = []
-        warnings.append(f"no tokenizer.model / tokenizer.json in {folder}: imported weights only")
+        raise ConvertError(f"no tokenizer in {folder} (no tokenizer.model or tokenizer.json); copy the model's "
+                           "tokenizer files into it, or pass --no-tokenizer to import the weights only (generate "
+                           "then needs a tokenizer)")
     for w in warnings:
         if log:
             log(f"warning: {w}")
@@ -230,10 +279,11 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
                     res[k] = fill(v, path)
                     continue
                 row = rows[path]
-                reader = layer_slice_reader(cfg, row, source.get, np.float32)
+                reader = layer_slice_reader(cfg, row, get, np.float32)
                 res[k] = jax.make_array_from_callback(tuple(v.shape), place(path, tuple(v.shape)), reader)
             return res
 
+        get = _finite_reader(source)
         nnx.replace_by_pure_dict(state, fill(pure, ""))
         source.close()
         tok_dir = None
@@ -242,6 +292,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             tok_dir.mkdir()
             for n in tok_files:
                 shutil.copyfile(folder / n, tok_dir / n)
+                os.chmod(tok_dir / n, default_file_mode())
         train_cfg = _train_config(cfg, out_abs, out_abs / "tokenizer" if tok_dir else None)
         mngr = ocp.CheckpointManager(stage / "checkpoints",
                                      options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
@@ -267,6 +318,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             "params_sha256": params_sha256(flat_params(state)),
             "dtype": "float32",
             "tokenizer_files": tok_files,
+            "no_tokenizer": bool(no_tokenizer),
             "warnings": warnings,
         }
         write_manifest(stage, manifest, hash_files=False)

@@ -35,6 +35,7 @@ __all__ = [
     "staged_output",
     "check_disk_space",
     "check_output_target",
+    "default_file_mode",
     "refuse_output_over_source",
     "params_sha256",
     "file_sha256",
@@ -67,22 +68,54 @@ def _is_nonempty_dir(p: Path) -> bool:
 
 
 def check_output_target(out: Path, force: bool) -> None:
-    """Refuse a non-empty ``out`` (or a file there) unless ``force``.
+    """Refuse an ``out`` that cannot become the output folder: a file there, a file above it (the
+    folder could not be created), a non-writable parent, or a non-empty folder unless ``force``.
 
     Raises:
-        ConvertError: ``out`` exists as a file, or is a non-empty folder and ``force`` is false.
+        ConvertError: as above (one line naming the path and the fix).
     """
+    out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
-        raise ConvertError(f"output {out} exists and is not a folder; pick another --out")
+        raise ConvertError(f"--out {out} exists and is a file, not a folder; pick another --out")
+    probe = out.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConvertError(f"--out {out} cannot be created: {probe} is a file, not a folder; pick another --out")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConvertError(f"--out {out} cannot be created: no write permission in {probe}; pick another --out")
     if _is_nonempty_dir(out) and not force:
         raise ConvertError(f"output folder {out} is not empty; pass --force to replace it or pick another --out")
 
 
-def refuse_output_over_source(out: Path, source: Path) -> None:
-    """Raise :class:`ConvertError` when writing ``out`` would replace ``source`` (or a folder holding it)."""
-    o, s = Path(out).expanduser().resolve(), Path(source).expanduser().resolve()
-    if o == s or o in s.parents:
-        raise ConvertError(f"output {out} holds the source {source}; writing there would destroy it: pick another --out")
+def refuse_output_over_source(out: Path, sources: Path | Iterable[tuple[str, Path]]) -> None:
+    """Raise :class:`ConvertError` when ``out`` overlaps a folder being read: ``out`` is that
+    folder, holds it, or lies inside it (a ``--force`` there would delete the source, or mix the
+    output into it). Checked before the "not empty" check, with or without ``--force``.
+
+    Args:
+        out: the output folder.
+        sources: ``[(what, folder)]`` (e.g. ``("run folder", R)``, ``("checkpoints folder", R/checkpoints)``,
+            ``("tokenizer folder", R/tokenizer)``), or one folder.
+    """
+    items = [("folder", Path(sources))] if isinstance(sources, (str, os.PathLike)) else list(sources)
+    o = Path(out).expanduser().resolve()
+    hits: list[tuple[int, int, str, str, Path]] = []  # (priority, -depth, how, what, folder)
+    for what, src in items:
+        s = Path(src).expanduser().resolve()
+        if o == s:
+            hits.append((0, 0, "is", what, s))
+        elif s in o.parents:
+            hits.append((1, -len(s.parts), "is inside", what, s))  # the innermost source folder first
+        elif o in s.parents:
+            hits.append((2, 0, "contains", what, s))
+    if not hits:
+        return
+    _p, _d, how, what, s = min(hits, key=lambda h: h[:2])
+    harm = ("writing there would mix the output into it, and --force could replace part of it" if how == "is inside"
+            else "replacing it (--force) would delete the source")
+    raise ConvertError(f"--out {out} overlaps the source: it {how} the {what} {s} being read; {harm}: pick an "
+                       f"--out outside {s}")
 
 
 def check_disk_space(folder: Path, needed_bytes: int) -> None:
@@ -354,6 +387,23 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
+def default_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file here: ``0o666`` minus the process umask.
+
+    ``safetensors`` creates its files ``0o600``; the writers chmod them to this so every file of an
+    export has the same mode as the ``config.json`` beside it.
+    """
+    try:  # Linux: read the umask without changing it (os.umask would, for every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_safetensors_shards(folder: Path, tensors: Iterable[tuple[str, np.ndarray]],
                              plan: list[list[str]]) -> list[Path]:
     """Write ``tensors`` (consumed lazily, in ``plan`` order) into ``folder`` following ``plan``.
@@ -369,6 +419,7 @@ def write_safetensors_shards(folder: Path, tensors: Iterable[tuple[str, np.ndarr
     from safetensors.numpy import save_file
 
     n = len(plan)
+    mode = default_file_mode()
     it = iter(tensors)
     written: list[Path] = []
     weight_map: dict[str, str] = {}
@@ -384,6 +435,7 @@ def write_safetensors_shards(folder: Path, tensors: Iterable[tuple[str, np.ndarr
             weight_map[name] = fname
             total += arr.nbytes
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        os.chmod(folder / fname, mode)
         written.append(folder / fname)
         del shard
     if n > 1:

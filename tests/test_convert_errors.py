@@ -1,0 +1,360 @@
+"""Bad input to ``minicpm4 import hf`` / ``export hf|gguf`` (issue 7 review): every case is one
+``error:`` line, exit status 2, no traceback, nothing written that looks complete, and the check runs
+before the checkpoint's parameters are read. Also: the written files' mode, non-finite weights,
+``--allow-dense`` / ``--no-tokenizer`` opt-ins recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_convert_common import random_params, read_json, tiny_cfg
+
+from minicpm4_jax.cli import main
+from minicpm4_jax.convert.gguf_export import write_gguf_dir
+from minicpm4_jax.convert.hf_export import write_hf
+from minicpm4_jax.convert.hf_import import import_hf
+from minicpm4_jax.convert.io import MANIFEST_NAME, ConvertError, SafetensorsSource
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (to prove a source was left untouched)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _no_leftovers(parent: Path) -> None:
+    left = [p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+    assert not left, f"staging folders left behind: {left}"
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), (argv, rc, err)
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """``{"hf": official folder, "run": its import, "sparse_hf", "sparse_run"}`` (read-only for tests)."""
+    from test_convert_common import make_tokenizer_dir
+
+    root = tmp_path_factory.mktemp("runs")
+    tok = make_tokenizer_dir(root)
+    cfg, scfg = tiny_cfg(tied=True), tiny_cfg(sparse=True)
+    write_hf(random_params(cfg, seed=40), cfg, root / "hf", tokenizer_dir=tok)
+    write_hf(random_params(scfg, seed=41), scfg, root / "sparse_hf", tokenizer_dir=tok)
+    assert main(["import", "hf", str(root / "hf"), "--out", str(root / "run")]) == 0
+    assert main(["import", "hf", str(root / "sparse_hf"), "--out", str(root / "sparse_run")]) == 0
+    return {"hf": root / "hf", "run": root / "run", "sparse_hf": root / "sparse_hf",
+            "sparse_run": root / "sparse_run", "tok": tok}
+
+
+@pytest.fixture
+def run_copy(runs, tmp_path) -> Path:
+    """A private copy of the dense run folder (tests may corrupt or overwrite it)."""
+    shutil.copytree(runs["run"], tmp_path / "R")
+    return tmp_path / "R"
+
+
+@pytest.fixture
+def no_param_loading(monkeypatch):
+    """Fail the test if a checkpoint's parameters are about to be read (init_model precedes the restore)."""
+    import minicpm4_jax.train.step as step_mod
+
+    def boom(*a, **k):
+        raise AssertionError("the checkpoint's parameters were loaded before the bad input was reported")
+
+    monkeypatch.setattr(step_mod, "init_model", boom)
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. --out over the source: refused with or without --force, before the "not empty" check
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("where", ["R", "R/checkpoints", "R/checkpoints/0", "R/checkpoints/8", "R/tokenizer",
+                                   "R/tokenizer/x", "R/exports", "parent"])
+@pytest.mark.parametrize("given", ["run", "checkpoints"])
+def test_export_refuses_out_over_or_inside_the_source(run_copy, capsys, no_param_loading, fmt, where, given):
+    R = run_copy
+    before = _tree(R)
+    out = R.parent if where == "parent" else R.parent / where
+    ckpt = R if given == "run" else R / "checkpoints"
+    for force in ([], ["--force"]):
+        err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(ckpt), "--out", str(out), *force])
+        assert "overlaps the source" in err and "not empty" not in err and "--out" in err, err
+    assert _tree(R) == before
+    _no_leftovers(R.parent)
+
+
+def test_export_refuses_out_over_an_explicit_tokenizer(runs, tmp_path, capsys, no_param_loading):
+    tok = tmp_path / "tok"
+    shutil.copytree(runs["tok"], tok)
+    before = _tree(tok)
+    for out in (tok, tok / "sub", tmp_path):
+        err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(runs["run"]), "--tokenizer", str(tok),
+                                       "--out", str(out), "--force"])
+        assert "overlaps the source" in err
+    assert _tree(tok) == before
+
+
+@pytest.mark.parametrize("where", ["DIR", "DIR/sub", "parent"])
+def test_import_refuses_out_over_or_inside_the_source(runs, tmp_path, capsys, where):
+    src = tmp_path / "DIR"
+    shutil.copytree(runs["hf"], src)
+    before = _tree(src)
+    out = {"DIR": src, "DIR/sub": src / "sub", "parent": tmp_path}[where]
+    for force in ([], ["--force"]):
+        err = _one_line_error(capsys, ["import", "hf", str(src), "--out", str(out), *force])
+        assert "overlaps the source" in err and "not empty" not in err, err
+    assert _tree(src) == before
+    _no_leftovers(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. corrupt / incomplete checkpoint steps and wrong --checkpoint paths
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["config_metadata", "state_data", "state_manifest"])
+def test_corrupt_step_is_one_line(run_copy, tmp_path, capsys, damage):
+    R = run_copy
+    step = R / "checkpoints" / "0"
+    if damage == "config_metadata":
+        (step / "config" / "metadata").unlink()
+    elif damage == "state_data":
+        for p in (step / "state" / "d").iterdir():
+            p.unlink()
+    else:
+        (step / "state" / "manifest.ocdbt").unlink()
+    for argv in (["export", "hf", "--checkpoint", str(R), "--out", str(tmp_path / "o")],
+                 ["export", "gguf", "--checkpoint", str(R), "--out", str(tmp_path / "o")]):
+        err = _one_line_error(capsys, argv)
+        assert f"checkpoint step 0 in {R / 'checkpoints'} is incomplete or corrupt (" in err, err
+        assert "pass --step N for another saved step or re-save it" in err and len(err) < 600, err
+        assert not (tmp_path / "o").exists()
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(R), "--prompt", "def", "--max-new-tokens", "1"])
+    assert "checkpoint step 0" in err and "is incomplete or corrupt (" in err and len(err) < 600, err
+    _no_leftovers(tmp_path)
+
+
+def test_corrupt_step_in_a_real_process_prints_one_line(run_copy, tmp_path):
+    """In a real process, too: the in-flight reads of the failed restore print no traceback at exit."""
+    import subprocess
+    import sys
+
+    for p in (run_copy / "checkpoints" / "0" / "state" / "d").iterdir():
+        p.unlink()
+    proc = subprocess.run([sys.executable, "-m", "minicpm4_jax.cli", "export", "hf", "--checkpoint", str(run_copy),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-3000:]
+    assert "is incomplete or corrupt" in err[0] and not (tmp_path / "o").exists()
+
+
+def test_checkpoint_path_that_is_a_file_or_a_step_folder(run_copy, tmp_path, capsys):
+    R = run_copy
+    for cmd in (["export", "hf"], ["export", "gguf"]):
+        err = _one_line_error(capsys, [*cmd, "--checkpoint", str(R / "config.json"), "--out", str(tmp_path / "o")])
+        assert "is a file" in err and "does not exist" not in err, err
+        err = _one_line_error(capsys, [*cmd, "--checkpoint", str(R / "checkpoints" / "0"), "--out", str(tmp_path / "o")])
+        assert f"--checkpoint {R}" in err and "--step 0" in err, err
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(R / "config.json"), "--prompt", "x"])
+    assert "is a file" in err
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(R / "checkpoints" / "0"), "--prompt", "x"])
+    assert f"--checkpoint {R}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. --out below a file: reported before the checkpoint is loaded
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_out_below_a_file_is_checked_before_loading(runs, tmp_path, capsys, no_param_loading, fmt):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--out", str(f / "sub" / "o")])
+    assert f"{f} is a file" in err and "--out" in err, err
+    assert f.read_text() == "x"
+    err = _one_line_error(capsys, ["import", "hf", str(runs["hf"]), "--out", str(f / "o")])
+    assert f"{f} is a file" in err, err
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. sparse models to dense-only formats: an error unless --allow-dense
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sparse_to_dense_only_formats_needs_allow_dense(runs, tmp_path, capsys, no_param_loading):
+    for argv in (["export", "hf", "--layout", "llama"], ["export", "gguf"]):
+        err = _one_line_error(capsys, [*argv, "--checkpoint", str(runs["sparse_run"]), "--out", str(tmp_path / "o")])
+        assert "infllmv2" in err and "dense attention" in err and "--allow-dense" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_allow_dense_keeps_the_old_behaviour_and_is_recorded(runs, tmp_path, capsys):
+    cfg = tiny_cfg(sparse=True)
+    params = random_params(cfg, seed=42)
+    with pytest.raises(ConvertError, match="--allow-dense"):
+        write_hf(params, cfg, tmp_path / "l", layout="llama", tokenizer_dir=runs["tok"])
+    with pytest.raises(ConvertError, match="--allow-dense"):
+        write_gguf_dir(params, cfg, tmp_path / "g", tokenizer_dir=runs["tok"])
+    assert not (tmp_path / "l").exists() and not (tmp_path / "g").exists()
+    assert main(["export", "hf", "--layout", "llama", "--allow-dense", "--checkpoint", str(runs["sparse_run"]),
+                 "--out", str(tmp_path / "l")]) == 0
+    man = read_json(tmp_path / "l" / MANIFEST_NAME)
+    assert man["allow_dense"] is True and man["attention"] == "dense" and man["dropped"] == ["sparse_config"]
+    assert main(["export", "gguf", "--allow-dense", "--checkpoint", str(runs["sparse_run"]),
+                 "--out", str(tmp_path / "g")]) == 0
+    man = read_json(tmp_path / "g" / MANIFEST_NAME)
+    assert man["allow_dense"] is True and man["dropped"] == ["sparse_config"]
+    # the official layout keeps sparse_config: no opt-in needed, none recorded
+    assert main(["export", "hf", "--checkpoint", str(runs["sparse_run"]), "--out", str(tmp_path / "m")]) == 0
+    assert read_json(tmp_path / "m" / MANIFEST_NAME)["allow_dense"] is False
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. a missing tokenizer: an error unless --no-tokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_import_without_tokenizer_needs_no_tokenizer(runs, tmp_path, capsys):
+    src = tmp_path / "hf"
+    shutil.copytree(runs["hf"], src)
+    for n in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "added_tokens.json"):
+        (src / n).unlink(missing_ok=True)
+    err = _one_line_error(capsys, ["import", "hf", str(src), "--out", str(tmp_path / "r")])
+    assert "no tokenizer" in err and "--no-tokenizer" in err, err
+    assert not (tmp_path / "r").exists()
+    assert main(["import", "hf", str(src), "--out", str(tmp_path / "r"), "--no-tokenizer"]) == 0
+    man = read_json(tmp_path / "r" / MANIFEST_NAME)
+    assert man["no_tokenizer"] is True and man["tokenizer_files"] == []
+    assert not (tmp_path / "r" / "tokenizer").exists()
+    # the tokenizer-less run exports only with --no-tokenizer too
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(tmp_path / "r"), "--out", str(tmp_path / "e")])
+    assert "no tokenizer" in err and "--no-tokenizer" in err and "--tokenizer" in err, err
+    assert main(["export", "hf", "--checkpoint", str(tmp_path / "r"), "--out", str(tmp_path / "e"),
+                 "--no-tokenizer"]) == 0
+    man = read_json(tmp_path / "e" / MANIFEST_NAME)
+    assert man["no_tokenizer"] is True and not (tmp_path / "e" / "tokenizer.model").exists()
+    with_tok = read_json(runs["run"] / MANIFEST_NAME)
+    assert with_tok["no_tokenizer"] is False
+
+
+def test_export_without_tokenizer_fails_before_loading(run_copy, tmp_path, capsys, no_param_loading):
+    shutil.rmtree(run_copy / "tokenizer")
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(run_copy), "--out", str(tmp_path / "e")])
+    assert "--no-tokenizer" in err
+    err = _one_line_error(capsys, ["export", "gguf", "--checkpoint", str(run_copy), "--out", str(tmp_path / "e")])
+    assert "no tokenizer" in err and "--tokenizer" in err and "tokenizer.model" in err, err
+    no_tok = tmp_path / "tok"
+    no_tok.mkdir()
+    (no_tok / "notes.txt").write_text("not a tokenizer")
+    err = _one_line_error(capsys, ["export", "gguf", "--checkpoint", str(run_copy), "--tokenizer", str(no_tok),
+                                   "--out", str(tmp_path / "e")])
+    assert "tokenizer.model" in err and "data.tokenizer" not in err, err
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(run_copy), "--tokenizer", str(no_tok),
+                                   "--no-tokenizer", "--out", str(tmp_path / "e")])
+    assert "--no-tokenizer" in err and "--tokenizer" in err
+    assert not (tmp_path / "e").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. messages
+# ------------------------------------------------------------------------------------------------
+
+
+def test_empty_tokenizer_folder_gets_an_export_hint(runs, tmp_path, capsys, no_param_loading):
+    (tmp_path / "empty").mkdir()
+    for fmt in ("hf", "gguf"):
+        err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--tokenizer",
+                                       str(tmp_path / "empty"), "--out", str(tmp_path / "o")])
+        assert "data.tokenizer" not in err and "--tokenizer" in err and str(tmp_path / "empty") in err, err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(runs["run"]), "--tokenizer", str(bad),
+                                   "--out", str(tmp_path / "o")])
+    assert "data.tokenizer" not in err and "--tokenizer" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_renamed_tensor_names_missing_and_unexpected(runs, tmp_path):
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(runs["hf"], src)
+    with SafetensorsSource(src) as s:
+        t = {k: s.get(k) for k in s.entries}
+    t["model.layers.0.self_attn.qq_proj.weight"] = t.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConvertError) as e:
+        import_hf(src, tmp_path / "out")
+    msg = str(e.value)
+    assert "missing" in msg and "'model.layers.0.self_attn.q_proj.weight'" in msg, msg
+    assert "unexpected" in msg and "'model.layers.0.self_attn.qq_proj.weight'" in msg, msg
+    assert "\n" not in msg and not (tmp_path / "out").exists()
+
+
+def test_gguf_out_ending_in_gguf_is_refused(runs, tmp_path, capsys, no_param_loading):
+    err = _one_line_error(capsys, ["export", "gguf", "--checkpoint", str(runs["run"]),
+                                   "--out", str(tmp_path / "model.gguf")])
+    assert "model.gguf" in err and "--out" in err and "folder" in err, err
+    assert not (tmp_path / "model.gguf").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. file modes
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shard", ["5GB", "8KB"])
+def test_written_files_share_one_mode(runs, tmp_path, shard):
+    cfg = tiny_cfg()
+    write_hf(random_params(cfg, seed=43), cfg, tmp_path / "e", tokenizer_dir=runs["tok"], max_shard_size=shard)
+    mask = os.umask(0)
+    os.umask(mask)
+    want = 0o666 & ~mask
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "e").iterdir()}
+    assert any(n.endswith(".safetensors") for n in modes)
+    assert set(modes.values()) == {want}, modes
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. non-finite weights
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad,dtype", [(np.nan, np.float32), (np.inf, np.float32), (-np.inf, "bfloat16")])
+def test_import_refuses_non_finite_tensors(runs, tmp_path, bad, dtype):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(runs["hf"], src)
+    name = "model.layers.1.mlp.down_proj.weight"
+    with SafetensorsSource(src) as s:
+        t = {k: s.get(k) for k in s.entries}
+    t[name] = t[name].copy()
+    t[name][3, 5] = bad
+    if dtype == "bfloat16":
+        t = {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConvertError) as e:
+        import_hf(src, tmp_path / "out")
+    msg = str(e.value)
+    assert f"tensor {name!r}" in msg and ("NaN" in msg or "inf" in msg) and "\n" not in msg, msg
+    assert not (tmp_path / "out").exists()
+    _no_leftovers(tmp_path)
