@@ -51,8 +51,10 @@ from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, params_all_finite)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu
+from minicpm4_jax.sharding import batch_sharding, check_batch_size, make_mesh
 from minicpm4_jax.train.step import (TrainState, abstract_train_state, init_model, init_train_state,
-                                     make_eval_step, make_train_step, print_memory_analysis)
+                                     make_eval_step, make_train_step, print_memory_analysis,
+                                     train_state_shardings)
 
 __all__ = ["run_training", "TrainingDiverged", "CheckpointWriteError", "check_output_dir", "required_free_bytes"]
 
@@ -225,6 +227,8 @@ def run_training(
     failed = False
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
+        mesh = make_mesh(cfg.mesh)
+        check_batch_size(cfg.data.batch_size, mesh)
         latest = ckpt.latest_step()
         if resume:
             if latest is None:
@@ -249,6 +253,8 @@ def run_training(
             tok.save(out_dir / "tokenizer")
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
 
+        if mesh.size > 1:
+            say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
         it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
                                      process_count=jax.process_count())
         if resume:
@@ -257,13 +263,15 @@ def run_training(
             from flax import nnx
 
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
+            state = jax.device_put(state, train_state_shardings(cfg, mesh))
             say(f"resumed from {ckpt_dir}/{start}")
         else:
             start = 0
-            graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed))
+            graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed), mesh)
 
         val = data_api.val_batches(data, cfg.data, cfg.eval_batches)
-        train_step = make_train_step(cfg, graphdef)
+        train_step = make_train_step(cfg, graphdef, mesh)
+        batch_sh = batch_sharding(mesh)
         eval_step = make_eval_step(graphdef)
         b, t = cfg.data.batch_size, cfg.data.seq_len
         global_batch = b  # the iterator yields the global batch on one process (sharding issue extends this)
@@ -343,7 +351,7 @@ def run_training(
             if deadline is not None and time.monotonic() > deadline:
                 stop_reason = "time"
                 break
-            batch = np.asarray(next(it)["input_ids"])
+            batch = jax.device_put(np.asarray(next(it)["input_ids"]), batch_sh)
             if step_hook is not None:
                 state = step_hook(step, state)
             state, metrics = step_fn(state, batch)

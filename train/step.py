@@ -16,14 +16,17 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from minicpm4_jax.config import ModelConfig, TrainConfig
 from minicpm4_jax.nn.model import MiniCPM4
+from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_shardings
 from minicpm4_jax.train.optim import make_optimizer, wsd_schedule
 
-__all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for",
+__all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for", "train_state_shardings",
            "make_train_step", "make_eval_step", "next_token_loss", "print_memory_analysis"]
 
 
@@ -53,8 +56,42 @@ def make_optimizer_for(cfg: TrainConfig) -> optax.GradientTransformation:
     return make_optimizer(cfg.model, cfg.optimizer, cfg.steps)
 
 
-def init_train_state(cfg: TrainConfig, rng: jax.Array | int) -> tuple[nnx.GraphDef, TrainState]:
-    """Initialise the model and the optimizer state.
+def _init_fn(cfg: TrainConfig, tx: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
+    """The pure ``key -> TrainState`` initialiser (jitted by :func:`init_train_state`)."""
+
+    def init(key: jax.Array) -> TrainState:
+        _, params, _ = nnx.split(init_model(cfg.model, key), nnx.Param, ...)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return init
+
+
+def _key(rng: jax.Array | int) -> jax.Array:
+    return jax.random.key(int(rng)) if isinstance(rng, (int, np.integer)) else rng
+
+
+def _graphdef(cfg: TrainConfig) -> nnx.GraphDef:
+    graphdef, _, rest = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, 0)), nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError("MiniCPM4 holds non-Param state; train/step.py must carry it explicitly")
+    return graphdef
+
+
+def train_state_shardings(cfg: TrainConfig, mesh: Mesh) -> TrainState:
+    """``NamedSharding`` tree of the :class:`TrainState` on ``mesh`` (rules of :mod:`minicpm4_jax.sharding`)."""
+    return state_shardings(abstract_train_state(cfg), mesh)
+
+
+def init_train_state(cfg: TrainConfig, rng: jax.Array | int, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, TrainState]:
+    """Initialise the model and the optimizer state, already sharded on ``mesh``.
+
+    The initialiser is one ``jax.jit`` with ``out_shardings`` from the logical-axis rules, so each
+    device materialises only its shards (no full copy on one device).
+
+    Args:
+        cfg: the run.
+        rng: a key or an int seed.
+        mesh: default ``make_mesh(cfg.mesh)`` (one device for the default mesh config).
 
     Returns:
         ``(graphdef, state)``: the static model structure and the :class:`TrainState` at step 0.
@@ -62,18 +99,16 @@ def init_train_state(cfg: TrainConfig, rng: jax.Array | int) -> tuple[nnx.GraphD
     Raises:
         ValueError: the model holds state other than Params (the functional split assumes none).
     """
-    model = init_model(cfg.model, rng)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if jax.tree.leaves(rest):
-        raise ValueError("MiniCPM4 holds non-Param state; train/step.py must carry it explicitly")
-    tx = make_optimizer_for(cfg)
-    opt_state = tx.init(params)
-    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    graphdef = _graphdef(cfg)
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    init = _init_fn(cfg, make_optimizer_for(cfg))
+    state = jax.jit(init, out_shardings=train_state_shardings(cfg, mesh))(_key(rng))
+    return graphdef, state
 
 
 def abstract_train_state(cfg: TrainConfig) -> TrainState:
-    """``ShapeDtypeStruct`` tree of :func:`init_train_state`'s state (a restore target; no compute)."""
-    return jax.eval_shape(lambda: init_train_state(cfg, jax.random.key(0))[1])
+    """``ShapeDtypeStruct`` tree of :func:`init_train_state`'s state (a restore target; no compute, no sharding)."""
+    return jax.eval_shape(_init_fn(cfg, make_optimizer_for(cfg)), jax.random.key(0))
 
 
 def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -81,8 +116,13 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
-def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
+                    mesh: Mesh | None = None) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """The jitted pure ``train_step(state, batch) -> (state, metrics)`` (``state`` is donated).
+
+    Jitted with ``in_shardings``/``out_shardings`` on ``mesh`` (default ``make_mesh(cfg.mesh)``):
+    the state keeps the shardings of :func:`train_state_shardings`, the batch is split over
+    ``(data, fsdp)`` and the metrics are replicated.
 
     ``batch``: int32 ``[batch, seq_len + 1]``. Metrics (float32 scalars): ``loss`` (mean next-token
     CE on the params *before* the update), ``grad_norm`` (global L2 norm before clipping), ``lr``
@@ -110,7 +150,10 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef) -> Callable[[Train
         metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step), **stats}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+    state_sh = train_state_shardings(cfg, mesh)
+    return jax.jit(train_step, in_shardings=(state_sh, batch_sharding(mesh)),
+                   out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
 
 
 def _global_norm(tree: Any) -> jax.Array:

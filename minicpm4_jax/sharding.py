@@ -1,0 +1,191 @@
+"""Device mesh and logical-axis sharding rules for training (issue 5, first slice).
+
+* :func:`make_mesh` builds the ``(data, fsdp, tensor)`` mesh from :class:`~minicpm4_jax.config.MeshConfig`
+  (a size of ``-1`` takes the remaining devices).
+* :data:`LOGICAL_RULES` is the one table mapping logical axis names to mesh axes. Parameters carry
+  their logical names in the ``out_sharding`` metadata of their ``nnx.Param`` (see
+  :func:`minicpm4_jax.nn.layers.param`; the layer stack prepends ``layers``).
+* :func:`param_shardings`, :func:`state_shardings` and :func:`batch_sharding` turn them into
+  ``NamedSharding`` trees for ``jax.jit`` in/out shardings.
+
+Axis types: the mesh is built with ``AxisType.Auto`` on all three axes, on purpose. ``jax.make_mesh``
+defaults to ``Explicit`` since jax 0.9, where shardings are part of the array types and every
+ambiguous contraction needs an ``out_sharding=``; the model code does not (yet) annotate its
+activations, so we let XLA/Shardy propagate shardings from the parameters and the batch. Because all
+shardings go through :data:`LOGICAL_RULES`, moving to Explicit later is a local change.
+
+A dimension whose size is not divisible by the product of its mesh axes is *replicated* instead of
+failing (e.g. MiniCPM4's 2 KV heads on ``tensor=4``); batches, on the other hand, must divide
+``data * fsdp`` (:func:`check_batch_size`).
+
+Not here yet (later slices of issue 5): vocabulary padding, multi-host, activation constraints,
+``shard_map`` for the sparse kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from minicpm4_jax.config import ConfigError, MeshConfig
+
+__all__ = ["MESH_AXES", "LOGICAL_RULES", "BATCH_AXES", "resolve_mesh_shape", "make_mesh", "logical_to_spec",
+           "param_shardings", "state_shardings", "batch_sharding", "replicated", "check_batch_size"]
+
+MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
+
+#: Logical axis name -> mesh axis (a name, a tuple of names, or ``None`` = replicated).
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),  # replicated by logical_to_spec when num_key_value_heads % tensor != 0
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("norm", None),
+)
+
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+def resolve_mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
+    """The concrete ``(data, fsdp, tensor)`` sizes for ``n_devices`` devices.
+
+    ``(1, 1, 1)`` (the default) always means one device, whatever the host has. Any other mesh must
+    use all ``n_devices``; one size may be ``-1`` (filled with the remaining devices).
+
+    Raises:
+        ConfigError: sizes that do not multiply to ``n_devices`` (one line naming sizes and count).
+    """
+    sizes = (cfg.data, cfg.fsdp, cfg.tensor)
+    if sizes == (1, 1, 1):
+        return (1, 1, 1)
+    if sum(1 for s in sizes if s == -1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ConfigError(f"mesh (data, fsdp, tensor)={sizes} invalid: give positive sizes and at most one -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n_devices % known:
+            raise ConfigError(f"mesh (data, fsdp, tensor)={sizes}: {n_devices} devices are not divisible by "
+                              f"{known}; choose sizes whose product divides the device count")
+        sizes = tuple(n_devices // known if s == -1 else s for s in sizes)
+    if math.prod(sizes) != n_devices:
+        raise ConfigError(f"mesh (data, fsdp, tensor)={sizes} multiplies to {math.prod(sizes)} but there are "
+                          f"{n_devices} devices; make the product equal the device count (or use -1 on one axis)")
+    return sizes  # type: ignore[return-value]
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+    """The training mesh ``(data, fsdp, tensor)`` with ``AxisType.Auto`` axes (see the module docs).
+
+    Args:
+        cfg: sizes; ``None`` means the default single-device mesh.
+        devices: the devices to use (default ``jax.devices()``); the ``(1, 1, 1)`` mesh takes the first.
+    """
+    cfg = cfg or MeshConfig()
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(cfg, len(devices))
+    devices = devices[: math.prod(shape)]
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def _axis_sizes(mesh: Mesh | Mapping[str, int]) -> Mapping[str, int]:
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else mesh
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh | Mapping[str, int],
+                    rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> P:
+    """The ``PartitionSpec`` of an array with logical axis ``names`` and ``shape`` on ``mesh``.
+
+    First matching rule wins; a dimension not divisible by its mesh axes' size, a mesh axis of size
+    1, or a mesh axis already used by an earlier dimension gives ``None`` (replicated) for that dim.
+
+    Raises:
+        ValueError: ``names`` and ``shape`` differ in length or a name has no rule.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
+    sizes = _axis_sizes(mesh)
+    table = dict(rules)
+    used: set[str] = set()
+    out: list[Any] = []
+    for name, dim in zip(names, shape):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"no sharding rule for logical axis {name!r}; add it to LOGICAL_RULES")
+        target = table[name]
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = tuple(a for a in axes if sizes.get(a, 1) > 1 and a not in used)
+        n = math.prod(sizes[a] for a in axes)
+        if not axes or dim % n:
+            out.append(None)
+            continue
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A fully replicated ``NamedSharding`` on ``mesh``."""
+    return NamedSharding(mesh, P())
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _logical_names(v: nnx.Variable) -> tuple[str, ...] | None:
+    meta = v.get_metadata()
+    names = meta.get("out_sharding", meta.get("sharding_names", meta.get("sharding")))
+    return tuple(names) if names is not None else None
+
+
+def state_shardings(tree: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+    """``NamedSharding`` tree for any pytree holding ``nnx.Variable`` s with logical names.
+
+    Works for the params, the optimizer state (optax keeps the ``nnx.Param`` wrappers and their
+    metadata on the moments, so they get the params' specs) and the whole ``TrainState``. Leaves
+    outside such a Variable (step counters, scalars, the optimizer ``count``) are replicated.
+    ``tree`` may hold arrays or ``jax.ShapeDtypeStruct`` s.
+    """
+    rep = replicated(mesh)
+
+    def one(x: Any) -> Any:
+        if _is_var(x):
+            names = _logical_names(x)
+            value = x.get_value() if hasattr(x, "get_value") else x.value
+            if names is None or len(names) != len(getattr(value, "shape", ())):
+                return x.replace(rep)
+            return x.replace(NamedSharding(mesh, logical_to_spec(names, value.shape, mesh, rules)))
+        return rep
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def param_shardings(params: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+    """``NamedSharding`` s of an ``nnx.State`` of Params (see :func:`state_shardings`)."""
+    return state_shardings(params, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Token batches ``[batch, seq]``: batch over ``(data, fsdp)``, sequence replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch", None), (_batch_multiple(mesh), 1), mesh))
+
+
+def _batch_multiple(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def check_batch_size(batch_size: int, mesh: Mesh) -> None:
+    """Raise ConfigError unless ``batch_size`` divides over the mesh's ``data * fsdp`` devices."""
+    n = _batch_multiple(mesh)
+    if batch_size % n:
+        raise ConfigError(f"data.batch_size={batch_size} is not divisible by mesh data*fsdp={n}; "
+                          f"use a multiple of {n}")
