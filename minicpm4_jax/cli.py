@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue a prompt with a trained model (no KV cache: one full forward per token).",
     )
     g.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a training run's out_dir or its checkpoints folder (the latest step is used); the "
+                   help="a training run's out_dir or its checkpoints folder (the latest step unless --step); the "
                         "tokenizer is read from <out_dir>/tokenizer")
+    g.add_argument("--step", type=int, default=None, metavar="N", help="the saved step to load (default: the latest)")
     g.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (must not be empty)")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="how many tokens to add (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -210,12 +211,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.tokenizer import load_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
-    ckpt_dir = find_checkpoint_dir(args.checkpoint, step_option=None)  # generate has no --step: the latest
+    ckpt_dir = find_checkpoint_dir(args.checkpoint)
     cands = [Path(args.checkpoint) / "tokenizer", ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
     tok_dir = next((c for c in cands if c.is_dir()), None)
     if tok_dir is None:
         raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]})")
-    _cfg, model = load_params_for_inference(ckpt_dir, step_option=None)
+    _cfg, model = load_params_for_inference(ckpt_dir, args.step)
     tokenizer = load_tokenizer(str(tok_dir))
     # This project's data pipeline separates documents with EOS: a new document follows an EOS.
     prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []

@@ -376,6 +376,10 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     r2 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8")
     assert r1.returncode == 0, r1.stderr
     assert r1.stdout.startswith("def ") and r1.stdout == r2.stdout
+    r4 = _cli("generate", "--checkpoint", str(out), "--step", str(steps[-1]), "--prompt", "def ", "--max-new-tokens", "8")
+    assert r4.returncode == 0 and r4.stdout == r1.stdout, r4.stderr
+    r = _cli("generate", "--checkpoint", str(out), "--step", "99999999", "--prompt", "def ")
+    assert r.returncode == 2 and f"saved steps: {steps[-1]}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r3 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8",
               "--temperature", "1.0", "--top-p", "0.9", "--seed", "3")
     assert r3.returncode == 0, r3.stderr

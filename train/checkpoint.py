@@ -380,6 +380,9 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
     try:
         if step is None:
             step = mngr.latest_step()
+        elif step not in mngr.all_steps():
+            saved = ", ".join(map(str, sorted(mngr.all_steps()))) or "none"
+            raise ConfigError(f"no checkpoint step {step} in {directory} (saved steps: {saved}); pick one of those")
         if step is None:
             raise ConfigError(f"no complete checkpoint in {directory}")
         try:
