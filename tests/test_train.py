@@ -522,7 +522,13 @@ def test_throughput_excludes_eval_and_save_time():
 
 
 def test_logged_tokens_per_second_not_inflated_by_eval_or_save(corpus, cache_dir, tmp_path):
-    """Every step sleeps >= 40 ms, so no window can honestly exceed batch*seq_len/0.04 tokens/s."""
+    """Every step sleeps >= 40 ms, so no window can honestly exceed batch*seq_len/0.04 tokens/s.
+
+    Only this upper bound is machine-independent. That eval/save time is excluded, rather than slowing
+    a window down, is checked with a fake clock in test_throughput_excludes_eval_and_save_time.
+    A check that the windows agree with each other used to live here. It failed when the other test
+    worker loaded the machine (one window 3x slower), so it was a timing test and is gone.
+    """
     cfg = tiny_cfg(corpus, cache_dir, tmp_path / "tps", steps=12, log_every=4, eval_every=3,
                    **{"checkpoint.save_every": 2, "optimizer.decay_steps": 2, "sample_tokens": 0})
 
@@ -534,8 +540,6 @@ def test_logged_tokens_per_second_not_inflated_by_eval_or_save(corpus, cache_dir
     tps = [h["tokens_per_second"] for h in s["history"]]
     bound = 4 * 32 / 0.04
     assert len(tps) == 3 and all(0 < x <= 1.05 * bound for x in tps), (tps, bound)
-    med = float(np.median(tps))
-    assert all(med / 2 <= x <= 2 * med for x in tps), tps
 
 
 def test_disk_full_during_async_checkpoint_write_cli(corpus, cache_dir, tmp_path, monkeypatch, capsys):
