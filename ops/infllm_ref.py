@@ -72,7 +72,7 @@ def compact_topk(topk_idx: jax.Array, q_positions: jax.Array, *, block_size: int
     forced = (idx < init_blocks) | ((idx > qb - window_blocks) & (idx <= qb))
     keep = jnp.sort(jnp.where((idx >= 0) & ~forced, idx, _BIG), axis=-1)
     if keep.shape[-1] < width:
-        keep = pad_axis(keep, width, 3, _BIG)[..., :width] if width else keep[..., :0]
+        keep = jnp.pad(keep, [(0, 0)] * 3 + [(0, width - keep.shape[-1])], constant_values=_BIG)
     keep = keep[..., :width]
     return jnp.where(keep == _BIG, -1, keep)
 
