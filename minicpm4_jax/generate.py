@@ -1,15 +1,15 @@
-"""Text generation from a trained model without a KV cache (greedy or temperature / top-p sampling).
+"""Text generation from a trained model: the KV-cache engine, and the uncached reference path.
 
-Each new token runs one jitted full forward over a fixed-length buffer ``[1, prompt + max_new]``
-(one compilation for the whole call) and reads the logits at the cursor. Attention is causal, so
-the padding after the cursor does not change the logits at or before it. The inference issue
-replaces this with the shared KV-cache engine; this path stays as its reference.
+:func:`generate` / :func:`generate_ids` run :class:`~minicpm4_jax.infer.engine.InferenceEngine` (chunked
+prefill, cached decode steps, dense or InfLLM v2 sparse attention). :func:`generate_ids_uncached` keeps the
+original engine-free path (one jitted full forward per token over a fixed-length buffer), the reference the
+engine is tested against.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,9 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["generate", "generate_ids", "top_p_filter", "sample_next"]
+from minicpm4_jax.infer.sampling import SamplingParams, top_p_filter
+
+__all__ = ["generate", "generate_ids", "generate_ids_uncached", "top_p_filter", "sample_next"]
 
 
 class _Tokenizer(Protocol):
@@ -27,23 +29,6 @@ class _Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
-
-
-def top_p_filter(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
-    """Nucleus filtering: keep the smallest set of top tokens whose probability reaches ``top_p``.
-
-    ``logits`` float ``[..., vocab]``; removed entries become ``-inf``. The most likely token is
-    always kept; ``top_p >= 1`` keeps everything.
-    """
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    keep_sorted = before < top_p
-    keep_sorted = keep_sorted.at[..., 0].set(True)
-    # threshold = smallest kept logit
-    n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)
-    threshold = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
 def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -72,10 +57,10 @@ def _step(graphdef: nnx.GraphDef, params: Any, buf: jax.Array, cursor: jax.Array
     return sample_next(logits, key, temperature, top_p)[0]
 
 
-def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
-                 vocab_limit: int | None = None) -> list[int]:
-    """Extend ``prompt_ids`` by up to ``max_new_tokens`` ids (stops after any id in ``stop_ids``).
+def generate_ids_uncached(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                          top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
+                          vocab_limit: int | None = None) -> list[int]:
+    """Reference without a KV cache (one full forward per token). Extend ``prompt_ids`` by up to ``max_new_tokens`` ids (stops after any id in ``stop_ids``).
 
     ``vocab_limit``: only ids below it are produced (a tokenizer smaller than the model's padded
     vocabulary).
@@ -86,21 +71,11 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temp
         ConfigError: empty prompt, non-positive ``max_new_tokens``, bad ``temperature``/``top_p``, or
             ``len(prompt) + max_new_tokens`` above the model's ``max_position_embeddings``.
     """
-    cfg = model.cfg
-    if not prompt_ids:
-        raise ConfigError("the prompt is empty; give some text to continue")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if not 0.0 < top_p <= 1.0:
-        raise ConfigError(f"top_p={top_p} must be in (0, 1]")
+    from minicpm4_jax.infer.engine import check_generation_request
+
+    check_generation_request(model.cfg, [len(prompt_ids)], max_new_tokens)
+    SamplingParams(temperature=temperature, top_p=top_p).validate()
     total = len(prompt_ids) + max_new_tokens
-    if total > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's "
-            f"max_position_embeddings={cfg.max_position_embeddings}; shorten the prompt or generate fewer tokens"
-        )
     graphdef, params = nnx.split(model, nnx.Param)
     buf = jnp.zeros((1, total), jnp.int32).at[0, : len(prompt_ids)].set(jnp.asarray(prompt_ids, jnp.int32))
     key = jax.random.key(seed)
@@ -118,20 +93,83 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temp
     return out
 
 
+def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_ids: tuple[int, ...] = (),
+                 vocab_limit: int | None = None, engine: Any = None) -> list[int]:
+    """Extend ``prompt_ids`` by up to ``max_new_tokens`` ids with the KV-cache engine (stops after a ``stop_ids`` id).
+
+    ``vocab_limit``: only ids below it are produced. ``engine``: a reusable
+    :class:`~minicpm4_jax.infer.engine.InferenceEngine` of ``model`` (default: a new one). Greedy output equals
+    :func:`generate_ids_uncached`; sampled output is deterministic for a given ``seed``.
+
+    Returns only the new ids.
+
+    Raises:
+        ConfigError: empty prompt, non-positive ``max_new_tokens``, bad sampling values, or a request longer
+            than ``max_position_embeddings``.
+    """
+    from minicpm4_jax.infer.engine import InferenceEngine
+
+    eng = InferenceEngine(model) if engine is None else engine
+    out = eng.generate([list(prompt_ids)], max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p),
+                       seeds=[seed], stop_ids=stop_ids, vocab_limit=vocab_limit)
+    return out.tokens[0]
+
+
+class _StreamPrinter:
+    """``on_token`` callback emitting the newly decoded text of row 0 as it grows.
+
+    Holds back an incomplete UTF-8 character and the last ``len(longest stop string) - 1`` characters (which
+    may start a stop string); :meth:`finish` emits the rest of the final, cut text.
+    """
+
+    def __init__(self, tokenizer: _Tokenizer, emit: Callable[[str], None], stop_strings: Sequence[str]):
+        self.tokenizer, self.emit = tokenizer, emit
+        self.stops = [s for s in stop_strings if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.shown = 0
+        self.eos = getattr(tokenizer, "eos_id", None)
+
+    def __call__(self, row: int, tok: int) -> None:
+        if row != 0 or tok == self.eos:
+            return
+        self.ids.append(tok)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        cut = [text.index(s) for s in self.stops if s in text]
+        upto = min(cut) if cut else len(text) - self.hold
+        if upto > self.shown:
+            self.emit(text[self.shown:upto])
+            self.shown = upto
+
+    def finish(self, final_text: str) -> None:
+        if len(final_text) > self.shown:
+            self.emit(final_text[self.shown:])
+
+
 def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, prefix_ids: Sequence[int] | None = None) -> str:
+             top_p: float = 1.0, seed: int = 0, prefix_ids: Sequence[int] | None = None, *, top_k: int = 0,
+             stop_strings: Sequence[str] = (), stream: Callable[[str], None] | None = None, engine: Any = None,
+             return_output: bool = False) -> str | tuple[str, Any]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens and return the decoded continuation.
 
     The prompt is encoded with ``tokenizer`` (no specials) and prefixed with ``prefix_ids``;
     ``None`` means ``[tokenizer.bos_id]`` (the official MiniCPM convention, ``add_bos_token``). A
     model trained on EOS-separated documents (this project's data pipeline) is best prompted with
     ``[tokenizer.eos_id]``: a new document follows an EOS there. Generation stops early at
-    ``tokenizer.eos_id``, which is not included in the returned text; ids at or above
-    ``tokenizer.vocab_size`` (model vocabulary padding) are never sampled.
+    ``tokenizer.eos_id``, which is not included in the returned text, or at the first of ``stop_strings``
+    (the text is cut before it); ids at or above ``tokenizer.vocab_size`` (model vocabulary padding) are
+    never sampled. ``stream``: called with each new piece of text as it is generated. ``return_output``: also
+    return the :class:`~minicpm4_jax.infer.engine.GenerationOutput` (timings, attended fraction).
 
     Raises:
-        ConfigError: empty prompt, or a prompt (+ new tokens) longer than ``max_position_embeddings``.
+        ConfigError: empty prompt, bad sampling values, or a prompt (+ new tokens) longer than
+            ``max_position_embeddings``.
     """
+    from minicpm4_jax.infer.engine import InferenceEngine
+
     if not prompt:
         raise ConfigError("the prompt is empty; give some text to continue")
     if prefix_ids is None:
@@ -141,8 +179,18 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     eos = getattr(tokenizer, "eos_id", None)
     stop = (eos,) if eos is not None and eos >= 0 else ()
     limit = getattr(tokenizer, "vocab_size", None)
-    new = generate_ids(model, ids, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_ids=stop,
-                       vocab_limit=limit)
+    eng = InferenceEngine(model) if engine is None else engine
+    printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings)
+    out = eng.generate([ids], max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seeds=[seed],
+                       stop_ids=stop, stop_strings=tuple(stop_strings), detokenize=tokenizer.decode,
+                       vocab_limit=limit, on_token=printer)
+    new = out.tokens[0]
     if new and new[-1] in stop:
         new = new[:-1]
-    return tokenizer.decode(new)
+    text = tokenizer.decode(new)
+    cut = [text.index(s) for s in stop_strings if s and s in text]
+    if cut:
+        text = text[:min(cut)]
+    if printer is not None:
+        printer.finish(text)
+    return (text, out) if return_output else text

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from minicpm4_jax.config import SparseConfig
-from minicpm4_jax.infllm.select import SelectParams, Selection, select_blocks, select_params
+from minicpm4_jax.infllm.select import (SelectParams, Selection, select_blocks, select_blocks_compressed,
+                                        select_params)
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.infllm_ref import compact_topk, infllmv2_stage2, tiled_dense_attention
 
@@ -54,6 +55,7 @@ def infllmv2_attention(
     kv_len: jax.Array | None = None,
     q_sel: jax.Array | None = None,
     k_sel: jax.Array | None = None,
+    compressed: tuple[jax.Array, jax.Array | None] | None = None,
     scale: float | None = None,
     kernel_offby1_quirk: bool = False,
     score_dtype: str = "float32",
@@ -77,6 +79,8 @@ def infllmv2_attention(
         kv_len: optional int ``[batch]`` total keys per sequence; default ``max(q_positions) + 1``
             (gen-2's ``max(position_ids) + 1``; equals gen-1's cache + current length).
         q_sel, k_sel: selection inputs when ``sparse_cfg.use_nope`` (pre-RoPE q/k); default q, k.
+        compressed: ``(ck1, ck2)`` already compressed selection keys (a KV cache's incremental rows,
+            ``[batch, Nc_axis, num_kv_heads, head_dim]``; ``ck2`` ``None`` for gen-1); then ``k_sel`` is unused.
         scale: softmax scale for both stages, default ``head_dim ** -0.5``.
         kernel_offby1_quirk: reproduce the official stage-1 off-by-one (select module docstring).
         score_dtype: ``"float32"`` | ``"bfloat16"`` storage of the stage-1 group sums (bf16 = official).
@@ -108,13 +112,19 @@ def infllmv2_attention(
         out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid,
                               scale=scale)
         return _result(out, None, jnp.float32(1.0), return_selection, return_stats)
-    if sparse_cfg.use_nope and (q_sel is None or k_sel is None):
+    if sparse_cfg.use_nope and (q_sel is None or (k_sel is None and compressed is None)):
         raise ValueError("sparse_config.use_nope=True needs the pre-RoPE q_sel and k_sel for selection")
     q_sel = q if q_sel is None else q_sel
     k_sel = k if k_sel is None else k_sel
     kv_len = (jnp.max(q_positions, axis=1) + 1).astype(jnp.int32) if kv_len is None else kv_len.astype(jnp.int32)
-    sel = select_blocks(jax.lax.stop_gradient(q_sel), jax.lax.stop_gradient(k_sel), q_positions=q_positions,
-                        params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile)
+    if compressed is not None:
+        ck1, ck2 = (None if c is None else jax.lax.stop_gradient(c) for c in compressed)
+        sel = select_blocks_compressed(jax.lax.stop_gradient(q_sel), ck1, ck2, q_positions=q_positions,
+                                       params=params, num_blocks=-(-s // params.block_size), kv_len=kv_len,
+                                       scale=scale, q_tile=select_q_tile)
+    else:
+        sel = select_blocks(jax.lax.stop_gradient(q_sel), jax.lax.stop_gradient(k_sel), q_positions=q_positions,
+                            params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile)
     k_used = min(params.topk_cfg, -(-s // params.block_size))
     init, window, width = stage2_forced_split(params, k_used)
     out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions, kv_positions=kv_positions,

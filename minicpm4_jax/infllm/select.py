@@ -74,6 +74,7 @@ __all__ = [
     "pool_block_scores",
     "topk_blocks",
     "select_blocks",
+    "select_blocks_compressed",
     "selection_scores",
     "selection_block_mask",
     "SENTINEL",
@@ -359,10 +360,33 @@ def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params:
     Returns:
         :class:`Selection` (``topk_idx`` int32 ``[batch, num_kv_heads, T, topk_cfg]``, ``counts``).
     """
-    b, t, nq, d = q.shape
-    kv_len = _default_kv_len(q_positions) if kv_len is None else kv_len.astype(jnp.int32)
     ck1, ck2 = _compressed(k, params)
     nb = -(-k.shape[1] // params.block_size)
+    return select_blocks_compressed(q, ck1, ck2, q_positions=q_positions, params=params, num_blocks=nb,
+                                    kv_len=kv_len, scale=scale, q_tile=q_tile)
+
+
+def select_blocks_compressed(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_positions: jax.Array,
+                             params: SelectParams, num_blocks: int, kv_len: jax.Array | None = None,
+                             scale: float | None = None, q_tile: int = 128) -> Selection:
+    """:func:`select_blocks` from already compressed keys (a KV cache's incremental ``ck1``/``ck2``).
+
+    Args:
+        q: ``[batch, T, num_heads, head_dim]`` selection queries.
+        ck1: ``[batch, Nc1_axis, num_kv_heads, head_dim]`` fine compressed keys; rows at or beyond a
+            sequence's kernel count may hold anything (they are never visible, spec §5.2 causal rule).
+        ck2: ``[batch, Nc2_axis, num_kv_heads, head_dim]`` coarse compressed keys (gen-2), else ``None``.
+        q_positions: int ``[batch, T]`` absolute positions (``-1`` = padding row).
+        params: :class:`SelectParams`.
+        num_blocks: static ``NB`` of the kv axis (``ceil(kv_axis / block_size)``).
+        kv_len, scale, q_tile: as in :func:`select_blocks`.
+
+    Returns:
+        :class:`Selection` (``topk_idx`` int32 ``[batch, num_kv_heads, T, topk_cfg]``, ``counts``).
+    """
+    b, t, nq, d = q.shape
+    kv_len = _default_kv_len(q_positions) if kv_len is None else kv_len.astype(jnp.int32)
+    nb = num_blocks
     tile = max(1, min(q_tile, t))
     qp, pp = query_tiles(q, q_positions, tile)
     n_tiles = qp.shape[0]
@@ -375,7 +399,7 @@ def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params:
         return topk_blocks(bs, q_positions=pos_t, params=params)
 
     sel = jax.lax.map(one, (qp, pp))  # leaves [n_tiles, b, nkv, tile, ...]
-    nkv = k.shape[2]
+    nkv = ck1.shape[2]
     idx = sel.topk_idx.transpose(1, 2, 0, 3, 4).reshape(b, nkv, n_tiles * tile, -1)[:, :, :t]
     cnt = sel.counts.transpose(1, 2, 0, 3).reshape(b, nkv, n_tiles * tile)[:, :, :t]
     return Selection(idx, cnt)

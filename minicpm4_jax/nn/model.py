@@ -27,7 +27,7 @@ from minicpm4_jax.nn.attention import attend
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm, swiglu
 from minicpm4_jax.nn.rope import apply_rope, rope_tables
 
-__all__ = ["Embedder", "DecoderLayer", "MiniCPM4", "remat_policy"]
+__all__ = ["Embedder", "DecoderLayer", "MiniCPM4", "head_logits", "remat_policy"]
 
 
 def _dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
@@ -104,24 +104,48 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, positions: jax.Array,
                  cfg: ModelConfig, return_stats: bool = False) -> jax.Array | tuple[jax.Array, dict]:
         """``x`` ``[batch, seq, hidden]`` (compute dtype) -> same shape (and the attention stats if asked)."""
-        dt = x.dtype
-        b, t, _ = x.shape
-        nq, d = cfg.num_attention_heads, cfg.resolved_head_dim
-        res = jnp.asarray(cfg.residual_scale, dt)
         q, k, v, q_nope, k_nope = self.qkv(x, cos, sin, cfg)
         a = attend(q, k, v, q_positions=positions, kv_positions=positions, cfg=cfg, q_nope=q_nope, k_nope=k_nope,
                    return_stats=return_stats)
         stats = None
         if return_stats:
             a, stats = a
+        x = self.finish(x, a, cfg)
+        return (x, stats) if return_stats else x
+
+    def finish(self, x: jax.Array, a: jax.Array, cfg: ModelConfig) -> jax.Array:
+        """The rest of the layer after attention: ``o_proj`` + scaled residual, then the SwiGLU MLP block.
+
+        Args:
+            x: residual stream ``[batch, seq, hidden]`` (compute dtype) that entered the layer.
+            a: attention output ``[batch, seq, heads, head_dim]``.
+
+        Returns:
+            ``[batch, seq, hidden]``, the layer's output.
+        """
+        dt = x.dtype
+        b, t, _ = x.shape
+        nq, d = cfg.num_attention_heads, cfg.resolved_head_dim
+        res = jnp.asarray(cfg.residual_scale, dt)
         a = _dense(a.reshape(b, t, nq * d), self.o_proj[...].reshape(nq * d, -1).astype(dt))
         x = x + a * res
         hs = rms_norm(x, self.post_attention_layernorm[...], cfg.rms_norm_eps)
         g = _dense(hs, self.gate_proj[...].astype(dt))
         u = _dense(hs, self.up_proj[...].astype(dt))
         m = _dense(swiglu(g, u), self.down_proj[...].astype(dt))
-        x = x + m * res
-        return (x, stats) if return_stats else x
+        return x + m * res
+
+
+def head_logits(hidden: jax.Array, cfg: ModelConfig, embed_tokens: Embedder, lm_head: jax.Array | None) -> jax.Array:
+    """float32 logits ``[..., vocab]`` of final-norm hidden states ``[..., hidden]`` (spec §2 step 4).
+
+    ``hidden / (hidden_size / dim_model_base)``, then the tied embedding (``lm_head`` ``None``) or
+    ``lm_head`` ``[hidden, vocab]``.
+    """
+    x = hidden / jnp.asarray(cfg.width_mult, hidden.dtype)
+    if lm_head is None:
+        return embed_tokens.attend(x)
+    return _dense(x, lm_head.astype(x.dtype), out_dtype=jnp.float32)
 
 
 def remat_policy(name: str):
@@ -229,10 +253,7 @@ class MiniCPM4(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits ``[batch, seq, vocab]`` from final-norm hidden states (÷ width_mult first)."""
-        x = hidden / jnp.asarray(self.cfg.width_mult, hidden.dtype)
-        if self.cfg.tie_word_embeddings:
-            return self.embed_tokens.attend(x)
-        return _dense(x, self.lm_head[...].astype(x.dtype), out_dtype=jnp.float32)
+        return head_logits(hidden, self.cfg, self.embed_tokens, None if self.cfg.tie_word_embeddings else self.lm_head[...])
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """``input_ids`` int32 ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``."""

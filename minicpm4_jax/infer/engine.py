@@ -1,0 +1,417 @@
+"""KV-cache inference engine: chunked prefill, jitted decode steps, dense and InfLLM v2 sparse attention.
+
+Spec ``minicpm4_model.md`` §2 (forward), §5.0 (dense/sparse dispatch), §5.5 (stage 2 with a KV cache),
+§5.7 (cache and incremental compression).
+
+* **Prefill** runs the prompts in chunks of ``prefill_chunk`` tokens (one compiled program per chunk
+  shape): each chunk writes its keys/values into the cache, adds the compressed-key rows it completes, and
+  attends the whole cache. Sequences of a batch may have different lengths (their chunk rows past the
+  prompt are padding at position ``-1``, never written).
+* **Decode** runs one token per sequence per step under one ``jax.jit`` program for the whole generation
+  (static shapes, cache donated so it is updated in place); sampling happens inside the same program.
+* **Dispatch** (§5.0, strict ``<``) is decided per sequence on its total length: the whole prompt length
+  for every prefill chunk (so chunked prefill equals single-pass prefill), the length including the new
+  token at each decode step. A sequence below ``dense_len`` attends densely; at or above, stage 1 scores the
+  query against the cached compressed keys and stage 2 reads only the selected blocks
+  (:func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention`).
+
+A cached decode step of a token equals a full forward of the same prefix whenever both make the same
+dispatch decision for every earlier token: always for dense models and for sparse models that do not
+cross ``dense_len`` after the prompt; across the switch only when the selection covers every causal block
+below ``dense_len`` (``dense_len <= K * block_size``), because sparse attention then equals dense there. The
+official MiniCPM4.1 settings (``dense_len`` 8192 > 96 * 64) do not: there, as in the official code, tokens
+generated between 6144 and 8192 were attended densely, while a fresh forward of the whole sequence would
+attend them sparsely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minicpm4_jax.config import ConfigError, ModelConfig
+from minicpm4_jax.infer.cache import KVCache, LayerCache, cache_capacity, init_cache, update_compressed, write_tokens
+from minicpm4_jax.infer.sampling import SamplingParams, row_keys, sample_tokens
+from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention
+from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+from minicpm4_jax.nn.layers import dtype_of, rms_norm
+from minicpm4_jax.nn.model import head_logits
+from minicpm4_jax.nn.rope import rope_tables
+from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
+
+__all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "with_attention"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Weights:
+    embed: Any
+    layers: tuple
+    norm: jax.Array
+    lm_head: jax.Array | None
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """What :meth:`InferenceEngine.generate` returns.
+
+    Attributes:
+        tokens: per sequence, the new token ids (an EOS / stop id that ended it included).
+        finish_reasons: per sequence ``"eos"`` (a stop id), ``"stop"`` (a stop string), or ``"length"``.
+        prompt_tokens: tokens prefilled (all sequences).
+        new_tokens: tokens generated (all sequences).
+        prefill_seconds, decode_seconds: wall time of the two phases (the first call includes compilation).
+        decode_steps: decode steps run (each one token for every unfinished sequence).
+        attended_fraction: mean over decode steps, layers, active sequences and KV heads of attended keys /
+            causal keys (1.0 for dense attention; NaN when no decode step ran).
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+    attended_fraction: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens per second of the decode phase (the first token comes from prefill)."""
+        n = self.new_tokens - len(self.tokens)
+        return n / self.decode_seconds if self.decode_seconds > 0 and n > 0 else float("nan")
+
+
+def check_generation_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int) -> None:
+    """Raises :class:`ConfigError` for an empty prompt, ``max_new_tokens < 1`` or a too long request."""
+    if not prompt_lens:
+        raise ConfigError("no prompts given; pass at least one prompt")
+    for i, n in enumerate(prompt_lens):
+        if n < 1:
+            raise ConfigError(f"prompt {i} is empty; give some text to continue")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    total = max(prompt_lens) + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"prompt ({max(prompt_lens)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's "
+            f"max_position_embeddings={cfg.max_position_embeddings}; shorten the prompt or generate fewer tokens"
+        )
+
+
+def with_attention(model: Any, attention: str) -> Any:
+    """The same weights under ``model.attention = attention`` (``"dense"`` | ``"infllmv2"``), for inference.
+
+    Switching a dense model to ``infllmv2`` uses its ``sparse_config`` if it has one, else the MiniCPM4.1
+    defaults (:class:`~minicpm4_jax.config.SparseConfig`); the InfLLM v2 selection has no parameters, so any
+    trained weights run under either algorithm (spec §5.5: dense and sparse share weights and cache).
+
+    Raises:
+        ConfigError: an unknown ``attention``, or a sparse geometry the model cannot run (validation message).
+    """
+    from minicpm4_jax.config import SparseConfig, validate_model
+    from minicpm4_jax.nn.model import MiniCPM4
+
+    if attention not in ("dense", "infllmv2"):
+        raise ConfigError(f"attention={attention!r}; use 'dense' or 'infllmv2'")
+    cfg = model.cfg
+    sc = cfg.sparse_config if cfg.sparse_config is not None else SparseConfig()
+    new = dataclasses.replace(cfg, attention=attention, sparse_config=sc if attention == "infllmv2" else cfg.sparse_config)
+    validate_model(new)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: MiniCPM4(new, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, decode: bool):
+    """One layer's attention of the chunk's queries over the cache; returns (out, attended fraction)."""
+    b, t, nq, d = q.shape
+    cap = lc.k.shape[2]
+    one = jnp.float32(1.0)
+    if cfg.attention == "dense":
+        if decode:
+            return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0])[:, None], one
+        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
+        return dense_attention(q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions,
+                               kv_positions=kvp), one
+    sc = cfg.sparse_config
+    if not decode:
+        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
+        out, stats = infllmv2_attention(
+            q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions, kv_positions=kvp,
+            sparse_cfg=sc, kv_len=dispatch_len, q_sel=q_nope if sc.use_nope else None,
+            compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True)
+        return out, stats["attended_fraction"]
+    pos = positions[:, 0]
+    active = pos >= 0
+    dl = sc.dense_len
+    if dl > 0 and cap < dl:  # no sequence in this cache can reach dense_len
+        return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=pos)[:, None], one
+    use_dense = (dispatch_len < dl) if dl > 0 else jnp.zeros((b,), bool)
+    params = select_params(sc)
+    nb = cap // sc.block_size
+    k_used = min(params.topk_cfg, nb)
+    window = params.local_blocks if params.variant == "gen1" else 0
+    q_sel = q_nope if sc.use_nope else q
+
+    def sparse_branch(_):
+        sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
+                                       kv_len=dispatch_len, q_tile=1)
+        idx = sel.topk_idx[:, :, 0, :k_used]
+        o = sparse_decode_attention(q[:, 0], lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, pos),
+                                    block_size=sc.block_size, window_blocks=window)
+        keys = attended_keys(idx[:, :, None, :], positions, block_size=sc.block_size, window_blocks=window)
+        return o, keys[:, :, 0].astype(jnp.float32)
+
+    def dense_branch(_):
+        return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=jnp.where(use_dense, pos, -1))
+
+    sp_out, keys = jax.lax.cond(jnp.any(active & ~use_dense), sparse_branch,
+                                lambda _: (jnp.zeros((b, nq, d), q.dtype), jnp.zeros((b, lc.k.shape[1]), jnp.float32)),
+                                None)
+    dn_out = jax.lax.cond(jnp.any(active & use_dense), dense_branch, lambda _: jnp.zeros((b, nq, d), q.dtype), None)
+    out = jnp.where(use_dense[:, None, None], dn_out, sp_out)[:, None]
+    per_row = jnp.where(use_dense[:, None], 1.0, keys / jnp.maximum(pos + 1, 1).astype(jnp.float32)[:, None])
+    w = jnp.broadcast_to(active[:, None], per_row.shape)
+    frac = jnp.sum(jnp.where(w, per_row, 0.0)) / jnp.maximum(jnp.sum(w), 1)
+    return out, frac
+
+
+def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.Array, dispatch_len: jax.Array, *,
+             cfg: ModelConfig, graphdefs: tuple, all_rows: bool = False):
+    """Run ``ids [batch, T]`` at ``positions [batch, T]`` (``-1`` = padding) through the cached model.
+
+    Returns ``(cache, logits, attended_fraction)``: logits float32 ``[batch, vocab]`` of each sequence's last
+    non-padding row (``[batch, T, vocab]`` with ``all_rows``).
+    """
+    emb_gd, layer_gd = graphdefs
+    dt = dtype_of(cfg.dtype)
+    b, t = ids.shape
+    embed = nnx.merge(emb_gd, weights.embed)
+    x = embed.encode(ids, dt) * jnp.asarray(cfg.scale_emb, dt)
+    cos, sin = rope_tables(jnp.maximum(positions, 0), cfg)
+    valid = positions >= 0
+    old_len = cache.lengths
+    new_len = jnp.maximum(old_len, jnp.max(jnp.where(valid, positions + 1, 0), axis=1)).astype(jnp.int32)
+    sparse = cfg.attention == "infllmv2"
+    new_layers, fracs = [], []
+    for lstate, lc in zip(weights.layers, cache.layers):
+        layer = nnx.merge(layer_gd, lstate)
+        q, k, v, q_nope, k_nope = layer.qkv(x, cos, sin, cfg)
+        lc = write_tokens(lc, k, v, k_nope if lc.k_sel is not None else None, positions)
+        if sparse:
+            lc = update_compressed(lc, cfg, old_len, new_len, t)
+        a, frac = _attention(q, q_nope, lc, positions, dispatch_len, cfg, decode=(t == 1))
+        x = layer.finish(x, a, cfg)
+        new_layers.append(lc)
+        fracs.append(frac)
+    h = rms_norm(x, weights.norm, cfg.rms_norm_eps)
+    if not all_rows:
+        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    logits = head_logits(h, cfg, embed, weights.lm_head)
+    return KVCache(layers=tuple(new_layers), lengths=new_len), logits, jnp.mean(jnp.stack(fracs))
+
+
+def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs, sampling, vocab_limit):
+    pos = jnp.where(active, cache.lengths, -1)[:, None]
+    cache, logits, frac = _forward(weights, cache, tokens[:, None], pos, cache.lengths + 1, cfg=cfg,
+                                   graphdefs=graphdefs)
+    nxt = sample_tokens(logits, row_keys(seeds, step), sampling, vocab_limit)
+    return cache, jnp.where(active, nxt, 0), frac
+
+
+def _first_tokens(logits, seeds, *, sampling, vocab_limit):
+    return sample_tokens(logits, row_keys(seeds, 0), sampling, vocab_limit)
+
+
+class InferenceEngine:
+    """Generation with a KV cache for a :class:`~minicpm4_jax.nn.model.MiniCPM4` (dense or InfLLM v2).
+
+    Args:
+        model: the model; its weights are split per layer once (the engine keeps its own references).
+        prefill_chunk: prompt tokens per prefill step (a multiple of 16; shorter prompts use one smaller
+            chunk rounded up to 16).
+
+    Raises:
+        ConfigError: ``attention_impl='pallas'`` (no decode kernel in this version), the prefill-parity
+            ``kernel_offby1_quirk`` (it describes one single-pass official prefill, not a cache), or a bad
+            ``prefill_chunk``.
+    """
+
+    def __init__(self, model: Any, *, prefill_chunk: int = 512):
+        cfg: ModelConfig = model.cfg
+        if cfg.attention_impl not in ("xla", "auto"):
+            raise ConfigError(f"model.attention_impl={cfg.attention_impl!r} has no decode kernel in this version; "
+                              "use 'xla' or 'auto'")
+        if cfg.attention == "infllmv2" and cfg.sparse_config.kernel_offby1_quirk:
+            raise ConfigError("sparse_config.kernel_offby1_quirk=true reproduces one official single-pass prefill "
+                              "and cannot be cached; generate with model.sparse_config.kernel_offby1_quirk=false")
+        if prefill_chunk < 16 or prefill_chunk % 16:
+            raise ConfigError(f"prefill_chunk={prefill_chunk} must be a positive multiple of 16")
+        self.cfg = cfg
+        self.prefill_chunk = prefill_chunk
+        emb_gd, emb_state = nnx.split(model.embed_tokens)
+        layer_gd, stacked = nnx.split(model.layers)
+        layers = tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(cfg.num_hidden_layers))
+        lm_head = None if cfg.tie_word_embeddings else model.lm_head[...]
+        self.weights = _Weights(emb_state, layers, model.norm[...], lm_head)
+        self._graphdefs = (emb_gd, layer_gd)
+        self._forward = jax.jit(partial(_forward, cfg=cfg, graphdefs=self._graphdefs),
+                                static_argnames=("all_rows",), donate_argnums=(1,))
+        self._decode = {}
+        self._first = {}
+
+    # -- building blocks ---------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int, tokens: int) -> KVCache:
+        """An empty cache for ``batch_size`` sequences of up to ``tokens`` positions (rounded up)."""
+        return init_cache(self.cfg, batch_size, cache_capacity(self.cfg, tokens))
+
+    def chunk_size(self, longest_prompt: int) -> int:
+        """Prefill chunk length used for prompts of at most ``longest_prompt`` tokens."""
+        return min(self.prefill_chunk, -(-longest_prompt // 16) * 16)
+
+    def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], chunk: int | None = None,
+                all_rows: bool = False) -> tuple[KVCache, jax.Array, jax.Array]:
+        """Feed ``prompts`` (one per cache row, any lengths) into an empty ``cache`` in chunks.
+
+        Returns:
+            ``(cache, logits, attended_fraction)``: float32 logits ``[batch, vocab]`` at each prompt's last
+            token (``[batch, max_prompt, vocab]`` with ``all_rows``, padding rows undefined), and the mean
+            attended fraction of the chunks (per chunk: over layers and non-padding query rows).
+        """
+        b = cache.batch_size
+        if len(prompts) != b:
+            raise ValueError(f"{len(prompts)} prompts for a cache of batch {b}")
+        lens = [len(p) for p in prompts]
+        longest = max(lens)
+        if longest > cache.capacity:
+            raise ValueError(f"a prompt of {longest} tokens does not fit a cache of {cache.capacity} slots")
+        c = self.chunk_size(longest) if chunk is None else chunk
+        n_chunks = -(-longest // c)
+        width = n_chunks * c
+        ids = jnp.asarray([list(p) + [0] * (width - len(p)) for p in prompts], jnp.int32)
+        plen = jnp.asarray(lens, jnp.int32)
+        ar = jnp.arange(width, dtype=jnp.int32)[None, :]
+        pos = jnp.where(ar < plen[:, None], ar, -1)
+        last, rows, fracs = None, [], []
+        for i in range(n_chunks):
+            sl = slice(i * c, (i + 1) * c)
+            cache, logits, frac = self._forward(self.weights, cache, ids[:, sl], pos[:, sl], plen, all_rows=all_rows)
+            fracs.append(frac)
+            if all_rows:
+                rows.append(logits)
+            else:
+                here = (plen - 1 >= i * c) & (plen - 1 < (i + 1) * c)
+                last = logits if last is None else jnp.where(here[:, None], logits, last)
+        out = jnp.concatenate(rows, axis=1)[:, :longest] if all_rows else last
+        return cache, out, jnp.mean(jnp.stack(fracs))
+
+    def extend(self, cache: KVCache, ids: jax.Array, positions: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
+        """Append ``ids [batch, T]`` at ``positions`` (``-1`` = skip) and return all rows' logits ``[batch, T, vocab]``.
+
+        The dispatch length of every row is its sequence's length after the append.
+        """
+        valid = positions >= 0
+        dispatch = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), axis=1))
+        return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True)
+
+    def decode_fn(self, sampling: SamplingParams, vocab_limit: int | None = None) -> Callable:
+        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fraction)``."""
+        key = (sampling, vocab_limit)
+        if key not in self._decode:
+            self._decode[key] = jax.jit(partial(_decode_step, cfg=self.cfg, graphdefs=self._graphdefs,
+                                                sampling=sampling, vocab_limit=vocab_limit), donate_argnums=(1,))
+            self._first[key] = jax.jit(partial(_first_tokens, sampling=sampling, vocab_limit=vocab_limit))
+        return self._decode[key]
+
+    # -- the generation loop -----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
+                 stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                 detokenize: Callable[[list[int]], str] | None = None, vocab_limit: int | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` tokens after each prompt (a batch of any lengths).
+
+        Args:
+            prompts: token id lists.
+            max_new_tokens: new tokens per sequence at most.
+            sampling: :class:`SamplingParams`.
+            seeds: one seed per sequence, or an int ``s`` meaning ``s + row``; a sequence's tokens depend only
+                on its prompt and seed (batching never changes them).
+            stop_ids: ids that end a sequence (kept as its last token).
+            stop_strings: texts that end a sequence once its decoded continuation contains one (needs
+                ``detokenize``; the tokens are kept, the caller cuts the text).
+            detokenize: ids -> text, for ``stop_strings``.
+            vocab_limit: never produce ids at or above it.
+            on_token: called as ``on_token(row, token_id)`` for every new token, in order (streaming).
+
+        Raises:
+            ConfigError: empty prompt, ``max_new_tokens < 1``, bad sampling values, too long a request, or
+                ``stop_strings`` without ``detokenize``.
+        """
+        cfg = self.cfg
+        lens = [len(p) for p in prompts]
+        check_generation_request(cfg, lens, max_new_tokens)
+        sampling.validate()
+        if stop_strings and detokenize is None:
+            raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
+        b = len(prompts)
+        seed_list = [int(seeds) + i for i in range(b)] if isinstance(seeds, int) else [int(s) for s in seeds]
+        if len(seed_list) != b:
+            raise ConfigError(f"{len(seed_list)} seeds for {b} prompts; give one per prompt or a single int")
+        seeds_arr = jnp.asarray(seed_list, jnp.uint32)
+        decode = self.decode_fn(sampling, vocab_limit)
+        first = self._first[(sampling, vocab_limit)]
+        stop_set = set(int(i) for i in stop_ids)
+
+        t0 = time.perf_counter()
+        cache = self.new_cache(b, max(lens) + max_new_tokens - 1)
+        cache, logits, _ = self.prefill(cache, prompts)
+        tok = first(logits, seeds_arr)
+        tok_host = [int(x) for x in jax.device_get(tok)]
+        t1 = time.perf_counter()
+
+        out: list[list[int]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        active = [True] * b
+
+        def take(row: int, t: int) -> None:
+            out[row].append(t)
+            if on_token is not None:
+                on_token(row, t)
+            if t in stop_set:
+                reasons[row], active[row] = "eos", False
+            elif stop_strings:
+                text = detokenize(out[row])
+                if any(s in text for s in stop_strings):
+                    reasons[row], active[row] = "stop", False
+            if active[row] and len(out[row]) >= max_new_tokens:
+                active[row] = False
+
+        for r in range(b):
+            take(r, tok_host[r])
+        steps, frac_sum = 0, 0.0
+        fracs = []
+        while any(active):
+            act = jnp.asarray(active)
+            cache, tok, frac = decode(self.weights, cache, tok, act, seeds_arr, jnp.int32(steps + 1))
+            fracs.append(frac)
+            steps += 1
+            tok_host = [int(x) for x in jax.device_get(tok)]
+            for r in range(b):
+                if active[r]:
+                    take(r, tok_host[r])
+        t2 = time.perf_counter()
+        if fracs:
+            frac_sum = float(jnp.mean(jnp.stack(fracs)))
+        return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
+                                new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
+                                decode_seconds=t2 - t1, decode_steps=steps,
+                                attended_fraction=frac_sum if fracs else float("nan"))

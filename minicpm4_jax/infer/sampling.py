@@ -1,0 +1,91 @@
+"""Token sampling for generation: greedy, temperature, top-k and top-p (nucleus), seeded per sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from minicpm4_jax.config import ConfigError
+
+__all__ = ["SamplingParams", "top_p_filter", "top_k_filter", "sample_tokens", "row_keys"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is drawn from the float32 logits.
+
+    Attributes:
+        temperature: ``0`` = greedy (argmax); else logits are divided by it before sampling.
+        top_k: keep the ``top_k`` most likely tokens (``0`` = all).
+        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (``1`` = all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def validate(self) -> None:
+        """Raises :class:`~minicpm4_jax.config.ConfigError` naming a bad value and its valid range."""
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 = no top-k filter)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is the argmax."""
+        return self.temperature == 0.0
+
+
+def top_p_filter(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
+    """Nucleus filtering: keep the smallest set of top tokens whose probability reaches ``top_p``.
+
+    ``logits`` float ``[..., vocab]``; removed entries become ``-inf``. The most likely token is
+    always kept; ``top_p >= 1`` keeps everything.
+    """
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    keep_sorted = before < top_p
+    keep_sorted = keep_sorted.at[..., 0].set(True)
+    n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)
+    threshold = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)  # smallest kept logit
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def top_k_filter(logits: jax.Array, top_k: int) -> jax.Array:
+    """Keep the ``top_k`` largest logits of ``[..., vocab]`` (ties at the threshold kept); others ``-inf``."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    return jnp.where(logits >= kth, logits, -jnp.inf)
+
+
+def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
+    """PRNG keys ``[batch]`` for sampling step ``step`` of sequences seeded with ``seeds`` (int ``[batch]``).
+
+    A sequence's draws depend only on its own seed and the step, never on its batch neighbours.
+    """
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seeds.astype(jnp.uint32))
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams,
+                  vocab_limit: int | None = None) -> jax.Array:
+    """Next token ids int32 ``[batch]`` from float32 ``logits [batch, vocab]`` and ``keys [batch]``.
+
+    ``vocab_limit``: ids at or above it (a model vocabulary padded beyond the tokenizer's) are never drawn.
+    Greedy ignores ``keys``. Otherwise temperature, then top-k, then top-p, then a categorical draw.
+    """
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    if params.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits.astype(jnp.float32) / params.temperature
+    scaled = top_k_filter(scaled, params.top_k)
+    if params.top_p < 1.0:
+        scaled = top_p_filter(scaled, params.top_p)
+    return jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, scaled).astype(jnp.int32)

@@ -1,0 +1,290 @@
+"""The KV-cache inference engine: cached decode == full forward, chunked prefill, batching, sampling, stops."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm4_jax.config import ConfigError, ModelConfig, SparseConfig
+from minicpm4_jax.infer import InferenceEngine, SamplingParams, sample_tokens, top_k_filter
+from minicpm4_jax.infer.engine import with_attention
+from minicpm4_jax.infllm.compress import compress_keys, coarse_geometry
+from minicpm4_jax.infllm.select import select_params
+from minicpm4_jax.nn import MiniCPM4
+from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
+from minicpm4_jax.ops.infllm_ref import infllmv2_stage2
+
+BASE = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=1024, dim_model_base=16, scale_emb=12.0)
+# block 32, K = 2 + 64/32 = 4 blocks (gen-2) / 2 top-k + 2 window blocks (gen-1): a 320-token sequence
+# attends at most 128 of its keys, so the selection really drops blocks.
+GEOM = dict(kernel_size=32, kernel_stride=16, block_size=32, window_size=64, topk=2)
+
+
+def _cfg(variant=None, **sparse):
+    if variant is None:
+        return BASE
+    return dataclasses.replace(BASE, attention="infllmv2",
+                               sparse_config=SparseConfig(**{**GEOM, "variant": variant, **sparse}))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return nnx.state(MiniCPM4(BASE, rngs=nnx.Rngs(0)))
+
+
+def _model(weights, cfg):
+    return nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: MiniCPM4(cfg, rngs=nnx.Rngs(0)))), weights)
+
+
+def _ids(n, seed=0):
+    return [int(x) for x in np.random.default_rng(seed).integers(0, BASE.vocab_size, n)]
+
+
+def _stepwise_logits(engine, prompt, rest, chunk=None):
+    """Prefill ``prompt`` then feed ``rest`` one token per decode step; logits before each fed token."""
+    n = len(prompt) + len(rest)
+    cache = engine.new_cache(1, n)
+    cache, last, _ = engine.prefill(cache, [prompt], chunk=chunk)
+    out, fracs = [np.asarray(last[0])], []
+    for i, t in enumerate(rest[:-1]):
+        pos = jnp.asarray([[len(prompt) + i]], jnp.int32)
+        cache, lg, frac = engine.extend(cache, jnp.asarray([[t]], jnp.int32), pos)
+        out.append(np.asarray(lg[0, 0]))
+        fracs.append(float(frac))
+    return np.stack(out), fracs
+
+
+CASES = {
+    "dense": (None, {}),
+    "gen2": ("gen2", dict(dense_len=-1)),
+    "gen1": ("gen1", dict(dense_len=-1)),
+    "gen2_nope": ("gen2", dict(dense_len=-1, use_nope=True)),
+    # dense_len 128 <= K * block = 128: sparse equals dense below the switch, so the switch at 128 is exact
+    "gen2_switch": ("gen2", dict(dense_len=128)),
+    "gen1_switch": ("gen1", dict(dense_len=128)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cached_decode_equals_full_forward_every_step(weights, case):
+    variant, sp = CASES[case]
+    cfg = _cfg(variant, **sp)
+    model = _model(weights, cfg)
+    prompt_len = 100 if case.endswith("switch") else 170  # the switch cases cross dense_len while decoding
+    seq = _ids(330, seed=1)
+    got, fracs = _stepwise_logits(InferenceEngine(model, prefill_chunk=64), seq[:prompt_len], seq[prompt_len:])
+    full = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray([seq], jnp.int32)))[0, prompt_len - 1:-1]
+    np.testing.assert_allclose(got, full, atol=1e-4, rtol=1e-4)
+    if variant is None:
+        assert fracs[-1] == 1.0
+    else:  # the last steps really are sparse: at most 4 blocks of 32 keys out of ~330
+        assert fracs[-1] < 0.45
+
+
+def test_sparse_selection_differs_from_dense(weights):
+    """The sparse cases above test something: at 330 tokens sparse logits differ from dense ones."""
+    seq = jnp.asarray([_ids(330, seed=1)], jnp.int32)
+    dense = np.asarray(_model(weights, BASE)(seq))[0, -1]
+    sparse = np.asarray(_model(weights, _cfg("gen2", dense_len=-1))(seq))[0, -1]
+    assert np.abs(dense - sparse).max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["dense", "gen2", "gen1", "gen2_switch"])
+@pytest.mark.parametrize("chunk", [16, 48])
+def test_chunked_prefill_equals_single_pass(weights, case, chunk):
+    variant, sp = CASES[case]
+    model = _model(weights, _cfg(variant, **sp))
+    eng = InferenceEngine(model, prefill_chunk=512)
+    prompt = _ids(250, seed=2)  # crosses dense_len=128 inside the prompt for the switch case
+    one = eng.prefill(eng.new_cache(1, 256), [prompt], all_rows=True)[1]
+    many = eng.prefill(eng.new_cache(1, 256), [prompt], chunk=chunk, all_rows=True)[1]
+    np.testing.assert_allclose(np.asarray(many), np.asarray(one), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_compressed_cache_equals_recompute_every_step(weights, variant):
+    cfg = _cfg(variant, dense_len=-1)
+    eng = InferenceEngine(_model(weights, cfg), prefill_chunk=48)
+    seq = _ids(200, seed=3)
+    cache = eng.new_cache(1, 200)
+    cache, _, _ = eng.prefill(cache, [seq[:90]])
+    cks, cst = coarse_geometry(32, 16)
+    for i in range(90, 200):
+        if i > 90:
+            cache, _, _ = eng.extend(cache, jnp.asarray([[seq[i - 1]]], jnp.int32), jnp.asarray([[i - 1]], jnp.int32))
+        n = int(cache.lengths[0])
+        assert n == i
+        if i % 7 and i not in (95, 96, 127, 128, 191, 192):  # every 7th step plus the kernel boundaries
+            continue
+        for lc in cache.layers:
+            keys = lc.k.transpose(0, 2, 1, 3)[:, :n]
+            ref1 = np.asarray(compress_keys(keys, 32, 16))
+            np.testing.assert_allclose(np.asarray(lc.ck1[:, :ref1.shape[1]]), ref1, atol=1e-6, rtol=1e-6)
+            assert not np.any(np.asarray(lc.ck1[:, ref1.shape[1]:]))  # rows not yet complete stay empty
+            if variant == "gen2":
+                ref2 = np.asarray(compress_keys(keys, cks, cst))
+                np.testing.assert_allclose(np.asarray(lc.ck2[:, :ref2.shape[1]]), ref2, atol=1e-6, rtol=1e-6)
+                assert not np.any(np.asarray(lc.ck2[:, ref2.shape[1]:]))
+            else:
+                assert lc.ck2 is None
+
+
+@pytest.mark.parametrize("case", ["dense", "gen2_switch"])
+def test_batched_generation_equals_each_alone(weights, case):
+    variant, sp = CASES[case]
+    eng = InferenceEngine(_model(weights, _cfg(variant, **sp)), prefill_chunk=32)
+    prompts = [_ids(n, seed=10 + n) for n in (5, 140, 77)]
+    for sampling in (SamplingParams(), SamplingParams(temperature=1.0, top_k=20, top_p=0.9)):
+        batch = eng.generate(prompts, 12, sampling=sampling, seeds=[3, 4, 5])
+        for i, p in enumerate(prompts):
+            alone = eng.generate([p], 12, sampling=sampling, seeds=[3 + i])
+            assert batch.tokens[i] == alone.tokens[0], (sampling, i)
+
+
+def test_engine_greedy_equals_uncached_reference(weights):
+    from minicpm4_jax.generate import generate_ids, generate_ids_uncached
+
+    model = _model(weights, BASE)
+    prompt = _ids(30, seed=4)
+    assert generate_ids(model, prompt, 20) == generate_ids_uncached(model, prompt, 20)
+
+
+def test_stop_ids_stop_strings_and_length(weights):
+    eng = InferenceEngine(_model(weights, BASE), prefill_chunk=32)
+    prompt = _ids(20, seed=5)
+    free = eng.generate([prompt], 10, sampling=SamplingParams(temperature=1.0), seeds=[1])
+    assert free.finish_reasons == ["length"] and len(free.tokens[0]) == 10
+    target = free.tokens[0][4]
+    first = free.tokens[0].index(target)
+    stopped = eng.generate([prompt], 10, sampling=SamplingParams(temperature=1.0), seeds=[1], stop_ids=[target])
+    assert stopped.finish_reasons == ["eos"] and stopped.tokens[0] == free.tokens[0][:first + 1]
+
+    def detok(ids):
+        return " ".join(f"t{i}" for i in ids)
+
+    stop = f"t{free.tokens[0][2]} t{free.tokens[0][3]}"
+    by_text = eng.generate([prompt], 10, sampling=SamplingParams(temperature=1.0), seeds=[1], stop_strings=[stop],
+                           detokenize=detok)
+    assert by_text.finish_reasons == ["stop"] and stop in detok(by_text.tokens[0])
+    assert len(by_text.tokens[0]) <= 4
+
+
+def test_streaming_calls_in_order(weights):
+    eng = InferenceEngine(_model(weights, BASE), prefill_chunk=32)
+    seen = []
+    out = eng.generate([_ids(9), _ids(4, seed=9)], 6, on_token=lambda r, t: seen.append((r, t)))
+    for r in (0, 1):
+        assert [t for rr, t in seen if rr == r] == out.tokens[r]
+
+
+def test_text_generate_stream_and_stop_cut(weights):
+    from minicpm4_jax.generate import generate
+
+    class Tok:
+        bos_id, eos_id, vocab_size = 1, None, 97
+
+        def encode(self, text):
+            return [int(w[1:]) for w in text.split()]
+
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    model = _model(weights, BASE)
+    full = generate(model, Tok(), "t5 t6 t7", 8, temperature=1.0, seed=2)
+    pieces = []
+    stop = full[8:14]
+    text = generate(model, Tok(), "t5 t6 t7", 8, temperature=1.0, seed=2, stop_strings=[stop], stream=pieces.append)
+    assert text == full[:full.index(stop)]
+    assert "".join(pieces) == text  # the stream never showed the stop string
+
+
+def test_sampler_matches_softmax_distribution():
+    logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0, 0.5]], jnp.float32)
+    n = 20000
+    keys = jax.random.split(jax.random.key(0), n)
+    draws = jax.vmap(lambda k: sample_tokens(logits, k[None], SamplingParams(temperature=0.7))[0])(keys)
+    freq = np.bincount(np.asarray(draws), minlength=5) / n
+    p = np.asarray(jax.nn.softmax(logits[0] / 0.7))
+    assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() * (1 - p.max()) / n)
+    topk = jax.vmap(lambda k: sample_tokens(logits, k[None], SamplingParams(temperature=1.0, top_k=2))[0])(keys[:2000])
+    assert set(np.asarray(topk).tolist()) == {0, 1}
+    assert np.isfinite(np.asarray(top_k_filter(logits, 3))).tolist() == [[True, True, False, False, True]]
+    assert int(sample_tokens(logits, keys[:1], SamplingParams())[0]) == 0
+
+
+def test_vocab_limit_is_respected():
+    logits = jnp.asarray([[0.0, 1.0, 5.0]], jnp.float32)
+    assert int(sample_tokens(logits, jax.random.split(jax.random.key(0), 1), SamplingParams(), vocab_limit=2)[0]) == 1
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_sparse_decode_attention_matches_stage2_reference(variant):
+    rng = np.random.default_rng(7)
+    b, nkv, g, d, cap, bs = 2, 2, 3, 16, 256, 32
+    k = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, nkv * g, d)), jnp.float32)
+    pos = jnp.asarray([200, 93], jnp.int32)
+    params = select_params(SparseConfig(**{**GEOM, "variant": variant}))
+    k_used = params.topk_cfg
+    # a valid selection: ascending distinct causal blocks, -1 padded
+    idx = np.full((b, nkv, k_used), -1, np.int32)
+    for i in range(b):
+        qb = int(pos[i]) // bs
+        for h in range(nkv):
+            pick = np.sort(rng.choice(qb + 1, size=min(k_used, qb + 1), replace=False))
+            idx[i, h, :len(pick)] = pick
+    window = params.local_blocks if variant == "gen1" else 0
+    got = sparse_decode_attention(q, k, v, jnp.asarray(idx), q_positions=pos, block_size=bs, window_blocks=window)
+    ref = infllmv2_stage2(q[:, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(idx)[:, :, None],
+                          q_positions=pos[:, None], kv_positions=jnp.broadcast_to(jnp.arange(cap), (b, cap)),
+                          block_size=bs, window_blocks=window)[:, 0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    dense = dense_decode_attention(q, k, v, q_positions=pos)
+    dref = dense_attention(q[:, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_positions=pos[:, None],
+                           kv_positions=jnp.broadcast_to(jnp.arange(cap), (b, cap)))[:, 0]
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(dref), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(np.asarray(got), np.asarray(dense), atol=1e-3)  # the selection matters here
+
+
+def test_bad_requests_are_one_line_errors(weights):
+    eng = InferenceEngine(_model(weights, BASE), prefill_chunk=32)
+    with pytest.raises(ConfigError, match="prompt 0 is empty"):
+        eng.generate([[]], 3)
+    with pytest.raises(ConfigError, match="max_new_tokens=0"):
+        eng.generate([[1]], 0)
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings=1024"):
+        eng.generate([[1] * 1000], 30)
+    with pytest.raises(ConfigError, match="top_p=0"):
+        eng.generate([[1]], 3, sampling=SamplingParams(top_p=0.0))
+    with pytest.raises(ConfigError, match="temperature=-1"):
+        eng.generate([[1]], 3, sampling=SamplingParams(temperature=-1.0))
+    with pytest.raises(ConfigError, match="top_k=-2"):
+        eng.generate([[1]], 3, sampling=SamplingParams(top_k=-2))
+    with pytest.raises(ConfigError, match="detokenize"):
+        eng.generate([[1]], 3, stop_strings=["x"])
+    with pytest.raises(ConfigError, match="2 seeds for 1 prompts"):
+        eng.generate([[1]], 3, seeds=[1, 2])
+    with pytest.raises(ConfigError, match="prefill_chunk=10"):
+        InferenceEngine(_model(weights, BASE), prefill_chunk=10)
+    with pytest.raises(ConfigError, match="attention_impl='pallas'"):
+        InferenceEngine(_model(weights, dataclasses.replace(BASE, attention_impl="pallas")))
+    with pytest.raises(ConfigError, match="kernel_offby1_quirk"):
+        InferenceEngine(_model(weights, _cfg("gen2", kernel_offby1_quirk=True)))
+    with pytest.raises(ConfigError, match="attention='flash'"):
+        with_attention(_model(weights, BASE), "flash")
+
+
+def test_with_attention_switches_algorithm_keeps_weights(weights):
+    model = _model(weights, BASE)
+    sp = with_attention(model, "infllmv2")
+    assert sp.cfg.attention == "infllmv2" and sp.cfg.sparse_config == SparseConfig()
+    np.testing.assert_array_equal(np.asarray(sp.norm[...]), np.asarray(model.norm[...]))
+    back = with_attention(sp, "dense")
+    ids = jnp.asarray([_ids(40)], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
