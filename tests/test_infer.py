@@ -222,8 +222,9 @@ def test_vocab_limit_is_respected():
     assert int(sample_tokens(logits, jax.random.split(jax.random.key(0), 1), SamplingParams(), vocab_limit=2)[0]) == 1
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])
-def test_sparse_decode_attention_matches_stage2_reference(variant):
+def test_sparse_decode_attention_matches_stage2_reference(variant, split):
     rng = np.random.default_rng(7)
     b, nkv, g, d, cap, bs = 2, 2, 3, 16, 256, 32
     k = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
@@ -240,10 +241,12 @@ def test_sparse_decode_attention_matches_stage2_reference(variant):
             pick = np.sort(rng.choice(qb + 1, size=min(k_used, qb + 1), replace=False))
             idx[i, h, :len(pick)] = pick
     window = params.local_blocks if variant == "gen1" else 0
-    got = sparse_decode_attention(q, k, v, jnp.asarray(idx), q_positions=pos, block_size=bs, window_blocks=window)
+    # split: forced init/window blocks read as contiguous slices, the other picks gathered in `width` columns
+    extra = dict(init_blocks=1, window_blocks=window + 1, gather_width=k_used) if split else dict(window_blocks=window)
+    got = sparse_decode_attention(q, k, v, jnp.asarray(idx), q_positions=pos, block_size=bs, **extra)
     ref = infllmv2_stage2(q[:, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(idx)[:, :, None],
                           q_positions=pos[:, None], kv_positions=jnp.broadcast_to(jnp.arange(cap), (b, cap)),
-                          block_size=bs, window_blocks=window)[:, 0]
+                          block_size=bs, **extra)[:, 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
     dense = dense_decode_attention(q, k, v, q_positions=pos)
     dref = dense_attention(q[:, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_positions=pos[:, None],

@@ -38,7 +38,7 @@ from flax import nnx
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import KVCache, LayerCache, cache_capacity, init_cache, update_compressed, write_tokens
 from minicpm4_jax.infer.sampling import SamplingParams, row_keys, sample_tokens
-from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention
+from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention, stage2_forced_split
 from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
 from minicpm4_jax.nn.layers import dtype_of, rms_norm
 from minicpm4_jax.nn.model import head_logits
@@ -46,7 +46,7 @@ from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
 
-__all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "with_attention"]
+__all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention"]
 
 
 @jax.tree_util.register_dataclass
@@ -129,62 +129,75 @@ def with_attention(model: Any, attention: str) -> Any:
     return nnx.merge(graphdef, nnx.state(model))
 
 
-def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, decode: bool):
-    """One layer's attention of the chunk's queries over the cache; returns (out, attended fraction)."""
+def decode_mode(cfg: ModelConfig, dispatch_lens: Sequence[int]) -> str:
+    """Static attention mode of a decode step from the active sequences' lengths (incl. the new token).
+
+    ``"dense"`` (a dense model, or every sequence below ``dense_len``), ``"sparse"`` (every sequence at or above
+    it) or ``"mixed"`` (both kinds in the batch: both paths run and each row takes its own). Chosen on the host
+    so the compiled step holds no ``lax.cond`` around the cache (a conditional made XLA copy the whole cache
+    every step).
+    """
+    if cfg.attention != "infllmv2":
+        return "dense"
+    dl = cfg.sparse_config.dense_len
+    if dl <= 0:
+        return "sparse"
+    below = [n < dl for n in dispatch_lens]
+    if not below or all(below):
+        return "dense"
+    return "sparse" if not any(below) else "mixed"
+
+
+def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, mode: str):
+    """One layer's attention of the chunk's queries over the cache; returns (out, attended fraction).
+
+    ``mode``: ``"prefill"`` (any T; per-sequence dispatch inside :func:`infllmv2_attention`) or a decode mode
+    of :func:`decode_mode` (T = 1).
+    """
     b, t, nq, d = q.shape
     cap = lc.k.shape[2]
     one = jnp.float32(1.0)
-    if cfg.attention == "dense":
-        if decode:
-            return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0])[:, None], one
-        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
-        return dense_attention(q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions,
-                               kv_positions=kvp), one
-    sc = cfg.sparse_config
-    if not decode:
-        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
-        out, stats = infllmv2_attention(
-            q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions, kv_positions=kvp,
-            sparse_cfg=sc, kv_len=dispatch_len, q_sel=q_nope if sc.use_nope else None,
-            compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True)
-        return out, stats["attended_fraction"]
     pos = positions[:, 0]
+    if mode == "prefill":
+        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
+        kt, vt = lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3)
+        if cfg.attention == "dense":
+            return dense_attention(q, kt, vt, q_positions=positions, kv_positions=kvp), one
+        sc = cfg.sparse_config
+        out, stats = infllmv2_attention(
+            q, kt, vt, q_positions=positions, kv_positions=kvp, sparse_cfg=sc, kv_len=dispatch_len,
+            q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True)
+        return out, stats["attended_fraction"]
+    if mode == "dense":
+        return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=pos)[:, None], one
+    sc = cfg.sparse_config
     active = pos >= 0
     dl = sc.dense_len
-    if dl > 0 and cap < dl:  # no sequence in this cache can reach dense_len
-        return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=pos)[:, None], one
-    use_dense = (dispatch_len < dl) if dl > 0 else jnp.zeros((b,), bool)
+    use_dense = (dispatch_len < dl) if (dl > 0 and mode == "mixed") else jnp.zeros((b,), bool)
     params = select_params(sc)
     nb = cap // sc.block_size
     k_used = min(params.topk_cfg, nb)
     window = params.local_blocks if params.variant == "gen1" else 0
     q_sel = q_nope if sc.use_nope else q
-
-    def sparse_branch(_):
-        sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
-                                       kv_len=dispatch_len, q_tile=1)
-        idx = sel.topk_idx[:, :, 0, :k_used]
-        o = sparse_decode_attention(q[:, 0], lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, pos),
-                                    block_size=sc.block_size, window_blocks=window)
-        keys = attended_keys(idx[:, :, None, :], positions, block_size=sc.block_size, window_blocks=window)
-        return o, keys[:, :, 0].astype(jnp.float32)
-
-    def dense_branch(_):
-        return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=jnp.where(use_dense, pos, -1))
-
-    sp_out, keys = jax.lax.cond(jnp.any(active & ~use_dense), sparse_branch,
-                                lambda _: (jnp.zeros((b, nq, d), q.dtype), jnp.zeros((b, lc.k.shape[1]), jnp.float32)),
-                                None)
-    dn_out = jax.lax.cond(jnp.any(active & use_dense), dense_branch, lambda _: jnp.zeros((b, nq, d), q.dtype), None)
-    out = jnp.where(use_dense[:, None, None], dn_out, sp_out)[:, None]
+    sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
+                                   kv_len=dispatch_len, q_tile=1)
+    idx = sel.topk_idx[:, :, 0, :k_used]
+    init, win, width = stage2_forced_split(params, k_used)
+    out = sparse_decode_attention(q[:, 0], lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, pos),
+                                  block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
+    keys = attended_keys(idx[:, :, None, :], positions, block_size=sc.block_size,
+                         window_blocks=window)[:, :, 0].astype(jnp.float32)
+    if mode == "mixed":
+        dense = dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=jnp.where(use_dense, pos, -1))
+        out = jnp.where(use_dense[:, None, None], dense, out)
     per_row = jnp.where(use_dense[:, None], 1.0, keys / jnp.maximum(pos + 1, 1).astype(jnp.float32)[:, None])
     w = jnp.broadcast_to(active[:, None], per_row.shape)
     frac = jnp.sum(jnp.where(w, per_row, 0.0)) / jnp.maximum(jnp.sum(w), 1)
-    return out, frac
+    return out[:, None], frac
 
 
 def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.Array, dispatch_len: jax.Array, *,
-             cfg: ModelConfig, graphdefs: tuple, all_rows: bool = False):
+             cfg: ModelConfig, graphdefs: tuple, all_rows: bool = False, mode: str = "prefill"):
     """Run ``ids [batch, T]`` at ``positions [batch, T]`` (``-1`` = padding) through the cached model.
 
     Returns ``(cache, logits, attended_fraction)``: logits float32 ``[batch, vocab]`` of each sequence's last
@@ -204,10 +217,13 @@ def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.A
     for lstate, lc in zip(weights.layers, cache.layers):
         layer = nnx.merge(layer_gd, lstate)
         q, k, v, q_nope, k_nope = layer.qkv(x, cos, sin, cfg)
-        lc = write_tokens(lc, k, v, k_nope if lc.k_sel is not None else None, positions)
+        # Materialise each in-place update before anything reads the cache: without the barriers XLA fuses the
+        # update into its readers (attention, the compressed-key windows) and copies the whole cache every
+        # step (decode 4-6x slower at 16K).
+        lc = jax.lax.optimization_barrier(write_tokens(lc, k, v, k_nope if lc.k_sel is not None else None, positions))
         if sparse:
-            lc = update_compressed(lc, cfg, old_len, new_len, t)
-        a, frac = _attention(q, q_nope, lc, positions, dispatch_len, cfg, decode=(t == 1))
+            lc = jax.lax.optimization_barrier(update_compressed(lc, cfg, old_len, new_len, t))
+        a, frac = _attention(q, q_nope, lc, positions, dispatch_len, cfg, mode)
         x = layer.finish(x, a, cfg)
         new_layers.append(lc)
         fracs.append(frac)
@@ -219,10 +235,10 @@ def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.A
     return KVCache(layers=tuple(new_layers), lengths=new_len), logits, jnp.mean(jnp.stack(fracs))
 
 
-def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs, sampling, vocab_limit):
+def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs, sampling, vocab_limit, mode):
     pos = jnp.where(active, cache.lengths, -1)[:, None]
     cache, logits, frac = _forward(weights, cache, tokens[:, None], pos, cache.lengths + 1, cfg=cfg,
-                                   graphdefs=graphdefs)
+                                   graphdefs=graphdefs, mode=mode)
     nxt = sample_tokens(logits, row_keys(seeds, step), sampling, vocab_limit)
     return cache, jnp.where(active, nxt, 0), frac
 
@@ -264,7 +280,7 @@ class InferenceEngine:
         self.weights = _Weights(emb_state, layers, model.norm[...], lm_head)
         self._graphdefs = (emb_gd, layer_gd)
         self._forward = jax.jit(partial(_forward, cfg=cfg, graphdefs=self._graphdefs),
-                                static_argnames=("all_rows",), donate_argnums=(1,))
+                                static_argnames=("all_rows", "mode"), donate_argnums=(1,))
         self._decode = {}
         self._first = {}
 
@@ -320,16 +336,31 @@ class InferenceEngine:
         """
         valid = positions >= 0
         dispatch = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), axis=1))
-        return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True)
+        mode = "prefill"
+        if ids.shape[1] == 1:
+            act = jax.device_get(valid[:, 0])
+            mode = decode_mode(self.cfg, [int(n) for n, a in zip(jax.device_get(dispatch), act) if a])
+        return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True, mode=mode)
 
-    def decode_fn(self, sampling: SamplingParams, vocab_limit: int | None = None) -> Callable:
-        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fraction)``."""
-        key = (sampling, vocab_limit)
+    def decode_fn(self, sampling: SamplingParams, vocab_limit: int | None = None, mode: str = "sparse") -> Callable:
+        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fraction)``.
+
+        ``mode``: :func:`decode_mode` of the step (a dense model always runs ``"dense"``).
+        """
+        if self.cfg.attention != "infllmv2":
+            mode = "dense"
+        key = (sampling, vocab_limit, mode)
         if key not in self._decode:
             self._decode[key] = jax.jit(partial(_decode_step, cfg=self.cfg, graphdefs=self._graphdefs,
-                                                sampling=sampling, vocab_limit=vocab_limit), donate_argnums=(1,))
-            self._first[key] = jax.jit(partial(_first_tokens, sampling=sampling, vocab_limit=vocab_limit))
+                                                sampling=sampling, vocab_limit=vocab_limit, mode=mode),
+                                        donate_argnums=(1,))
         return self._decode[key]
+
+    def _first_fn(self, sampling: SamplingParams, vocab_limit: int | None) -> Callable:
+        key = (sampling, vocab_limit)
+        if key not in self._first:
+            self._first[key] = jax.jit(partial(_first_tokens, sampling=sampling, vocab_limit=vocab_limit))
+        return self._first[key]
 
     # -- the generation loop -----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -367,8 +398,7 @@ class InferenceEngine:
         if len(seed_list) != b:
             raise ConfigError(f"{len(seed_list)} seeds for {b} prompts; give one per prompt or a single int")
         seeds_arr = jnp.asarray(seed_list, jnp.uint32)
-        decode = self.decode_fn(sampling, vocab_limit)
-        first = self._first[(sampling, vocab_limit)]
+        first = self._first_fn(sampling, vocab_limit)
         stop_set = set(int(i) for i in stop_ids)
 
         t0 = time.perf_counter()
@@ -399,8 +429,13 @@ class InferenceEngine:
             take(r, tok_host[r])
         steps, frac_sum = 0, 0.0
         fracs = []
+        lengths = list(lens)  # cached tokens per sequence, tracked on the host for the static decode mode
         while any(active):
             act = jnp.asarray(active)
+            mode = decode_mode(cfg, [lengths[r] + 1 for r in range(b) if active[r]])
+            decode = self.decode_fn(sampling, vocab_limit, mode)
+            for r in range(b):
+                lengths[r] += int(active[r])
             cache, tok, frac = decode(self.weights, cache, tok, act, seeds_arr, jnp.int32(steps + 1))
             fracs.append(frac)
             steps += 1

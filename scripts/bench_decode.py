@@ -1,0 +1,161 @@
+"""Decode speed of the KV-cache engine at long contexts: dense against InfLLM v2 sparse (issue 9).
+
+One model (default: the ``cpu_tiny`` architecture, random weights, max positions raised to fit the longest
+context), batch 1, fp32, CPU. For each context length ``N`` the cache is filled **synthetically** with
+random post-RoPE keys and values (and the compressed keys computed from them with
+:func:`~minicpm4_jax.infllm.compress.compress_keys`, exactly what prefill would store), because a real
+prefill of 32K tokens costs minutes and does not change what a decode step does: every step still runs the
+whole model on the new token, writes it into the cache, and attends the cache (dense: all ``N`` keys;
+sparse: stage 1 over the compressed keys, then only the selected blocks). Both variants run the same
+jitted decode step of :class:`~minicpm4_jax.infer.engine.InferenceEngine` with greedy sampling.
+
+Sparse settings: the model's ``sparse_config`` or the MiniCPM4.1 defaults (gen-2, block 64, kernel 32/16,
+topk 64 + window 2048 = 96 blocks = 6144 keys, dense_len 8192): below 8192 the sparse model decodes densely
+by design, and at 4K the 96 blocks cover the whole context anyway.
+
+Timing: after one compile-and-warm-up step per variant, ``--rounds`` rounds alternate dense and sparse,
+each timing ``--steps`` consecutive decode steps; the median per-step time is reported. The bound is the
+ratio of KV-cache values read per step per KV head: dense ``2 N`` (K and V) against sparse
+``2 * min(K * block, N) + Nc1 + Nc2`` (selected K and V plus the fine and coarse compressed keys stage 1
+reads); the rest of the step (projections, MLP, head) is the same for both and lowers the real ratio.
+
+Run::
+
+    .venv/bin/python scripts/bench_decode.py                               # 4K, 16K, 32K
+    .venv/bin/python scripts/bench_decode.py --lengths 4096 8192 --steps 16 --rounds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm4_jax.config import load_config
+from minicpm4_jax.infer.cache import KVCache, cache_capacity, init_cache
+from minicpm4_jax.infer.engine import InferenceEngine, decode_mode, with_attention
+from minicpm4_jax.infer.sampling import SamplingParams
+from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys, num_kernels
+from minicpm4_jax.infllm.select import select_params
+from minicpm4_jax.nn.model import MiniCPM4
+
+
+def synthetic_cache(cfg, n: int, capacity: int, seed: int) -> KVCache:
+    """A cache holding ``n`` tokens of random keys/values (and their compressed keys for InfLLM v2)."""
+    cache = init_cache(cfg, 1, capacity)
+    key = jax.random.key(seed)
+    layers = []
+    for lc in cache.layers:
+        key, k1, k2 = jax.random.split(key, 3)
+        shape = lc.k.shape
+        valid = (jnp.arange(capacity) < n)[None, None, :, None]
+        k = jnp.where(valid, jax.random.normal(k1, shape, lc.k.dtype), 0)
+        v = jnp.where(valid, jax.random.normal(k2, shape, lc.v.dtype), 0)
+        new = dataclasses.replace(lc, k=k, v=v)
+        if lc.ck1 is not None:
+            sc = cfg.sparse_config
+            kk = k.transpose(0, 2, 1, 3)[:, :n]
+            c1 = compress_keys(kk, sc.kernel_size, sc.kernel_stride)
+            new.ck1 = lc.ck1.at[:, :c1.shape[1]].set(c1)
+            if lc.ck2 is not None:
+                c2 = compress_keys(kk, *coarse_geometry(sc.kernel_size, sc.kernel_stride))
+                new.ck2 = lc.ck2.at[:, :c2.shape[1]].set(c2)
+        layers.append(new)
+    return KVCache(layers=tuple(layers), lengths=jnp.full((1,), n, jnp.int32))
+
+
+def bound(cfg, n: int) -> float:
+    """KV values read per step per KV head, dense / sparse (module docstring)."""
+    sc = cfg.sparse_config
+    p = select_params(sc)
+    if 0 < sc.dense_len and n < sc.dense_len:
+        return 1.0
+    sparse = 2 * min(p.topk_cfg * sc.block_size, n) + num_kernels(n, sc.kernel_size, sc.kernel_stride)
+    if sc.variant == "gen2":
+        sparse += num_kernels(n, *coarse_geometry(sc.kernel_size, sc.kernel_stride))
+    return 2 * n / sparse
+
+
+class Runner:
+    """One engine, one cache, a decode step that can be timed repeatedly (the cache keeps growing)."""
+
+    def __init__(self, model, n: int, capacity: int, seed: int):
+        self.engine = InferenceEngine(model)
+        # the engine's static per-step dispatch; the runs below never cross dense_len
+        self.step_fn = self.engine.decode_fn(SamplingParams(), mode=decode_mode(model.cfg, [n + 1]))
+        self.cache = synthetic_cache(model.cfg, n, capacity, seed)
+        self.tok = jnp.zeros((1,), jnp.int32)
+        self.active = jnp.ones((1,), bool)
+        self.seeds = jnp.zeros((1,), jnp.uint32)
+        self.i = 0
+        self.fracs: list[float] = []
+
+    def run(self, steps: int) -> float:
+        """Seconds per step over ``steps`` consecutive decode steps."""
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.cache, self.tok, frac = self.step_fn(self.engine.weights, self.cache, self.tok, self.active,
+                                                      self.seeds, jnp.int32(self.i))
+            self.i += 1
+        self.tok.block_until_ready()
+        self.fracs.append(float(frac))
+        return (time.perf_counter() - t0) / steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="cpu_tiny", help="preset or YAML whose model architecture is used")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768], help="context lengths")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (alternating)")
+    ap.add_argument("--json", default=None, help="write the numbers here")
+    args = ap.parse_args(argv)
+
+    base = load_config(args.config).model
+    longest = max(args.lengths) + (args.rounds + 1) * args.steps + 1
+    cfg = dataclasses.replace(base, max_position_embeddings=max(base.max_position_embeddings, longest),
+                              attention="dense", dtype="float32")
+    model = MiniCPM4(cfg, rngs=nnx.Rngs(0))
+    dense_model = model
+    sparse_model = with_attention(model, "infllmv2")  # the preset's sparse_config, else the MiniCPM4.1 defaults
+    print(f"# model {args.config}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads "
+          f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}, head_dim {cfg.resolved_head_dim}; sparse "
+          f"{sparse_model.cfg.sparse_config}", flush=True)
+    print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch 1, fp32, "
+          f"{args.rounds} rounds x {args.steps} steps", flush=True)
+    rows = []
+    print(f"{'context':>8} {'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'bound':>6} {'attended':>9}")
+    for n in args.lengths:
+        cap = cache_capacity(cfg, n + (args.rounds + 1) * args.steps + 1)
+        runners = {"dense": Runner(dense_model, n, cap, 1), "sparse": Runner(sparse_model, n, cap, 1)}
+        for r in runners.values():
+            r.run(1)  # compile + warm-up
+        times = {k: [] for k in runners}
+        for _ in range(args.rounds):
+            for k, r in runners.items():
+                times[k].append(r.run(args.steps))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = med["dense"] / med["sparse"]
+        b = bound(sparse_model.cfg, n)
+        frac = statistics.mean(runners["sparse"].fracs[1:])
+        rows.append(dict(context=n, dense_tok_s=1 / med["dense"], sparse_tok_s=1 / med["sparse"], ratio=ratio,
+                         bound=b, attended_fraction=frac, dense_times=times["dense"], sparse_times=times["sparse"]))
+        print(f"{n:>8} {1 / med['dense']:>12.1f} {1 / med['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {frac:>9.3f}",
+              flush=True)
+        del runners
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(config=args.config, rows=rows, steps=args.steps, rounds=args.rounds), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
