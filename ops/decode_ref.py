@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minicpm4_jax.ops.infllm_ref import compact_topk
+from minicpm4_jax.ops.infllm_ref import _merge, compact_topk  # one online-softmax merge for every stage 2
 
 __all__ = ["dense_decode_attention", "sparse_decode_attention"]
 
@@ -44,25 +44,10 @@ def _softmax_state(q: jax.Array, kg: jax.Array, vg: jax.Array, ok: jax.Array, sc
     return m, jnp.sum(p, axis=-1, keepdims=True), acc
 
 
-def _merge(a, b):
-    """Merge two softmax states (online softmax, fp32; ``max = -inf`` = empty)."""
-    (m1, l1, o1), (m2, l2, o2) = a, b
-    m = jnp.maximum(m1, m2)
-    ms = jnp.where(jnp.isfinite(m), m, 0.0)
-    c1, c2 = jnp.exp(m1 - ms), jnp.exp(m2 - ms)
-    return m, l1 * c1 + l2 * c2, o1 * c1 + o2 * c2
-
-
 def _attend_rows(q: jax.Array, kg: jax.Array, vg: jax.Array, ok: jax.Array, scale: float) -> jax.Array:
     """q ``[rows, g, d]``, keys/values ``[rows, n, d]``, mask ``[rows, n]`` -> ``[rows, g, d]`` float32."""
-    logits = jax.lax.dot_general(q, kg, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(ok[:, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(logits - m)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    acc = jax.lax.dot_general(p.astype(vg.dtype), vg, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    return acc / jnp.where(den == 0.0, 1.0, den)
+    _, l, acc = _softmax_state(q, kg, vg, ok, scale)
+    return acc / jnp.where(l == 0.0, 1.0, l)
 
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, q_positions: jax.Array,
