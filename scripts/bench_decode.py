@@ -36,7 +36,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from minicpm4_jax.config import load_config

@@ -71,6 +71,8 @@ class GenerationOutput:
         decode_steps: decode steps run (each one token for every unfinished sequence).
         attended_fraction: mean over decode steps, layers, active sequences and KV heads of attended keys /
             causal keys (1.0 for dense attention; NaN when no decode step ran).
+        acceptance_length: speculative decoding only: tokens produced per sequence per verify forward
+            (accepted drafts + 1), averaged over rounds and sequences; NaN otherwise.
     """
 
     tokens: list[list[int]]
@@ -81,6 +83,7 @@ class GenerationOutput:
     decode_seconds: float
     decode_steps: int
     attended_fraction: float
+    acceptance_length: float = float("nan")
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -148,6 +151,46 @@ def decode_mode(cfg: ModelConfig, dispatch_lens: Sequence[int]) -> str:
     return "sparse" if not any(below) else "mixed"
 
 
+def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                     seeds: Sequence[int] | int, stop_strings: Sequence[str],
+                     detokenize: Callable | None) -> jax.Array:
+    """Check a generation request (one-line :class:`ConfigError`); return the per-sequence seeds ``uint32 [batch]``."""
+    check_generation_request(cfg, prompt_lens, max_new_tokens)
+    sampling.validate()
+    if stop_strings and detokenize is None:
+        raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
+    b = len(prompt_lens)
+    seed_list = [int(seeds) + i for i in range(b)] if isinstance(seeds, int) else [int(s) for s in seeds]
+    if len(seed_list) != b:
+        raise ConfigError(f"{len(seed_list)} seeds for {b} prompts; give one per prompt or a single int")
+    return jnp.asarray(seed_list, jnp.uint32)
+
+
+class _Collector:
+    """New tokens per sequence with the stop rules (stop ids, stop strings, length) and streaming."""
+
+    def __init__(self, b: int, max_new_tokens: int, stop_ids, stop_strings, detokenize, on_token):
+        self.out: list[list[int]] = [[] for _ in range(b)]
+        self.reasons = ["length"] * b
+        self.active = [True] * b
+        self.max_new, self.stop_set = max_new_tokens, set(int(i) for i in stop_ids)
+        self.stop_strings, self.detokenize, self.on_token = tuple(stop_strings), detokenize, on_token
+
+    def take(self, row: int, t: int) -> None:
+        """Append token ``t`` to sequence ``row`` unless it has finished; apply the stop rules."""
+        if not self.active[row]:
+            return
+        self.out[row].append(t)
+        if self.on_token is not None:
+            self.on_token(row, t)
+        if t in self.stop_set:
+            self.reasons[row], self.active[row] = "eos", False
+        elif self.stop_strings and any(s in self.detokenize(self.out[row]) for s in self.stop_strings):
+            self.reasons[row], self.active[row] = "stop", False
+        if self.active[row] and len(self.out[row]) >= self.max_new:
+            self.active[row] = False
+
+
 def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, mode: str):
     """One layer's attention of the chunk's queries over the cache; returns (out, attended fraction).
 
@@ -197,11 +240,13 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
 
 
 def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.Array, dispatch_len: jax.Array, *,
-             cfg: ModelConfig, graphdefs: tuple, all_rows: bool = False, mode: str = "prefill"):
+             cfg: ModelConfig, graphdefs: tuple, all_rows: bool = False, mode: str = "prefill",
+             return_hidden: bool = False):
     """Run ``ids [batch, T]`` at ``positions [batch, T]`` (``-1`` = padding) through the cached model.
 
     Returns ``(cache, logits, attended_fraction)``: logits float32 ``[batch, vocab]`` of each sequence's last
-    non-padding row (``[batch, T, vocab]`` with ``all_rows``).
+    non-padding row (``[batch, T, vocab]`` with ``all_rows``); with ``return_hidden`` also the final-norm hidden
+    states ``[batch, T, hidden]`` of every row (the MTP draft's input).
     """
     emb_gd, layer_gd = graphdefs
     dt = dtype_of(cfg.dtype)
@@ -227,12 +272,14 @@ def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.A
         x = layer.finish(x, a, cfg)
         new_layers.append(lc)
         fracs.append(frac)
-    h = rms_norm(x, weights.norm, cfg.rms_norm_eps)
+    hidden = rms_norm(x, weights.norm, cfg.rms_norm_eps)
+    h = hidden
     if not all_rows:
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
-        h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = head_logits(h, cfg, embed, weights.lm_head)
-    return KVCache(layers=tuple(new_layers), lengths=new_len), logits, jnp.mean(jnp.stack(fracs))
+    out = (KVCache(layers=tuple(new_layers), lengths=new_len), logits, jnp.mean(jnp.stack(fracs)))
+    return out + (hidden,) if return_hidden else out
 
 
 def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs, sampling, vocab_limit, mode):
@@ -280,7 +327,7 @@ class InferenceEngine:
         self.weights = _Weights(emb_state, layers, model.norm[...], lm_head)
         self._graphdefs = (emb_gd, layer_gd)
         self._forward = jax.jit(partial(_forward, cfg=cfg, graphdefs=self._graphdefs),
-                                static_argnames=("all_rows", "mode"), donate_argnums=(1,))
+                                static_argnames=("all_rows", "mode", "return_hidden"), donate_argnums=(1,))
         self._decode = {}
         self._first = {}
 
@@ -294,13 +341,14 @@ class InferenceEngine:
         return min(self.prefill_chunk, -(-longest_prompt // 16) * 16)
 
     def prefill(self, cache: KVCache, prompts: Sequence[Sequence[int]], chunk: int | None = None,
-                all_rows: bool = False) -> tuple[KVCache, jax.Array, jax.Array]:
+                all_rows: bool = False, return_hidden: bool = False) -> tuple:
         """Feed ``prompts`` (one per cache row, any lengths) into an empty ``cache`` in chunks.
 
         Returns:
             ``(cache, logits, attended_fraction)``: float32 logits ``[batch, vocab]`` at each prompt's last
             token (``[batch, max_prompt, vocab]`` with ``all_rows``, padding rows undefined), and the mean
-            attended fraction of the chunks (per chunk: over layers and non-padding query rows).
+            attended fraction of the chunks (per chunk: over layers and non-padding query rows); with
+            ``return_hidden`` also the final-norm hidden states ``[batch, max_prompt, hidden]``.
         """
         b = cache.batch_size
         if len(prompts) != b:
@@ -316,23 +364,29 @@ class InferenceEngine:
         plen = jnp.asarray(lens, jnp.int32)
         ar = jnp.arange(width, dtype=jnp.int32)[None, :]
         pos = jnp.where(ar < plen[:, None], ar, -1)
-        last, rows, fracs = None, [], []
+        last, rows, fracs, hid = None, [], [], []
         for i in range(n_chunks):
             sl = slice(i * c, (i + 1) * c)
-            cache, logits, frac = self._forward(self.weights, cache, ids[:, sl], pos[:, sl], plen, all_rows=all_rows)
+            cache, logits, frac, *h = self._forward(self.weights, cache, ids[:, sl], pos[:, sl], plen,
+                                                    all_rows=all_rows, return_hidden=return_hidden)
             fracs.append(frac)
+            hid.extend(h)
             if all_rows:
                 rows.append(logits)
             else:
                 here = (plen - 1 >= i * c) & (plen - 1 < (i + 1) * c)
                 last = logits if last is None else jnp.where(here[:, None], logits, last)
         out = jnp.concatenate(rows, axis=1)[:, :longest] if all_rows else last
+        if return_hidden:
+            return cache, out, jnp.mean(jnp.stack(fracs)), jnp.concatenate(hid, axis=1)[:, :longest]
         return cache, out, jnp.mean(jnp.stack(fracs))
 
-    def extend(self, cache: KVCache, ids: jax.Array, positions: jax.Array) -> tuple[KVCache, jax.Array, jax.Array]:
+    def extend(self, cache: KVCache, ids: jax.Array, positions: jax.Array, return_hidden: bool = False) -> tuple:
         """Append ``ids [batch, T]`` at ``positions`` (``-1`` = skip) and return all rows' logits ``[batch, T, vocab]``.
 
-        The dispatch length of every row is its sequence's length after the append.
+        The dispatch length of every row is its sequence's length after the append. Returns ``(cache, logits,
+        attended_fraction)`` (and the hidden states ``[batch, T, hidden]`` with ``return_hidden``). Positions
+        need not follow the cached length: writing at an earlier position overwrites (speculative rollback).
         """
         valid = positions >= 0
         dispatch = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), axis=1))
@@ -340,7 +394,8 @@ class InferenceEngine:
         if ids.shape[1] == 1:
             act = jax.device_get(valid[:, 0])
             mode = decode_mode(self.cfg, [int(n) for n, a in zip(jax.device_get(dispatch), act) if a])
-        return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True, mode=mode)
+        return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True, mode=mode,
+                             return_hidden=return_hidden)
 
     def decode_fn(self, sampling: SamplingParams, vocab_limit: int | None = None, mode: str = "sparse") -> Callable:
         """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fraction)``.
@@ -389,17 +444,11 @@ class InferenceEngine:
         """
         cfg = self.cfg
         lens = [len(p) for p in prompts]
-        check_generation_request(cfg, lens, max_new_tokens)
-        sampling.validate()
-        if stop_strings and detokenize is None:
-            raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
+        seeds_arr = validate_request(cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
         b = len(prompts)
-        seed_list = [int(seeds) + i for i in range(b)] if isinstance(seeds, int) else [int(s) for s in seeds]
-        if len(seed_list) != b:
-            raise ConfigError(f"{len(seed_list)} seeds for {b} prompts; give one per prompt or a single int")
-        seeds_arr = jnp.asarray(seed_list, jnp.uint32)
         first = self._first_fn(sampling, vocab_limit)
-        stop_set = set(int(i) for i in stop_ids)
+        col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
+        out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
         cache = self.new_cache(b, max(lens) + max_new_tokens - 1)
@@ -407,23 +456,6 @@ class InferenceEngine:
         tok = first(logits, seeds_arr)
         tok_host = [int(x) for x in jax.device_get(tok)]
         t1 = time.perf_counter()
-
-        out: list[list[int]] = [[] for _ in range(b)]
-        reasons = ["length"] * b
-        active = [True] * b
-
-        def take(row: int, t: int) -> None:
-            out[row].append(t)
-            if on_token is not None:
-                on_token(row, t)
-            if t in stop_set:
-                reasons[row], active[row] = "eos", False
-            elif stop_strings:
-                text = detokenize(out[row])
-                if any(s in text for s in stop_strings):
-                    reasons[row], active[row] = "stop", False
-            if active[row] and len(out[row]) >= max_new_tokens:
-                active[row] = False
 
         for r in range(b):
             take(r, tok_host[r])

@@ -1,0 +1,410 @@
+"""Speculative decoding with the MTP head as the draft, and FR-Spec's frequency-ranked draft vocabulary.
+
+Paper §4.1 (FR-Spec, speculative sampling), spec ``minicpm4_model.md`` §3.4 / §7 (the MTP / EAGLE head, the
+FR-Spec token list). One round, per sequence with ``n`` cached tokens, a pending token ``x_n`` (sampled but
+not yet cached) and the base hidden state ``h_{n-1}``:
+
+1. **Draft** ``k`` tokens with the MTP head: step 1 reads ``(h_{n-1}, x_n)``; step ``j > 1`` reads the head's
+   own previous output in place of the unknown base hidden state (EAGLE chaining). The draft layer has its own
+   KV cache (dense attention over the draft inputs of earlier positions). With FR-Spec the draft logits are
+   computed over the ``V'`` most frequent tokens only (rows of the output head gathered once) and the draft
+   index ``i`` maps to token ``ids[i]``.
+2. **Verify** all ``k`` drafts with one forward of the target over ``[x_n, d_1 .. d_k]`` (``k + 1`` rows).
+3. **Accept**: greedy keeps the drafts up to the first that differs from the target's argmax, then the
+   target's argmax (identical tokens to plain greedy decoding). Sampling uses exact speculative rejection
+   sampling (Leviathan et al. 2023; Chen et al. 2023): draft ``d_j`` drawn from ``q_j`` is accepted with
+   probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection the token is drawn from
+   ``normalise(max(0, p_j - q_j))``; after ``k`` acceptances a bonus token from ``p_{k+1}``. ``p`` is the same
+   processed distribution plain sampling draws from (temperature, top-k, top-p, vocabulary limit), so the
+   output distribution equals the target's.
+4. **Roll back** the rejected tokens by setting the cached lengths (never a reset): stale slots sit beyond the
+   length where every reader masks them, and compressed-key rows they completed are recomputed when real
+   tokens complete those windows (:func:`~minicpm4_jax.infer.cache.update_compressed` starts at the current
+   length). The draft cache is refreshed at the accepted positions with the true base hidden states.
+
+A verify chunk that would cross ``dense_len`` (its rows would disagree on the dense/sparse dispatch that plain
+decoding applies token by token) is replaced by one plain decode step, so greedy output stays identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minicpm4_jax.config import ConfigError, ModelConfig
+from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
+from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _Collector, decode_mode, validate_request
+from minicpm4_jax.infer.sampling import SamplingParams, row_keys, sample_tokens, top_k_filter, top_p_filter
+from minicpm4_jax.nn.layers import dtype_of
+from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
+from minicpm4_jax.nn.rope import rope_tables
+from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.decode_ref import dense_decode_attention
+
+__all__ = ["SpeculativeDecoder", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
+           "load_frequency_ranking"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FR-Spec token ranking
+def build_frequency_ranking(token_streams: Iterable[Sequence[int]], size: int, vocab_size: int,
+                            eos_id: int | None = None) -> np.ndarray:
+    """The ``size`` most frequent token ids, most frequent first (FR-Spec, paper §4.1; spec §7).
+
+    Args:
+        token_streams: tokenized corpus (any iterable of id sequences).
+        size: ``V'`` (the official files use 8192, 16384 or 32768).
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        eos_id: appended when missing, replacing the last entry so the length stays ``size`` (official rule).
+
+    Returns:
+        int32 ``[size]``; ties in frequency go to the lower id; ids never seen fill the tail in id order.
+
+    Raises:
+        ConfigError: ``size`` outside ``[1, vocab_size]`` or an id outside the vocabulary.
+    """
+    if not 1 <= size <= vocab_size:
+        raise ConfigError(f"FR-Spec vocabulary size {size} must be in [1, vocab_size={vocab_size}]")
+    counts = np.zeros(vocab_size, np.int64)
+    for ids in token_streams:
+        a = np.asarray(ids, np.int64)
+        if a.size and (a.min() < 0 or a.max() >= vocab_size):
+            raise ConfigError(f"token id {int(a.max() if a.max() >= vocab_size else a.min())} is outside the "
+                              f"vocabulary of {vocab_size}; tokenize with the model's tokenizer")
+        counts += np.bincount(a, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))[:size].astype(np.int32)  # count desc, then id asc
+    if eos_id is not None and eos_id not in order:
+        order[-1] = eos_id
+    return order
+
+
+def save_frequency_ranking(ids: np.ndarray, path: str | Path) -> Path:
+    """Write the project's plain format: one decimal id per line (``.txt``), most frequent first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{int(i)}\n" for i in ids))
+    tmp.replace(path)
+    return path
+
+
+def load_frequency_ranking(path: str | Path, vocab_size: int) -> np.ndarray:
+    """Read a ranking in the plain format (:func:`save_frequency_ranking`) or an official ``freq_*.pt``.
+
+    The ``.pt`` file (a ``torch.save``-d list of ids) is read without torch: it is a zip holding a pickle of
+    plain ints, unpickled here with a restricted unpickler that accepts nothing but builtins.
+
+    Raises:
+        ConfigError: missing or unreadable file, duplicate ids, or ids outside ``[0, vocab_size)``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"FR-Spec ranking {path} does not exist; build one with "
+                          "scripts/build_fr_spec.py or pass the official freq_*.pt")
+    try:
+        if path.suffix == ".pt":
+            ids = _read_torch_list(path)
+        else:
+            ids = [int(x) for x in path.read_text().split()]
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"cannot read FR-Spec ranking {path}: {e}") from None
+    a = np.asarray(ids, np.int64)
+    if a.size == 0 or a.min() < 0 or a.max() >= vocab_size:
+        raise ConfigError(f"FR-Spec ranking {path} has ids outside [0, {vocab_size}) (or none); it was built for "
+                          "another tokenizer")
+    if np.unique(a).size != a.size:
+        raise ConfigError(f"FR-Spec ranking {path} repeats token ids; rebuild it")
+    return a.astype(np.int32)
+
+
+def _read_torch_list(path: Path) -> list[int]:
+    import pickle
+    import zipfile
+
+    class _Plain(pickle.Unpickler):
+        def find_class(self, module, name):  # a list of ints needs no class at all
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name} in a FR-Spec list")
+
+    with zipfile.ZipFile(path) as z:
+        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        obj = _Plain(z.open(name)).load()
+    if not isinstance(obj, list) or not all(isinstance(x, int) for x in obj):
+        raise ValueError("expected a torch.save-d list of ints")
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------------------
+def processed_logits(logits: jax.Array, params: SamplingParams, vocab_limit: int | None = None) -> jax.Array:
+    """float32 ``[..., vocab]`` logits whose softmax is exactly what :func:`sample_tokens` draws from."""
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    if params.greedy:
+        return logits.astype(jnp.float32)
+    scaled = top_k_filter(logits.astype(jnp.float32) / params.temperature, params.top_k)
+    return top_p_filter(scaled, params.top_p) if params.top_p < 1.0 else scaled
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Draft:
+    mtp: Any
+    head_rows: jax.Array  # [V', hidden] output-head rows of the draft vocabulary
+    ids: jax.Array  # [V'] draft index -> token id
+
+
+def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfig):
+    """The MTP decoder layer over ``u [b, T, H]`` at ``positions`` with its own (dense) cache."""
+    layer = mtp.layer
+    cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_mtp)
+    q, k, v, _, _ = layer.qkv(u, cos, sin, cfg_mtp)
+    lc = jax.lax.optimization_barrier(write_tokens(lc, k, v, None, positions))
+    b, t = positions.shape
+    cap = lc.k.shape[2]
+    if t == 1:
+        a = dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0])[:, None]
+    else:
+        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
+        a = dense_attention(q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions,
+                            kv_positions=kvp)
+    return lc, layer.finish(u, a, cfg_mtp)
+
+
+def _draft_fill(weights, draft: _Draft, dcache: LayerCache, hidden, tokens, positions, *, cfg, graphdefs, mtp_gd):
+    """Write draft-cache entries ``u_i = f(h_i, x_{i+1})`` for ``hidden/tokens/positions [b, T(, H)]``."""
+    emb = nnx.merge(graphdefs[0], weights.embed)
+    mtp = nnx.merge(mtp_gd, draft.mtp)
+    dt = dtype_of(cfg.dtype)
+    e = emb.encode(tokens, dt) * jnp.asarray(cfg.scale_emb, dt)
+    u = mtp.inputs(e, hidden.astype(dt), cfg)
+    dcache, _ = _draft_layer(mtp, dcache, u, positions, mtp_layer_config(cfg))
+    return dcache
+
+
+def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, seeds, rnd, *, cfg, graphdefs,
+                   mtp_gd, k, sampling, vocab_limit):
+    """``k`` chained draft steps; returns (dcache, draft tokens ``[b, k]``, draft probs ``[b, k, vocab]`` or None)."""
+    emb = nnx.merge(graphdefs[0], weights.embed)
+    mtp = nnx.merge(mtp_gd, draft.mtp)
+    cfg_m = mtp_layer_config(cfg)
+    dt = dtype_of(cfg.dtype)
+    b = tok0.shape[0]
+    h, tok = h0.astype(dt), tok0
+    toks, probs = [], []
+    keys = row_keys(seeds, rnd)
+    limit_r = None
+    if vocab_limit is not None:
+        limit_r = jnp.where(draft.ids < vocab_limit, 0.0, -jnp.inf)
+    for j in range(k):
+        pos = jnp.where(pos0 >= 0, pos0 + j, -1)[:, None]
+        e = emb.encode(tok[:, None], dt) * jnp.asarray(cfg.scale_emb, dt)
+        u = mtp.inputs(e, h[:, None], cfg)
+        dcache, o = _draft_layer(mtp, dcache, u, pos, cfg_m)
+        x = o[:, 0] / jnp.asarray(cfg.width_mult, dt)
+        lr = jnp.dot(x, draft.head_rows.astype(dt).T, preferred_element_type=jnp.float32)  # [b, V']
+        if limit_r is not None:
+            lr = lr + limit_r
+        if sampling.greedy:
+            idx = jnp.argmax(lr, axis=-1)
+        else:
+            pl = processed_logits(lr, sampling)
+            sub = jax.vmap(lambda kk: jax.random.fold_in(kk, 1000 + j))(keys)
+            idx = jax.vmap(jax.random.categorical)(sub, pl)
+            q = jax.nn.softmax(pl, axis=-1)
+            probs.append(jnp.zeros((b, cfg.vocab_size), jnp.float32).at[:, draft.ids].set(q))
+        tok = draft.ids[idx].astype(jnp.int32)
+        toks.append(tok)
+        h = o[:, 0]
+    return dcache, jnp.stack(toks, axis=1), (jnp.stack(probs, axis=1) if probs else None)
+
+
+def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
+    """Accepted draft count ``a [b]`` and the token after them ``[b]`` from target logits ``[b, k+1, V]``."""
+    b, k1, _ = logits.shape
+    k = k1 - 1
+    pl = processed_logits(logits, sampling, vocab_limit)
+    if sampling.greedy:
+        t = jnp.argmax(pl, axis=-1).astype(jnp.int32)  # [b, k+1]
+        ok = drafts == t[:, :k]
+        a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        return a, jnp.take_along_axis(t, a[:, None], axis=1)[:, 0]
+    p = jax.nn.softmax(pl, axis=-1)  # [b, k+1, V]
+    keys = row_keys(seeds, rnd)
+    ku = jax.vmap(lambda kk: jax.random.fold_in(kk, 2000))(keys)
+    kr = jax.vmap(lambda kk: jax.random.fold_in(kk, 3000))(keys)
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(ku)  # [b, k]
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    acc = u * qd < pd  # u < p/q without dividing (q(d) > 0 for a drawn d)
+    a = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=1), axis=1)
+    pa = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [b, V]
+    qa = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1), a[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(pa - qa, 0.0)  # a == k: q row is zero -> p itself (the bonus token)
+    mass = jnp.sum(resid, axis=-1, keepdims=True)
+    dist = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), pa)
+    nxt = jax.vmap(lambda kk, d: jax.random.categorical(kk, jnp.log(d)))(kr, dist)
+    return a, nxt.astype(jnp.int32)
+
+
+def _plain_sample(logits, seeds, rnd, *, sampling, vocab_limit):
+    """A plain step's token from ``logits [b, V]`` (keys distinct from the draft and accept draws)."""
+    keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 4000))(row_keys(seeds, rnd))
+    return sample_tokens(logits, keys, sampling, vocab_limit)
+
+
+class SpeculativeDecoder:
+    """Speculative generation for an :class:`~minicpm4_jax.infer.engine.InferenceEngine` with an MTP draft.
+
+    Args:
+        engine: the target's engine.
+        mtp: the :class:`~minicpm4_jax.nn.mtp.MTPHead` trained with the target.
+        num_draft: tokens drafted per round (``k``).
+        fr_spec_ids: optional FR-Spec ranking (int ``[V']``, most frequent first): the draft head scores only
+            these tokens.
+
+    Raises:
+        ConfigError: ``num_draft < 1``, or a ranking with ids outside the vocabulary.
+    """
+
+    def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
+                 fr_spec_ids: np.ndarray | None = None):
+        cfg = engine.cfg
+        if num_draft < 1:
+            raise ConfigError(f"num_draft={num_draft} must be >= 1 (tokens drafted per round)")
+        self.engine, self.cfg, self.k = engine, cfg, num_draft
+        self.vocab_rows = cfg.vocab_size if fr_spec_ids is None else len(fr_spec_ids)
+        head = engine.weights.lm_head
+        table = nnx.merge(engine._graphdefs[0], engine.weights.embed).embedding[...] if head is None else head.T
+        if fr_spec_ids is None:
+            ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32)
+        else:
+            ids = jnp.asarray(fr_spec_ids, jnp.int32)
+            if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+                raise ConfigError(f"FR-Spec ids must lie in [0, {cfg.vocab_size})")
+        mtp_gd, mtp_state = nnx.split(mtp)
+        self._mtp_gd = mtp_gd
+        self.draft = _Draft(mtp=mtp_state, head_rows=jnp.take(table, ids, axis=0), ids=ids)
+        kw = dict(cfg=cfg, graphdefs=engine._graphdefs, mtp_gd=mtp_gd)
+        self._fill = jax.jit(partial(_draft_fill, **kw), donate_argnums=(2,))
+        self._propose, self._accept, self._plain = {}, {}, {}
+        self._kw = kw
+
+    def _fns(self, sampling: SamplingParams, vocab_limit: int | None):
+        key = (sampling, vocab_limit)
+        if key not in self._propose:
+            self._propose[key] = jax.jit(partial(_draft_propose, k=self.k, sampling=sampling, vocab_limit=vocab_limit,
+                                                 **self._kw), donate_argnums=(2,))
+            self._accept[key] = jax.jit(partial(_accept, sampling=sampling, vocab_limit=vocab_limit))
+            self._plain[key] = jax.jit(partial(_plain_sample, sampling=sampling, vocab_limit=vocab_limit))
+        return self._propose[key], self._accept[key], self._plain[key]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
+                 stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                 detokenize: Callable[[list[int]], str] | None = None, vocab_limit: int | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
+        """Like :meth:`InferenceEngine.generate`, with draft-and-verify rounds.
+
+        The output's ``acceptance_length`` is the mean number of tokens produced per target forward (accepted
+        drafts + 1) over the speculative rounds; ``decode_steps`` counts target forwards after prefill.
+
+        Raises:
+            ConfigError: as :meth:`InferenceEngine.generate`, and a request whose verify chunk would pass
+                ``max_position_embeddings`` (``prompt + max_new_tokens + num_draft``).
+        """
+        cfg, eng, k = self.cfg, self.engine, self.k
+        lens = [len(p) for p in prompts]
+        seeds_arr = validate_request(cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
+        if max(lens) + max_new_tokens + k > cfg.max_position_embeddings:
+            raise ConfigError(f"prompt ({max(lens)}) + max_new_tokens ({max_new_tokens}) + num_draft ({k}) exceeds "
+                              f"max_position_embeddings={cfg.max_position_embeddings}; generate fewer tokens")
+        b = len(prompts)
+        propose, accept, plain = self._fns(sampling, vocab_limit)
+        first = eng._first_fn(sampling, vocab_limit)
+        col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
+        out, reasons, active, take = col.out, col.reasons, col.active, col.take
+
+        t0 = time.perf_counter()
+        total = max(lens) + max_new_tokens + k
+        cache = eng.new_cache(b, total)
+        cache, logits, _, hidden = eng.prefill(cache, prompts, return_hidden=True)
+        dcache = init_cache(dataclasses.replace(cfg, num_hidden_layers=1, attention="dense"), b,
+                            cache.capacity).layers[0]
+        # draft cache entries for positions 0 .. n-2: u_i = f(h_i, x_{i+1})
+        width = hidden.shape[1]
+        ids = jnp.asarray([list(p[1:]) + [0] * (width - len(p) + 1) for p in prompts], jnp.int32)
+        pos = jnp.where(jnp.arange(width)[None, :] < jnp.asarray(lens)[:, None] - 1, jnp.arange(width)[None, :], -1)
+        c = eng.chunk_size(width)
+        for i in range(-(-width // c)):
+            sl = slice(i * c, (i + 1) * c)
+            dcache = self._fill(eng.weights, self.draft, dcache, hidden[:, sl], ids[:, sl], pos[:, sl])
+        n = list(lens)  # cached target tokens per row
+        h_last = jnp.take_along_axis(hidden, (jnp.asarray(lens) - 1)[:, None, None], axis=1)[:, 0]
+        tok = first(logits, seeds_arr)
+        t1 = time.perf_counter()
+
+        for r, t in enumerate(jax.device_get(tok)):
+            take(r, int(t))
+        rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
+        dl = cfg.sparse_config.dense_len if cfg.attention == "infllmv2" else 0
+        while any(active):
+            rnd = jnp.int32(rounds + 1)
+            act_rows = [r for r in range(b) if active[r]]
+            crossing = dl > 0 and any(n[r] + 1 < dl <= n[r] + k + 1 for r in act_rows)
+            cache = dataclasses.replace(cache, lengths=jnp.asarray(n, jnp.int32))
+            pos0 = jnp.asarray([n[r] - 1 if active[r] else -1 for r in range(b)], jnp.int32)
+            if crossing:  # one plain step: the verify rows would disagree on the dense/sparse dispatch
+                p1 = jnp.asarray([[n[r] if active[r] else -1] for r in range(b)], jnp.int32)
+                dcache = self._fill(eng.weights, self.draft, dcache, h_last[:, None], tok[:, None], pos0[:, None])
+                mode = decode_mode(cfg, [n[r] + 1 for r in act_rows])
+                cache, lg, frac, hid = eng._forward(eng.weights, cache, tok[:, None], p1,
+                                                    jnp.asarray(n, jnp.int32) + 1, all_rows=True, mode=mode,
+                                                    return_hidden=True)
+                fracs.append(frac)
+                nxt = plain(lg[:, 0], seeds_arr, rnd)
+                h_last, tok = hid[:, 0], nxt
+                for r in act_rows:
+                    n[r] += 1
+                forwards += 1
+                for r in act_rows:
+                    take(r, int(tok[r]))
+                rounds += 1
+                continue
+            dcache, drafts, q = propose(eng.weights, self.draft, dcache, h_last, tok, pos0, seeds_arr, rnd)
+            chunk = jnp.concatenate([tok[:, None], drafts], axis=1)  # [b, k+1]
+            vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
+            cache, lg, frac, hid = eng._forward(eng.weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1,
+                                                all_rows=True, mode="prefill", return_hidden=True)
+            fracs.append(frac)
+            a, nxt = accept(lg, drafts, q, seeds_arr, rnd)
+            a_h = [int(x) for x in jax.device_get(a)]
+            # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
+            fpos = jnp.asarray([[n[r] + j if (active[r] and j < a_h[r]) else -1 for j in range(k)] for r in range(b)],
+                               jnp.int32)
+            dcache = self._fill(eng.weights, self.draft, dcache, hid[:, :k], drafts, fpos)
+            h_last = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
+            tok = nxt
+            d_host = jax.device_get(drafts)
+            nxt_host = jax.device_get(nxt)
+            spec_rounds += len(act_rows)
+            for r in act_rows:
+                n[r] += a_h[r] + 1
+                produced += a_h[r] + 1
+                for j in range(a_h[r]):
+                    take(r, int(d_host[r, j]))
+                take(r, int(nxt_host[r]))
+            forwards += 1
+            rounds += 1
+        t2 = time.perf_counter()
+        return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
+                                new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
+                                decode_seconds=t2 - t1, decode_steps=forwards,
+                                attended_fraction=float(jnp.mean(jnp.stack(fracs))) if fracs else float("nan"),
+                                acceptance_length=produced / spec_rounds if spec_rounds else float("nan"))

@@ -1,0 +1,60 @@
+"""The multi-token-prediction (MTP) module, laid out like the released EAGLE draft heads.
+
+Spec ``minicpm4_model.md`` §3.4 (MTP objective) and §7 (EAGLE-1 head of MiniCPM4): for position ``i``
+
+1. ``e = embed_tokens[x_{i+1}] * scale_emb`` (the base model's embedding, shared);
+2. ``u = fc([RMSNorm_1(e) ; RMSNorm_2(h_i)])`` with ``h_i`` the base model's final-norm output at ``i``
+   (before the ÷ width_mult), embedding first (the released order), ``fc``: ``[2 * hidden, hidden]``, no bias;
+3. one MiniCPM decoder layer (causal attention over the ``u`` of earlier positions, position ids ``i``)
+   whose residual branches are scaled by ``scale_depth / sqrt(num_hidden_layers + 1)``;
+4. no final norm; ÷ ``hidden_size / dim_model_base``, then the base model's output head -> logits for
+   ``x_{i+2}``.
+
+As a speculative draft (the inference engine) the layer output ``o_i`` also stands in for the unknown base
+hidden state of the next position when more than one token is drafted (EAGLE-style chaining).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm
+from minicpm4_jax.nn.model import DecoderLayer, _dense
+
+__all__ = ["MTPHead", "mtp_layer_config"]
+
+
+def mtp_layer_config(cfg: ModelConfig) -> ModelConfig:
+    """The config the MTP decoder layer runs with: residual scale ``scale_depth / sqrt(L + 1)`` (spec §3.4)."""
+    return dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1)
+
+
+class MTPHead(nnx.Module):
+    """MTP / draft module (module docstring).
+
+    Attributes:
+        input_norm1: RMSNorm weight ``[hidden]`` applied to the next token's scaled embedding.
+        input_norm2: RMSNorm weight ``[hidden]`` applied to the base hidden state.
+        fc: ``[2 * hidden, hidden]`` (rows ``[:hidden]`` act on the embedding, ``[hidden:]`` on the hidden state).
+        layer: one :class:`~minicpm4_jax.nn.model.DecoderLayer`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        pd = dtype_of(cfg.param_dtype)
+        self.input_norm1 = param(None, (h,), None, ("norm",), pd)
+        self.input_norm2 = param(None, (h,), None, ("norm",), pd)
+        self.fc = param(rngs, (2 * h, h), hidden_init_std(cfg), ("mlp", "embed"), pd)
+        self.layer = DecoderLayer(cfg, rngs=rngs)
+
+    def inputs(self, emb_next: jax.Array, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+        """``u`` ``[batch, seq, hidden]`` from ``emb_next`` (scaled embeddings of ``x_{i+1}``) and ``hidden`` (``h_i``)."""
+        dt = hidden.dtype
+        e = rms_norm(emb_next.astype(dt), self.input_norm1[...], cfg.rms_norm_eps)
+        hh = rms_norm(hidden, self.input_norm2[...], cfg.rms_norm_eps)
+        return _dense(jnp.concatenate([e, hh], axis=-1), self.fc[...].astype(dt))

@@ -1,0 +1,163 @@
+"""Speculative decoding with the MTP draft and FR-Spec: exactness (greedy), distribution (sampled), rankings."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm4_jax.config import ConfigError, ModelConfig, SparseConfig
+from minicpm4_jax.infer import InferenceEngine, SamplingParams
+from minicpm4_jax.infer.spec import (SpeculativeDecoder, build_frequency_ranking, load_frequency_ranking,
+                                     processed_logits, save_frequency_ranking)
+from minicpm4_jax.nn import MiniCPM4
+from minicpm4_jax.nn.mtp import MTPHead
+
+# a small vocabulary so that an untrained draft agrees with the target often enough to exercise partial
+# acceptance and rollback
+SMALL = ModelConfig(vocab_size=11, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=1024, dim_model_base=16, scale_emb=12.0,
+                    initializer_range=0.5)
+SPARSE = SparseConfig(kernel_size=32, kernel_stride=16, block_size=32, window_size=64, topk=2, dense_len=128)
+
+
+def _pair(cfg, seed=0):
+    return MiniCPM4(cfg, rngs=nnx.Rngs(seed)), MTPHead(cfg, rngs=nnx.Rngs(seed + 1))
+
+
+def _prompts(vocab, lens=(100, 37)):
+    return [[int(x) for x in np.random.default_rng(n).integers(0, vocab, n)] for n in lens]
+
+
+class _OracleDrafts(SpeculativeDecoder):
+    """Greedy drafts replaced by the known plain continuation, every ``corrupt``-th position wrong.
+
+    The real draft step still runs (and writes its cache); only its tokens are swapped, so acceptance of 0..k
+    drafts per round, the KV-cache rollback and the draft-cache refresh are all exercised.
+    """
+
+    def __init__(self, *a, plain, prompt_lens, corrupt=3, **kw):
+        super().__init__(*a, **kw)
+        self.plain, self.lens, self.corrupt = plain, prompt_lens, corrupt
+
+    def _fns(self, sampling, vocab_limit):
+        propose, accept, plain_fn = super()._fns(sampling, vocab_limit)
+
+        def oracle(weights, draft, dcache, h0, tok0, pos0, seeds, rnd):
+            dcache, drafts, q = propose(weights, draft, dcache, h0, tok0, pos0, seeds, rnd)
+            d = np.array(jax.device_get(drafts))
+            for r, p0 in enumerate(jax.device_get(pos0)):
+                g = int(p0) + 1 - self.lens[r]  # index of the pending token in the plain continuation
+                for j in range(self.k):
+                    i = g + 1 + j
+                    if 0 <= p0 and i < len(self.plain[r]):
+                        ok = (int(p0) + j) % self.corrupt != 0
+                        d[r, j] = self.plain[r][i] if ok else (self.plain[r][i] + 1) % self.cfg.vocab_size
+            return dcache, jnp.asarray(d), q
+
+        return oracle, accept, plain_fn
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_greedy_speculative_equals_greedy_plain_with_rollback(sparse):
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=SPARSE) if sparse else SMALL
+    model, mtp = _pair(cfg)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompts = _prompts(cfg.vocab_size)
+    plain = eng.generate(prompts, 60)
+    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
+    spec = dec.generate(prompts, 60)
+    assert spec.tokens == plain.tokens
+    assert spec.finish_reasons == ["length", "length"]
+    # partly right drafts: 0 < accepted < 4 in most rounds, so rejected tokens were rolled back many times
+    assert 1.5 < spec.acceptance_length < 4.0
+    assert spec.decode_steps < plain.decode_steps
+
+
+@pytest.mark.parametrize("fr", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_greedy_speculative_equals_greedy_plain_real_draft(sparse, fr):
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=SPARSE) if sparse else SMALL
+    model, mtp = _pair(cfg)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompts = _prompts(cfg.vocab_size)
+    plain = eng.generate(prompts, 60)
+    ids = np.asarray([3, 1, 4, 0, 5, 9, 2], np.int32) if fr else None  # FR-Spec: the draft sees 7 of 11 tokens
+    spec = SpeculativeDecoder(eng, mtp, num_draft=3, fr_spec_ids=ids).generate(prompts, 60)
+    assert spec.tokens == plain.tokens
+    assert spec.acceptance_length >= 1.0
+
+
+def test_greedy_speculative_with_stop_ids_and_batch_rows_finishing_early():
+    model, mtp = _pair(SMALL, seed=3)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompts = _prompts(SMALL.vocab_size, (20, 50, 9))
+    plain = eng.generate(prompts, 25, stop_ids=[4])
+    spec = SpeculativeDecoder(eng, mtp, num_draft=4).generate(prompts, 25, stop_ids=[4])
+    assert spec.tokens == plain.tokens and spec.finish_reasons == plain.finish_reasons
+
+
+def test_sampled_speculative_matches_target_distribution():
+    """Chi-square of 8000 three-token continuations against the exact target probabilities."""
+    cfg = dataclasses.replace(SMALL, vocab_size=4)
+    model, mtp = _pair(cfg, seed=7)
+    eng = InferenceEngine(model, prefill_chunk=16)
+    sampling = SamplingParams(temperature=0.9, top_k=3)
+    prompt = [1, 2, 3, 0, 1]
+    n = 8000
+    out = SpeculativeDecoder(eng, mtp, num_draft=2).generate([prompt] * n, 3, sampling=sampling, seeds=0)
+    seqs = np.asarray(out.tokens)
+    counts = np.bincount(seqs[:, 0] * 16 + seqs[:, 1] * 4 + seqs[:, 2], minlength=64)
+
+    def probs(prefixes):
+        ids = jnp.asarray([prompt + list(p) for p in prefixes], jnp.int32)
+        lg = processed_logits(model(ids)[:, -1], sampling)
+        return np.asarray(jax.nn.softmax(lg, axis=-1), np.float64)
+
+    p1 = probs([()])[0]
+    p2 = probs([(a,) for a in range(4)])
+    p3 = probs([(a, b) for a in range(4) for b in range(4)]).reshape(4, 4, 4)
+    exact = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    assert abs(exact.sum() - 1) < 1e-6  # float32 softmax
+    assert np.all(counts[exact == 0] == 0)  # top-k filtered tokens never appear
+    m = exact > 0
+    chi2 = float(np.sum((counts[m] - n * exact[m]) ** 2 / (n * exact[m])))
+    dof = int(m.sum()) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)  # ~4 sigma of the chi-square distribution
+    # the test has power: the same counts against a visibly different distribution fail it
+    flat = np.where(m, 1.0, 0.0) / m.sum()
+    chi2_flat = float(np.sum((counts[m] - n * flat[m]) ** 2 / (n * flat[m])))
+    assert chi2_flat > dof + 6 * np.sqrt(2 * dof)
+    assert 1.0 < out.acceptance_length  # some drafts were accepted
+
+
+def test_frequency_ranking_build_save_load(tmp_path):
+    streams = [[5, 5, 5, 2, 2, 7], [2, 5, 9]]
+    ids = build_frequency_ranking(streams, 4, vocab_size=10, eos_id=None)
+    assert ids.tolist() == [5, 2, 7, 9]  # 4x, 3x, then 1x each in id order
+    with_eos = build_frequency_ranking(streams, 4, vocab_size=10, eos_id=1)
+    assert with_eos.tolist() == [5, 2, 7, 1]  # EOS replaces the tail (official rule)
+    p = save_frequency_ranking(with_eos, tmp_path / "freq_4.txt")
+    assert load_frequency_ranking(p, 10).tolist() == [5, 2, 7, 1]
+    with pytest.raises(ConfigError, match="outside"):
+        load_frequency_ranking(p, 6)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_frequency_ranking(tmp_path / "nope.txt", 10)
+    with pytest.raises(ConfigError, match="must be in"):
+        build_frequency_ranking(streams, 11, vocab_size=10)
+    (tmp_path / "dup.txt").write_text("1\n2\n1\n")
+    with pytest.raises(ConfigError, match="repeats"):
+        load_frequency_ranking(tmp_path / "dup.txt", 10)
+
+
+def test_bad_spec_settings():
+    model, mtp = _pair(SMALL)
+    eng = InferenceEngine(model)
+    with pytest.raises(ConfigError, match="num_draft=0"):
+        SpeculativeDecoder(eng, mtp, num_draft=0)
+    with pytest.raises(ConfigError, match=r"FR-Spec ids must lie in \[0, 11\)"):
+        SpeculativeDecoder(eng, mtp, fr_spec_ids=np.asarray([1, 11]))
+    with pytest.raises(ConfigError, match="num_draft"):
+        SpeculativeDecoder(eng, mtp, num_draft=8).generate([[1] * 1000], 20)
