@@ -35,6 +35,11 @@ Subcommands:
 ``convert-gguf CONVERTER_DIR MODEL_DIR OUTFILE [--outtype f32]``
     Run llama.cpp's own ``convert_hf_to_gguf.py`` (from ``CONVERTER_DIR``, as fetched by
     ``scripts/fetch_llamacpp_converter.sh``; it needs torch) on an official-layout folder.
+
+``fr-spec-pt --ids-txt FILE --out FILE.pt``
+    Write an FR-Spec ranking (one id per line) as the official ``freq_{V}.pt`` (``torch.save`` of a plain
+    list), load it back with ``torch.load(weights_only=True)`` as CPM.cu does, and print JSON (count,
+    equality, first ids).
 """
 
 from __future__ import annotations
@@ -219,6 +224,20 @@ def cmd_convert_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fr_spec_pt(args: argparse.Namespace) -> int:
+    """Write an FR-Spec ranking (one id per line) as the official ``freq_*.pt`` and load it back like CPM.cu."""
+    import torch
+
+    ids = [int(x) for x in Path(args.ids_txt).read_text().split()]
+    tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")
+    torch.save(ids, tmp)  # a plain Python list, as scripts/fr_spec/gen_fr_index.py writes it
+    tmp.replace(args.out)
+    back = torch.load(args.out, weights_only=True)  # how cpmcu loads it (then as an int32 token_id_remap)
+    remap = torch.tensor(back, dtype=torch.int32)
+    print(json.dumps({"n": len(back), "equal": back == ids, "head": remap[:8].tolist(), "torch": torch.__version__}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -253,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     cg.add_argument("outfile", help="the .gguf to write")
     cg.add_argument("--outtype", default="f32", help="f32 | f16 | bf16 | q8_0")
     cg.set_defaults(func=cmd_convert_gguf)
+    fr = sub.add_parser("fr-spec-pt", help="write an FR-Spec ranking as the official torch-saved freq_*.pt")
+    fr.add_argument("--ids-txt", required=True, help="the ranking in the project's plain format (one id per line)")
+    fr.add_argument("--out", required=True, help="the .pt file to write")
+    fr.set_defaults(func=cmd_fr_spec_pt)
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -161,3 +161,18 @@ def test_bad_spec_settings():
         SpeculativeDecoder(eng, mtp, fr_spec_ids=np.asarray([1, 11]))
     with pytest.raises(ConfigError, match="num_draft"):
         SpeculativeDecoder(eng, mtp, num_draft=8).generate([[1] * 1000], 20)
+
+
+@pytest.mark.torch
+def test_official_fr_spec_pt_written_by_torch_and_read_back(tmp_path):
+    """The official freq_*.pt (torch.save of a list), written and reloaded by torch, read without torch here."""
+    from torch_env import run_torch_side
+
+    ids = build_frequency_ranking([[7, 7, 3, 3, 3, 1], [9, 7]], 5, vocab_size=12, eos_id=2)
+    txt = save_frequency_ranking(ids, tmp_path / "freq_5.txt")
+    proc = run_torch_side("fr-spec-pt", "--ids-txt", str(txt), "--out", str(tmp_path / "freq_5.pt"))
+    import json
+
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["equal"] and info["n"] == 5 and info["head"] == ids.tolist()
+    assert load_frequency_ranking(tmp_path / "freq_5.pt", 12).tolist() == ids.tolist() == [3, 7, 1, 9, 2]
