@@ -19,7 +19,8 @@ _TRAIN_EPILOG = """\
 overrides are dotted config keys with YAML values, e.g.
   minicpm4 train --config cpu_tiny steps=200 optimizer.learning_rate=0.005 data.batch_size=8
   minicpm4 train --config configs/cpu_tiny.yaml --resume log_every=5   # continue; logging may change
-sections: model, optimizer, data, mesh, checkpoint, and top-level keys (steps, seed, log_every,
+sections: model, optimizer, data, mesh, checkpoint, qat (ternary QAT, e.g. qat.enabled=true
+qat.init_from=runs/cpu_tiny), and top-level keys (steps, seed, log_every,
 eval_every, eval_batches, out_dir, tensorboard, max_train_minutes, sample_prompt, sample_tokens, sample_temperature, sample_top_p);
 every key, its type and default: minicpm4_jax/config.py (one dataclass per section).
 """
@@ -56,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate",
         help="sample text from a trained checkpoint",
-        description="Continue a prompt with a trained model (no KV cache: one full forward per token).",
+        description="Continue a prompt with a trained model (KV cache, chunked prefill, jitted decode steps; "
+                    "InfLLM v2 sparse attention when the model is sparse or with --sparse). Streams the text and "
+                    "prints tokens/s and the attended fraction at the end (to stderr).",
     )
     g.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a training run's out_dir or its checkpoints folder (the latest step unless --step); the "
@@ -69,6 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling: keep the smallest set of tokens with probability >= P (default 1.0 = all)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep only the K most likely tokens when sampling (default 0 = all)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when the continuation contains TEXT (repeatable; the text is cut before it)")
+    g.add_argument("--sparse", action=argparse.BooleanOptionalAction, default=None,
+                   help="force InfLLM v2 sparse attention (the model's sparse_config, else the MiniCPM4.1 defaults) "
+                        "or, with --no-sparse, dense attention (default: as the model was trained)")
+    g.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens per prefill step (a multiple of 16; default 512)")
+    g.add_argument("--no-stream", action="store_true", help="print the text only when generation ends")
+    g.add_argument("--spec-decode", action="store_true",
+                   help="speculative decoding with the checkpoint's MTP head as the draft (model.mtp=true); greedy "
+                        "output is identical, sampling keeps the model's distribution")
+    g.add_argument("--num-draft", type=int, default=3, metavar="K", help="tokens drafted per round (default 3)")
+    g.add_argument("--fr-spec-vocab", type=int, default=None, metavar="N",
+                   help="FR-Spec: the draft scores only the N most frequent tokens, from <run>/fr_spec/freq_N.txt "
+                        "(or .pt; build it with scripts/build_fr_spec.py) or from --fr-spec FILE")
+    g.add_argument("--fr-spec", default=None, metavar="FILE",
+                   help="an FR-Spec ranking (freq_*.txt of this project or the official freq_*.pt)")
     _add_interchange_parsers(sub)
     return p
 
@@ -123,6 +145,8 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                     "weights, loadable by stock transformers / vLLM without remote code; dense attention only (a "
                     "sparse model needs --allow-dense). Sharded "
                     "safetensors with an index, tokenizer files, generation_config.json and minicpm4_manifest.json. "
+                    "A ternary (QAT) checkpoint is written fake-quantized, each weight q*scale (the BitCPM4 release "
+                    "convention; --dtype bfloat16 as released). "
                     "(The MTP draft export is not available: the model has no MTP module yet.)")
     common(eh)
     eh.add_argument("--layout", default="minicpm", metavar="{minicpm,llama}",
@@ -135,14 +159,17 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                     help="export the weights and config without a tokenizer (default: a tokenizer is required); "
                          "recorded in the manifest")
     eg = esub.add_parser(
-        "gguf", help="a llama.cpp GGUF (arch minicpm; F32/F16/BF16/Q8_0)",
+        "gguf", help="a llama.cpp GGUF (arch minicpm; F32/F16/BF16/Q8_0, ternary TQ1_0/TQ2_0)",
         description="Write OUT/minicpm4-<outtype>.gguf (llama.cpp architecture 'minicpm': the three scale keys, "
                     "LongRoPE factor tensors, q/k rows permuted for ggml's rope, the SentencePiece vocabulary) and "
                     "minicpm4_manifest.json into the folder OUT. Dense attention only (a sparse model needs "
-                    "--allow-dense). The vocabulary needs the tokenizer's tokenizer.model.")
+                    "--allow-dense). The vocabulary needs the tokenizer's tokenizer.model. tq1_0/tq2_0: a ternary "
+                    "(QAT) model with per-tensor or per-row scales and rows that are multiples of 256; anything "
+                    "they cannot hold exactly is refused, naming the tensor.")
     common(eg)
-    eg.add_argument("--outtype", default="f16", metavar="{f32,f16,bf16,q8_0}",
-                    help="tensor type of the weight matrices (norms and rope factors stay f32; default f16)")
+    eg.add_argument("--outtype", default="f16", metavar="{f32,f16,bf16,q8_0,tq1_0,tq2_0}",
+                    help="tensor type of the weight matrices (norms and rope factors stay f32; with tq1_0/tq2_0 "
+                         "the embedding and head stay f16; default f16)")
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
@@ -208,6 +235,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     from minicpm4_jax.config import ConfigError
     from minicpm4_jax.generate import generate
+    from minicpm4_jax.infer.engine import InferenceEngine
     from minicpm4_jax.tokenizer import load_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
@@ -217,13 +245,64 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if tok_dir is None:
         raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]})")
     _cfg, model = load_params_for_inference(ckpt_dir, args.step)
+    if args.sparse is not None:
+        from minicpm4_jax.infer.engine import with_attention
+
+        model = with_attention(model, "infllmv2" if args.sparse else "dense")
+    engine = InferenceEngine(model, prefill_chunk=args.prefill_chunk)
+    speculative = _speculative_decoder(args, model, engine, ckpt_dir)
     tokenizer = load_tokenizer(str(tok_dir))
     # This project's data pipeline separates documents with EOS: a new document follows an EOS.
     prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    text = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed, prefix_ids=prefix)
-    print(args.prompt + text)
+    stream = None
+    if not args.no_stream:
+        print(args.prompt, end="", flush=True)
+
+        def stream(piece: str) -> None:
+            print(piece, end="", flush=True)
+
+    text, out = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                         top_p=args.top_p, seed=args.seed, prefix_ids=prefix, top_k=args.top_k,
+                         stop_strings=args.stop, stream=stream, engine=engine, speculative=speculative,
+                         return_output=True)
+    print(args.prompt + text if args.no_stream else "", flush=True)
+    attn = model.cfg.attention
+    print(f"[{out.new_tokens} new tokens ({out.finish_reasons[0]}); prefill {out.prompt_tokens} tokens in "
+          f"{out.prefill_seconds:.2f} s; decode {out.decode_tokens_per_second:.1f} tokens/s; attention {attn}, "
+          f"attended fraction {out.attended_fraction:.3f}"
+          + (f"; acceptance length {out.acceptance_length:.2f} (drafts {args.num_draft})" if speculative else "")
+          + "]", file=sys.stderr)
     return 0
+
+
+def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
+    """The :class:`SpeculativeDecoder` asked for by ``--spec-decode`` / ``--fr-spec*`` (``None`` without them)."""
+    from pathlib import Path
+
+    from minicpm4_jax.config import ConfigError
+
+    if not args.spec_decode:
+        if args.fr_spec_vocab is not None or args.fr_spec is not None:
+            raise ConfigError("--fr-spec-vocab/--fr-spec shape the draft of --spec-decode; add --spec-decode")
+        return None
+    if not getattr(model.cfg, "mtp", False):
+        raise ConfigError("--spec-decode needs a model trained with its MTP draft head (model.mtp=true); this "
+                          "checkpoint has none")
+    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking
+
+    ids = None
+    if args.fr_spec is not None or args.fr_spec_vocab is not None:
+        path = Path(args.fr_spec) if args.fr_spec else None
+        if path is None:
+            base = Path(args.checkpoint) / "fr_spec"
+            path = next((p for p in (base / f"freq_{args.fr_spec_vocab}.txt", base / f"freq_{args.fr_spec_vocab}.pt")
+                         if p.is_file()), base / f"freq_{args.fr_spec_vocab}.txt")
+        ids = load_frequency_ranking(path, model.cfg.vocab_size)
+        if args.fr_spec_vocab is not None:
+            if not 1 <= args.fr_spec_vocab <= len(ids):
+                raise ConfigError(f"--fr-spec-vocab={args.fr_spec_vocab} must be in [1, {len(ids)}] for {path}")
+            ids = ids[:args.fr_spec_vocab]
+    return SpeculativeDecoder(engine, model.mtp, num_draft=args.num_draft, fr_spec_ids=ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

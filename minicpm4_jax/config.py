@@ -31,6 +31,7 @@ __all__ = [
     "DataConfig",
     "MeshConfig",
     "CheckpointConfig",
+    "QATConfig",
     "TrainConfig",
     "load_config",
     "config_from_dict",
@@ -50,6 +51,9 @@ CONFIG_DIR = next(
 )
 
 _DTYPES = ("float32", "bfloat16", "float16")
+#: ternary scale granularities and STE gradient rules (``train.qat``; see ``minicpm4_jax/quant/ternary.py``)
+QAT_GRANULARITIES = ("per_tensor", "per_row", "per_group")
+QAT_STE_MODES = ("identity", "clipped")
 
 
 class ConfigError(ValueError):
@@ -107,7 +111,9 @@ class ModelConfig:
     ``param_dtype`` (float32); softmax, norm statistics and logits are always float32.
     ``attention`` selects the algorithm (``dense`` | ``infllmv2``), ``attention_impl`` the
     implementation (``xla`` | ``pallas`` | ``auto``). ``remat``: ``none`` | ``full`` |
-    ``dots`` (save matmul outputs only).
+    ``dots`` (save matmul outputs only). ``mtp``: add the multi-token-prediction module
+    (:class:`~minicpm4_jax.nn.mtp.MTPHead`, the EAGLE draft layout; spec §3.4/§7), trained with
+    ``TrainConfig.mtp_loss_weight`` and used as the speculative draft by ``minicpm4 generate --spec-decode``.
     """
 
     vocab_size: int = 73448
@@ -137,6 +143,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     scan_layers: bool = True
     remat: str = "none"
+    mtp: bool = False
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -350,8 +357,52 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class QATConfig:
+    """Ternary quantization-aware training, BitCPM4 (paper §3.3; spec ``export.md`` §5).
+
+    Weights only: the attention and MLP projections (and, if asked, the embedding / untied head)
+    are fake-quantized to ``{-1, 0, +1} * s`` in the forward of the loss with absmean scales
+    ``s = mean|W|`` per ``granularity`` (``per_tensor`` | ``per_row``: per output feature |
+    ``per_group``: per ``group_size`` input columns of a row); activations, norms and the
+    optimizer state stay high precision; the latent float weights are what is trained and saved.
+
+    Two ways to get "high precision first, then QAT":
+
+    * ``init_from``: start from a trained checkpoint (a run's ``out_dir``/checkpoints folder or the
+      ``OUT`` of ``minicpm4 import hf``; step ``init_step``, default the latest). The whole run is
+      QAT (``token_share`` must stay 1) with a fresh optimizer and the run's own schedule, so the
+      learning rate is re-warmed. With ``continue_data`` the data order continues where that
+      checkpoint stopped (when it is a run of this project with the same data settings).
+    * ``token_share < 1`` in one run: the first ``steps - round(token_share * steps)`` steps are
+      high precision, on the run's WSD schedule (``optimizer``) cut off at the switch; the rest are
+      QAT with the learning rate re-warmed and a WSD schedule of their own (optimizer state kept).
+
+    The QAT part's schedule is the optimizer's WSD (decay ``decay_steps`` or ``decay_fraction`` of
+    the QAT steps) with ``warmup_steps`` / ``learning_rate`` overriding the optimizer's when set.
+    ``ste``: the straight-through gradient, ``identity`` (everywhere) or ``clipped`` (zero where
+    ``|W/s| > 1``; the bounds ``|W/s| == 1`` keep their gradient).
+    """
+
+    enabled: bool = False
+    init_from: str | None = None
+    init_step: int | None = None
+    token_share: float = 1.0
+    granularity: str = "per_row"
+    group_size: int = 128
+    quantize_embeddings: bool = False
+    quantize_lm_head: bool = False
+    ste: str = "identity"
+    warmup_steps: int | None = None
+    learning_rate: float | None = None
+    continue_data: bool = True
+
+
+@dataclass(frozen=True)
 class TrainConfig:
-    """A whole training run."""
+    """A whole training run.
+
+    ``mtp_loss_weight``: λ of ``L = L_NTP + λ·L_MTP`` when ``model.mtp`` is on (spec §3.4; default 0.1).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -370,6 +421,22 @@ class TrainConfig:
     sample_tokens: int = 64
     sample_temperature: float = 0.8
     sample_top_p: float = 0.95
+    qat: QATConfig = field(default_factory=QATConfig)
+    mtp_loss_weight: float = 0.1
+
+    @property
+    def qat_start_step(self) -> int | None:
+        """The first step trained ternary (``None`` without QAT): ``steps - round(qat.token_share * steps)``."""
+        if not self.qat.enabled:
+            return None
+        return self.steps - self.qat_steps
+
+    @property
+    def qat_steps(self) -> int:
+        """Number of QAT steps of the run (0 without QAT)."""
+        if not self.qat.enabled:
+            return 0
+        return int(round(self.qat.token_share * self.steps))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -683,6 +750,8 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.steps <= 0:
         raise ConfigError(f"steps={cfg.steps} must be positive")
+    if not cfg.mtp_loss_weight >= 0:
+        raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0 (the λ of L_NTP + λ·L_MTP)")
     if o.learning_rate <= 0:
         raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be > 0")
     if o.decay_style not in ("exponential", "linear"):
@@ -692,7 +761,10 @@ def validate(cfg: TrainConfig) -> None:
     if o.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
     decay = o.decay_steps if o.decay_steps is not None else int(round(o.decay_fraction * cfg.steps))
-    if decay < 0 or o.warmup_steps + decay > cfg.steps:
+    # a run that is QAT from its first step with its own qat.warmup_steps never uses optimizer.warmup_steps
+    # (validate_qat checks that schedule)
+    qat_only = cfg.qat.enabled and cfg.qat.token_share == 1.0 and cfg.qat.warmup_steps is not None
+    if decay < 0 or (o.warmup_steps + decay > cfg.steps and not qat_only):
         src = "optimizer.decay_steps" if o.decay_steps is not None else f"optimizer.decay_fraction={o.decay_fraction} x steps"
         raise ConfigError(
             f"optimizer.warmup_steps={o.warmup_steps} + decay steps={decay} ({src}) exceed steps={cfg.steps}; "
@@ -713,6 +785,69 @@ def validate(cfg: TrainConfig) -> None:
                           f"sample_top_p={cfg.sample_top_p} in (0, 1]")
     if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:
         raise ConfigError("log_every, eval_every and eval_batches must be >= 1")
+    validate_qat(cfg)
+
+
+def _decay_len(o: OptimizerConfig, steps: int) -> int:
+    return o.decay_steps if o.decay_steps is not None else int(round(o.decay_fraction * steps))
+
+
+def validate_qat(cfg: TrainConfig) -> None:
+    """Check the ``qat`` section against the model and the run. Raises :class:`ConfigError` (one line)."""
+    q, m, o = cfg.qat, cfg.model, cfg.optimizer
+    if q.granularity not in QAT_GRANULARITIES:
+        raise ConfigError(f"qat.granularity={q.granularity!r}; use one of {list(QAT_GRANULARITIES)}")
+    if q.ste not in QAT_STE_MODES:
+        raise ConfigError(f"qat.ste={q.ste!r}; use 'identity' (gradient everywhere) or 'clipped' (zero where |W/s| > 1)")
+    if not q.enabled:
+        if q.init_from is not None:
+            raise ConfigError(f"qat.init_from={q.init_from!r} is set but qat.enabled is false; set qat.enabled=true "
+                              "(or remove qat.init_from)")
+        return
+    if not 0.0 < q.token_share <= 1.0:
+        raise ConfigError(f"qat.token_share={q.token_share} must be in (0, 1]: the share of the run's steps trained "
+                          "ternary (1 = the whole run)")
+    if cfg.qat_steps < 1:
+        raise ConfigError(f"qat.token_share={q.token_share} x steps={cfg.steps} rounds to 0 QAT steps; raise "
+                          "qat.token_share or steps")
+    if q.init_from is not None and q.token_share != 1.0:
+        raise ConfigError(f"qat.token_share={q.token_share} with qat.init_from: a run started from a checkpoint is "
+                          "all QAT; set qat.token_share=1 (or drop qat.init_from to switch to QAT inside the run)")
+    if q.init_step is not None and q.init_from is None:
+        raise ConfigError(f"qat.init_step={q.init_step} needs qat.init_from (the checkpoint to start from)")
+    if q.init_step is not None and q.init_step < 0:
+        raise ConfigError(f"qat.init_step={q.init_step} must be >= 0")
+    if q.learning_rate is not None and not q.learning_rate > 0:
+        raise ConfigError(f"qat.learning_rate={q.learning_rate} must be > 0 (or null: optimizer.learning_rate)")
+    if q.warmup_steps is not None and q.warmup_steps < 0:
+        raise ConfigError(f"qat.warmup_steps={q.warmup_steps} must be >= 0 (or null: optimizer.warmup_steps)")
+    n_qat = cfg.qat_steps
+    warm = o.warmup_steps if q.warmup_steps is None else q.warmup_steps
+    decay = _decay_len(o, n_qat)
+    if warm + decay > n_qat:
+        raise ConfigError(
+            f"the QAT stage has {n_qat} steps but its re-warmup ({warm}) + decay ({decay}) steps exceed them; lower "
+            "qat.warmup_steps / optimizer.decay_steps or raise qat.token_share / steps"
+        )
+    if m.tie_word_embeddings and q.quantize_lm_head != q.quantize_embeddings:
+        raise ConfigError(
+            f"qat.quantize_lm_head={str(q.quantize_lm_head).lower()} but the head is tied to the embedding "
+            "(model.tie_word_embeddings=true), so both are one table: set qat.quantize_embeddings to the same value"
+        )
+    if q.granularity == "per_group":
+        if q.group_size <= 0:
+            raise ConfigError(f"qat.group_size={q.group_size} must be positive")
+        ins = {"q/k/v_proj, gate/up_proj (hidden_size)": m.hidden_size,
+               "o_proj (num_attention_heads*head_dim)": m.num_attention_heads * m.resolved_head_dim,
+               "down_proj (intermediate_size)": m.intermediate_size}
+        if q.quantize_embeddings or q.quantize_lm_head:
+            ins["embedding/lm_head (hidden_size)"] = m.hidden_size
+        for what, n in ins.items():
+            if n % q.group_size:
+                raise ConfigError(
+                    f"qat.group_size={q.group_size} does not divide the {n} input columns of {what}; pick a group "
+                    "size that divides every layer's input width, or qat.granularity=per_row"
+                )
 
 
 def diff_configs(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -152,7 +152,7 @@ class _StreamPrinter:
 def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, prefix_ids: Sequence[int] | None = None, *, top_k: int = 0,
              stop_strings: Sequence[str] = (), stream: Callable[[str], None] | None = None, engine: Any = None,
-             return_output: bool = False) -> str | tuple[str, Any]:
+             speculative: Any = None, return_output: bool = False) -> str | tuple[str, Any]:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens and return the decoded continuation.
 
     The prompt is encoded with ``tokenizer`` (no specials) and prefixed with ``prefix_ids``;
@@ -161,8 +161,10 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     ``[tokenizer.eos_id]``: a new document follows an EOS there. Generation stops early at
     ``tokenizer.eos_id``, which is not included in the returned text, or at the first of ``stop_strings``
     (the text is cut before it); ids at or above ``tokenizer.vocab_size`` (model vocabulary padding) are
-    never sampled. ``stream``: called with each new piece of text as it is generated. ``return_output``: also
-    return the :class:`~minicpm4_jax.infer.engine.GenerationOutput` (timings, attended fraction).
+    never sampled. ``stream``: called with each new piece of text as it is generated. ``speculative``: a
+    :class:`~minicpm4_jax.infer.spec.SpeculativeDecoder` to draft and verify with (same output for greedy; the
+    target distribution when sampling). ``return_output``: also return the
+    :class:`~minicpm4_jax.infer.engine.GenerationOutput` (timings, attended fraction, acceptance length).
 
     Raises:
         ConfigError: empty prompt, bad sampling values, or a prompt (+ new tokens) longer than
@@ -181,7 +183,8 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     limit = getattr(tokenizer, "vocab_size", None)
     eng = InferenceEngine(model) if engine is None else engine
     printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings)
-    out = eng.generate([ids], max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seeds=[seed],
+    gen = eng.generate if speculative is None else speculative.generate
+    out = gen([ids], max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seeds=[seed],
                        stop_ids=stop, stop_strings=tuple(stop_strings), detokenize=tokenizer.decode,
                        vocab_limit=limit, on_token=printer)
     new = out.tokens[0]

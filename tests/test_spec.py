@@ -43,7 +43,7 @@ class _OracleDrafts(SpeculativeDecoder):
         self.plain, self.lens, self.corrupt = plain, prompt_lens, corrupt
 
     def _fns(self, sampling, vocab_limit):
-        propose, accept, plain_fn = super()._fns(sampling, vocab_limit)
+        propose, accept = super()._fns(sampling, vocab_limit)
 
         def oracle(weights, draft, dcache, h0, tok0, pos0, seeds, rnd):
             dcache, drafts, q = propose(weights, draft, dcache, h0, tok0, pos0, seeds, rnd)
@@ -57,7 +57,7 @@ class _OracleDrafts(SpeculativeDecoder):
                         d[r, j] = self.plain[r][i] if ok else (self.plain[r][i] + 1) % self.cfg.vocab_size
             return dcache, jnp.asarray(d), q
 
-        return oracle, accept, plain_fn
+        return oracle, accept
 
 
 @pytest.mark.parametrize("sparse", [False, True])

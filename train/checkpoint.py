@@ -31,7 +31,7 @@ from minicpm4_jax.config import ConfigError, TrainConfig, config_from_dict, conf
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of",
            "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "params_all_finite",
-           "resume_differences"]
+           "resume_differences", "restore_data_iterator"]
 
 #: Config fields that a ``--resume`` may change: they affect neither the math nor the data order.
 RESUME_MAY_CHANGE = frozenset({
@@ -316,13 +316,21 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step")
 
 
 def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None, *,
-                              check_config: Any = None, step_option: str | None = "--step") -> tuple[TrainConfig, Any]:
+                              check_config: Any = None, step_option: str | None = "--step",
+                              ternary: bool | None = None) -> tuple[TrainConfig, Any]:
     """Load a trained model for generation: ``(cfg, model)``.
 
     ``checkpoint_dir`` is a run's ``out_dir`` or its ``checkpoints`` folder; the latest step is used
     unless ``step`` is given. Only the params are read (no optimizer state, no data iterator).
 
+    A checkpoint of a ternary QAT run (``qat.enabled`` and a step past the QAT start,
+    ``minicpm4_jax.quant.checkpoint_is_ternary``) stores the latent float weights; its model is the
+    ternary one: by default the returned model holds ``minicpm4_jax.quant.ternarize`` of them
+    (weights ``q * s``, paper §3.3), so generation, evaluation and export see what was trained.
+
     Args:
+        ternary: ``None`` (default): fake-quantize exactly when the checkpoint is ternary; ``False``:
+            return the latent weights (to continue training from them, ``qat.init_from``).
         check_config: optional ``cfg -> None`` called with the stored :class:`TrainConfig` after the
             (small) config item is read and before any parameter is: a caller's checks that depend on
             the model config (it raises :class:`ConfigError` to stop).
@@ -417,8 +425,38 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
             sys.unraisablehook = prev_hook
     finally:
         mngr.close()
+    from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec
+
+    if ternary is None:
+        ternary = checkpoint_is_ternary(cfg, step)
+    if ternary:
+        if not cfg.qat.enabled:
+            raise ConfigError(f"checkpoint step {step} in {directory} was not trained with qat.enabled: it has no "
+                              "ternary quantization settings")
+        params = ternarize(params, cfg.model, ternary_spec(cfg.qat))
     model = nnx.merge(graphdef, params)
     return cfg, model
+
+
+def restore_data_iterator(checkpoint_dir: str | Path, step: int, data_iterator: Any) -> bool:
+    """Set ``data_iterator`` (a grain ``DatasetIterator``) to the state saved with checkpoint ``step``.
+
+    Returns:
+        ``False`` when that step holds no data-iterator item (e.g. an ``import hf`` checkpoint),
+        ``True`` after restoring it.
+    """
+    import grain
+    import orbax.checkpoint as ocp
+
+    directory = find_checkpoint_dir(checkpoint_dir, step_option=None)
+    if not (directory / str(int(step)) / "data").exists():
+        return False
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        mngr.restore(int(step), args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    finally:
+        mngr.close()
+    return True
 
 
 def params_all_finite(params: Any) -> bool:

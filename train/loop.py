@@ -29,6 +29,14 @@ log lines are excluded (:class:`_Throughput`).
 
 A resumed run restores params, optimizer state, step and the grain iterator state, so N steps in
 one go and N/2 + restart + N/2 give bitwise identical parameters (same compiled step, same data).
+
+Ternary QAT (``cfg.qat``, BitCPM4 paper §3.3; helpers in :mod:`minicpm4_jax.train.qat`): with
+``qat.init_from`` the run starts from that checkpoint's latent weights (checked before anything is
+written; fresh optimizer, so the learning rate re-warms) and, with ``qat.continue_data``, its data
+order; once the model is ternary (past ``cfg.qat_start_step``) evaluation, the sample and the final
+loss use the fake-quantized weights, and every log line adds the fraction of zero codes and the
+mean scale (per layer and matrix in TensorBoard under ``qat/`` and in the terminal at each
+evaluation).
 """
 
 from __future__ import annotations
@@ -48,9 +56,10 @@ import jax
 import numpy as np
 
 from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict
+from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, params_all_finite)
-from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu
+from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
 from minicpm4_jax.sharding import batch_sharding, check_batch_size, make_mesh
 from minicpm4_jax.train.step import (TrainState, abstract_train_state, init_model, init_train_state,
                                      make_eval_step, make_train_step, print_memory_analysis,
@@ -240,6 +249,11 @@ def run_training(
                 f"{ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to continue, "
                 "or choose another out_dir"
             )
+        init_src = None
+        if cfg.qat.enabled and cfg.qat.init_from is not None and not resume:
+            from minicpm4_jax.train.qat import resolve_init
+
+            init_src = resolve_init(cfg)
 
         data_api = _data_api()
         data = data_api.prepare_data(cfg.data, log=say)
@@ -268,6 +282,28 @@ def run_training(
         else:
             start = 0
             graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed), mesh)
+            if init_src is not None:
+                from minicpm4_jax.train.qat import continue_data_order, load_init_params
+
+                params = load_init_params(init_src, train_state_shardings(cfg, mesh).params)
+                state = TrainState(step=state.step, params=params, opt_state=state.opt_state)
+                say(f"qat: starting from the latent weights of {init_src.directory}/{init_src.step} "
+                    "(fresh optimizer state; the learning rate re-warms)")
+                continue_data_order(cfg, init_src, it, say)
+        qat_start = cfg.qat_start_step
+        qat_spec = ternary_spec(cfg.qat) if qat_start is not None else None
+        if qat_start is not None:
+            q = cfg.qat
+            say(f"qat: ternary weights ({q.granularity}{f', group {q.group_size}' if q.granularity == 'per_group' else ''}"
+                f", STE {q.ste}) for steps {qat_start}..{cfg.steps} ({cfg.qat_steps} of {cfg.steps} steps)"
+                + (f", high precision before, learning rate re-warmed at step {qat_start}" if qat_start else ""))
+
+        def is_ternary(step_no: int) -> bool:
+            return checkpoint_is_ternary(cfg, step_no)
+
+        def model_params(params: Any, step_no: int) -> Any:
+            """The weights of the model at ``step_no``: fake-quantized once QAT has started."""
+            return ternarize(params, cfg.model, qat_spec) if is_ternary(step_no) else params
 
         val = data_api.val_batches(data, cfg.data, cfg.eval_batches)
         train_step = make_train_step(cfg, graphdef, mesh)
@@ -378,6 +414,14 @@ def run_training(
                 window_losses.clear()
                 row = {**last_vals, "loss": mean_loss, "tokens_per_second": tps, "mfu": util,
                        "step_time_s": global_batch * t / tps}
+                qstats = None
+                if is_ternary(step):
+                    with meter.paused():
+                        qstats = ternary_stats(state.params, cfg.model, qat_spec)
+                    qs = ternary_scalars(qstats)
+                    row["ternary_zero_fraction"], row["ternary_scale"] = qs["zero_fraction"], qs["scale"]
+                    if writer is not None:
+                        writer.scalars(step, qs, prefix="qat")
                 history.append({"step": step, **row})
                 if writer is not None:
                     writer.scalars(step, row, prefix="train")
@@ -386,6 +430,10 @@ def run_training(
                        f"MFU {100 * util:.1f}%")
                 if "attended_fraction" in last_vals:
                     msg += f"  attended {last_vals['attended_fraction']:.3f}"
+                if "mtp_loss" in last_vals:
+                    msg += f"  mtp {last_vals['mtp_loss']:.4f}"
+                if qstats is not None:
+                    msg += f"  ternary zeros {100 * row['ternary_zero_fraction']:.1f}% scale {row['ternary_scale']:.2e}"
                 if pbar is not None:
                     pbar.write(msg)
                     pbar.set_postfix(loss=f"{mean_loss:.3f}")
@@ -393,11 +441,17 @@ def run_training(
                     say(msg)
             if do_eval:
                 with meter.paused():  # do not charge evaluation to tokens/s
-                    vl = evaluate(state.params)
+                    vl = evaluate(model_params(state.params, step))
                     val_history.append((step, vl))
                     if writer is not None:
                         writer.scalars(step, {"loss": vl}, prefix="val")
-                    (pbar.write if pbar is not None else say)(f"step {step:>6d}  val_loss {vl:.4f}")
+                    (pbar.write if pbar is not None else say)(f"step {step:>6d}  val_loss {vl:.4f}"
+                                                              + ("  (ternary)" if is_ternary(step) else ""))
+                    if is_ternary(step):
+                        from minicpm4_jax.train.qat import stats_lines
+
+                        for line in stats_lines(ternary_stats(state.params, cfg.model, qat_spec), cfg.model):
+                            (pbar.write if pbar is not None else say)(line)
             if do_save:
                 with meter.paused():
                     save(step)
@@ -420,15 +474,37 @@ def run_training(
 
         if step not in ckpt.all_steps():
             save(step)
-        final_val = evaluate(state.params)
+        final_val = evaluate(model_params(state.params, step))
         val_history.append((step, final_val))
         if writer is not None:
             writer.scalars(step, {"loss": final_val}, prefix="val")
 
         ent = data_api.corpus_entropies(data.train_tokens, tok.vocab_size)
         held = data_api.heldout_ngram_xent(data.train_tokens, data.val_tokens, tok.vocab_size)
+        qat_summary = None
+        if qat_start is not None:
+            from minicpm4_jax.train.qat import stats_lines, stats_summary
+
+            qstats = ternary_stats(state.params, cfg.model, qat_spec)
+            zf, sm = stats_summary(qstats)
+            qat_summary = {**qat_spec.describe(), "ste": cfg.qat.ste, "start_step": qat_start,
+                           "qat_steps": cfg.qat_steps, "ternary_at_end": is_ternary(step),
+                           "zero_fraction": zf, "scale_mean": sm,
+                           "per_layer": {k: {n: np.asarray(v).tolist() for n, v in d.items()} for k, d in qstats.items()}}
+            if init_src is not None:
+                src_tokens = init_src.step * init_src.cfg.data.batch_size * init_src.cfg.data.seq_len
+                qat_tokens = cfg.qat_steps * global_batch * t
+                qat_summary.update(init_from=str(init_src.directory), init_step=init_src.step,
+                                   init_tokens=src_tokens, qat_tokens=qat_tokens,
+                                   token_share=qat_tokens / max(1, qat_tokens + src_tokens))
+            else:
+                qat_summary["token_share"] = cfg.qat_steps / cfg.steps
+            if is_ternary(step):
+                say(f"ternary model at step {step}: {100 * zf:.1f}% zeros, mean scale {sm:.3e}")
+                for line in stats_lines(qstats, cfg.model):
+                    say(line)
         rows = [
-            (f"model (step {step}), held-out", final_val),
+            (f"model (step {step}{', ternary' if is_ternary(step) else ''}), held-out", final_val),
             ("unigram entropy, plug-in", ent["unigram"]),
             ("bigram entropy, plug-in", ent["bigram"]),
             ("unigram cross-entropy, held-out", held["unigram"]),
@@ -444,7 +520,7 @@ def run_training(
 
             from minicpm4_jax.generate import generate
 
-            model = nnx.merge(graphdef, state.params)
+            model = nnx.merge(graphdef, model_params(state.params, step))
             # the data pipeline separates documents with EOS, so a new document follows an EOS
             prefix = [tok.eos_id] if tok.eos_id is not None else []
             n_new = min(cfg.sample_tokens,
@@ -466,6 +542,7 @@ def run_training(
             "val_history": val_history,
             "train_loss": last_vals.get("loss"),
             "attended_fraction": last_vals.get("attended_fraction"),
+            "mtp_loss": last_vals.get("mtp_loss"),
             "unigram_entropy": ent["unigram"],
             "bigram_entropy": ent["bigram"],
             "unigram_heldout_xent": held["unigram"],
@@ -482,6 +559,8 @@ def run_training(
             "checkpoint_step": ckpt.latest_step(),
             "history": history,
         }
+        if qat_summary is not None:
+            summary["qat"] = qat_summary
         if is_main:
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from minicpm4_jax.config import ModelConfig
 
-__all__ = ["MetricsWriter", "measure_matmul_peak_flops", "mfu", "model_flops_per_second"]
+__all__ = ["MetricsWriter", "measure_matmul_peak_flops", "mfu", "model_flops_per_second", "ternary_scalars"]
 
 
 class MetricsWriter:
@@ -96,3 +96,31 @@ def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flo
     if peak_flops <= 0:
         return float("nan")
     return model_flops_per_second(model_cfg, seq_len, tokens_per_second) / peak_flops
+
+
+def ternary_scalars(stats: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """TensorBoard scalars of ternary QAT statistics (``minicpm4_jax.quant.ternary_stats``).
+
+    ``{"zero_fraction/<matrix>/layer_<i>", "scale/<matrix>/layer_<i>"}`` per decoder layer (``<matrix>``
+    like ``q_proj``), the same without ``/layer_<i>`` for the unstacked embedding / head, and
+    ``zero_fraction`` / ``scale`` means over everything. Write them with ``prefix="qat"``.
+    """
+    import numpy as np
+
+    out: dict[str, float] = {}
+    zs, ss = [], []
+    for path, d in stats.items():
+        name = path.split("/")[-1]
+        z, s = np.asarray(d["zero_fraction"]), np.asarray(d["scale_mean"])
+        zs.append(float(z.mean()))
+        ss.append(float(s.mean()))
+        if z.ndim == 0:
+            out[f"zero_fraction/{name}"], out[f"scale/{name}"] = float(z), float(s)
+            continue
+        for i in range(z.shape[0]):
+            out[f"zero_fraction/{name}/layer_{i}"] = float(z[i])
+            out[f"scale/{name}/layer_{i}"] = float(s[i])
+    if zs:
+        out["zero_fraction"] = float(np.mean(zs))
+        out["scale"] = float(np.mean(ss))
+    return out

@@ -24,12 +24,12 @@ import optax
 from minicpm4_jax.config import ModelConfig, OptimizerConfig
 
 __all__ = ["HIDDEN_MATRICES", "NORM_WEIGHTS", "param_group", "param_labels", "decay_steps_of",
-           "wsd_schedule", "make_optimizer", "group_lr_multipliers"]
+           "wsd_schedule", "two_stage_schedule", "make_optimizer", "group_lr_multipliers"]
 
-#: Parameter names (last path element) of the μP hidden matrices.
-HIDDEN_MATRICES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
-#: Parameter names of RMSNorm weights.
-NORM_WEIGHTS = frozenset({"input_layernorm", "post_attention_layernorm", "norm"})
+#: Parameter names (last path element) of the μP hidden matrices (``fc``: the MTP module's 2H -> H input).
+HIDDEN_MATRICES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"})
+#: Parameter names of RMSNorm weights (``input_norm1/2``: the MTP module's input norms).
+NORM_WEIGHTS = frozenset({"input_layernorm", "post_attention_layernorm", "norm", "input_norm1", "input_norm2"})
 _EMBEDDING = frozenset({"embedding", "lm_head"})
 
 
@@ -121,13 +121,51 @@ def wsd_schedule(opt_cfg: OptimizerConfig, total_steps: int) -> Callable[[jax.Ar
     return schedule
 
 
-def make_optimizer(model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global grad-norm clipping, then per-group AdamW (μP LRs, no decay on norms) on one WSD schedule.
+def two_stage_schedule(opt_cfg: OptimizerConfig, total_steps: int, switch_step: int, *,
+                       warmup_steps: int | None = None, learning_rate: float | None = None
+                       ) -> Callable[[jax.Array | int], jax.Array]:
+    """High precision, then QAT with the learning rate re-warmed (BitCPM4, paper §3.3).
 
-    The returned transformation expects gradients/params with the structure of the model's
-    ``nnx.State`` of Params (labels come from :func:`param_labels` on that tree).
+    ``s < switch_step``: ``wsd_schedule(opt_cfg, total_steps)(s)`` (the run's WSD, cut off at the
+    switch). ``s >= switch_step``: a fresh WSD over the ``total_steps - switch_step`` QAT steps,
+    ``wsd_schedule(opt_cfg', total_steps - switch_step)(s - switch_step)``, where ``opt_cfg'`` takes
+    ``warmup_steps`` / ``learning_rate`` when given (the re-warmup length and the QAT peak) and
+    decays over ``decay_steps`` or ``decay_fraction`` of the QAT steps. ``switch_step == 0`` gives
+    the QAT schedule alone. float32, jittable, a function of ``s`` only (a resumed run gets the same
+    values).
     """
-    base = wsd_schedule(opt_cfg, total_steps)
+    import dataclasses
+
+    n_qat = total_steps - switch_step
+    if not 0 <= switch_step < total_steps:
+        raise ValueError(f"switch_step={switch_step} must be in [0, total_steps={total_steps})")
+    q_cfg = dataclasses.replace(
+        opt_cfg,
+        warmup_steps=opt_cfg.warmup_steps if warmup_steps is None else int(warmup_steps),
+        learning_rate=opt_cfg.learning_rate if learning_rate is None else float(learning_rate),
+    )
+    qat = wsd_schedule(q_cfg, n_qat)
+    if switch_step == 0:
+        return qat
+    hp = wsd_schedule(opt_cfg, total_steps)
+
+    def schedule(step: jax.Array | int) -> jax.Array:
+        s = jnp.asarray(step, jnp.float32)
+        return jnp.where(s < switch_step, hp(s), qat(s - switch_step)).astype(jnp.float32)
+
+    return schedule
+
+
+def make_optimizer(model_cfg: ModelConfig, opt_cfg: OptimizerConfig, total_steps: int,
+                   schedule: Callable[[jax.Array | int], jax.Array] | None = None) -> optax.GradientTransformation:
+    """Global grad-norm clipping, then per-group AdamW (μP LRs, no decay on norms) on one schedule.
+
+    ``schedule`` is the base-group ``step -> lr`` (default ``wsd_schedule(opt_cfg, total_steps)``;
+    a QAT run passes :func:`two_stage_schedule`). The returned transformation expects
+    gradients/params with the structure of the model's ``nnx.State`` of Params (labels come from
+    :func:`param_labels` on that tree).
+    """
+    base = wsd_schedule(opt_cfg, total_steps) if schedule is None else schedule
     mult = group_lr_multipliers(model_cfg, opt_cfg)
 
     def group(name: str, weight_decay: float) -> optax.GradientTransformation:

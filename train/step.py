@@ -7,6 +7,11 @@ of Params; the jitted steps ``nnx.merge`` them inside, so every step is a pure f
 * ``eval_step(params, batch) -> (sum_nll, n_tokens)``.
 
 ``batch`` is int32 ``[batch, seq_len + 1]``: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``.
+
+Ternary QAT (``cfg.qat``, BitCPM4 paper §3.3): the loss merges the *fake-quantized* state
+(``minicpm4_jax.quant.fake_quant_params`` with the straight-through gradient) instead of the latent
+one, from step ``cfg.qat_start_step`` on; the optimizer updates the latent float weights, and the
+learning rate follows :func:`lr_schedule`.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from jax.sharding import Mesh
 
 from minicpm4_jax.config import ModelConfig, TrainConfig
 from minicpm4_jax.nn.model import MiniCPM4
+from minicpm4_jax.nn.mtp import mtp_loss
+from minicpm4_jax.quant import fake_quant_params, ternary_spec
 from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_shardings
-from minicpm4_jax.train.optim import make_optimizer, wsd_schedule
+from minicpm4_jax.train.optim import make_optimizer, two_stage_schedule, wsd_schedule
 
 __all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for", "train_state_shardings",
-           "make_train_step", "make_eval_step", "next_token_loss", "print_memory_analysis"]
+           "make_train_step", "make_eval_step", "next_token_loss", "print_memory_analysis", "lr_schedule",
+           "qat_params_for_loss"]
 
 
 @jax.tree_util.register_dataclass
@@ -51,9 +59,37 @@ def init_model(model_cfg: ModelConfig, rng: jax.Array | int) -> MiniCPM4:
     return MiniCPM4(model_cfg, rngs=nnx.Rngs(params=rng))
 
 
+def lr_schedule(cfg: TrainConfig) -> Callable[[jax.Array | int], jax.Array]:
+    """The run's base learning rate ``step -> lr``: WSD over ``cfg.steps``, or with ``qat.enabled`` the
+    two-stage schedule (high precision, then QAT re-warmed from ``cfg.qat_start_step``; see
+    :func:`~minicpm4_jax.train.optim.two_stage_schedule`)."""
+    start = cfg.qat_start_step
+    if start is None:
+        return wsd_schedule(cfg.optimizer, cfg.steps)
+    return two_stage_schedule(cfg.optimizer, cfg.steps, start, warmup_steps=cfg.qat.warmup_steps,
+                              learning_rate=cfg.qat.learning_rate)
+
+
 def make_optimizer_for(cfg: TrainConfig) -> optax.GradientTransformation:
-    """The run's optimizer (μP AdamW + WSD over ``cfg.steps``)."""
-    return make_optimizer(cfg.model, cfg.optimizer, cfg.steps)
+    """The run's optimizer (μP AdamW on :func:`lr_schedule`)."""
+    return make_optimizer(cfg.model, cfg.optimizer, cfg.steps, schedule=lr_schedule(cfg))
+
+
+def qat_params_for_loss(cfg: TrainConfig, params: Any, step: jax.Array) -> Any:
+    """The parameters the loss sees at ``step``: ``params`` itself without QAT or before
+    ``cfg.qat_start_step``, else the fake-quantized tree with the straight-through gradient
+    (``lax.cond`` on the traced step, so no quantization is computed in the high-precision steps)."""
+    start = cfg.qat_start_step
+    if start is None:
+        return params
+    spec = ternary_spec(cfg.qat)
+
+    def quantized(p: Any) -> Any:
+        return fake_quant_params(p, cfg.model, spec, ste=True)
+
+    if start == 0:
+        return quantized(params)
+    return jax.lax.cond(step >= start, quantized, lambda p: p, params)
 
 
 def _init_fn(cfg: TrainConfig, tx: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
@@ -129,22 +165,32 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
     (the base-group LR used for this update; hidden matrices use ``lr / width_mult`` under μP) and, for
     ``attention: infllmv2``, ``attended_fraction`` (mean attended / causal keys per query over layers,
     sequences, KV heads and tokens; 1 where the dense fallback ran).
+
+    With ``cfg.qat.enabled`` the loss is computed on :func:`qat_params_for_loss` (ternary weights from
+    ``cfg.qat_start_step`` on; ``loss`` is then the loss of the ternary model) and the gradient
+    reaches the latent weights through the straight-through estimator.
     """
     tx = make_optimizer_for(cfg)
-    schedule = wsd_schedule(cfg.optimizer, cfg.steps)
+    schedule = lr_schedule(cfg)
 
     sparse = cfg.model.attention == "infllmv2"
+    mtp = cfg.model.mtp
 
-    def loss_fn(params: Any, batch: jax.Array) -> tuple[jax.Array, dict]:
-        model = nnx.merge(graphdef, params)
+    def loss_fn(params: Any, batch: jax.Array, step: jax.Array) -> tuple[jax.Array, dict]:
+        model = nnx.merge(graphdef, qat_params_for_loss(cfg, params, step))
         if sparse:
             hidden, stats = model.hidden_states(batch[:, :-1], return_stats=True)
         else:
             hidden, stats = model.hidden_states(batch[:, :-1]), {}
-        return next_token_loss(model.logits(hidden), batch[:, 1:]), stats
+        ntp = next_token_loss(model.logits(hidden), batch[:, 1:])
+        if not mtp:
+            return ntp, stats
+        # L = L_NTP + λ·L_MTP (spec §3.4); the reported "loss" stays the next-token loss
+        m = mtp_loss(model.mtp_logits(hidden, batch[:, 1:]), batch[:, 1:])
+        return ntp + cfg.mtp_loss_weight * m, {**stats, "loss": ntp, "mtp_loss": m}
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.step)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step), **stats}
@@ -166,7 +212,8 @@ def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], tuple[j
     """The jitted ``eval_step(params, batch) -> (sum_nll, n_tokens)``.
 
     ``batch`` int32 ``[batch, seq_len + 1]``; ``sum_nll`` float32 is the summed next-token negative
-    log-likelihood (nats) over the ``n_tokens = batch * seq_len`` targets (int32).
+    log-likelihood (nats) over the ``n_tokens = batch * seq_len`` targets (int32). A ternary model is
+    evaluated by passing ``minicpm4_jax.quant.ternarize(params, ...)``.
     """
 
     def eval_step(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:

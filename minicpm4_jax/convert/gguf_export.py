@@ -1,4 +1,4 @@
-"""``minicpm4 export gguf``: a checkpoint -> a llama.cpp ``minicpm``-architecture GGUF (F32/F16/BF16/Q8_0).
+"""``minicpm4 export gguf``: a checkpoint -> a llama.cpp ``minicpm``-architecture GGUF (F32/F16/BF16/Q8_0/TQ1_0/TQ2_0).
 
 Written with the ``gguf`` package (spec ``export.md`` §2.1-§2.2), following what llama.cpp's own
 ``convert_hf_to_gguf.py`` (``conversion/minicpm.py`` ``MiniCPMModel``, ``conversion/base.py``
@@ -31,6 +31,18 @@ Dense attention only: llama.cpp has no InfLLM v2, so a sparse model is refused u
 ``.gguf`` is refused.
 Tensors are written one at a time (``add_tensor_info`` then ``write_tensor_data``), so the host
 holds the parameters plus one converted tensor.
+
+Ternary types (``--outtype tq2_0|tq1_0``, spec ``export.md`` §2.3, §5): the attention and MLP
+matrices are packed with the ``gguf`` package's TQ2_0/TQ1_0 quantizers (256-element blocks along
+``in``, one fp16 scale ``d = max|block|`` each, codes ``round(x/d)``); ``token_embd``/``output`` stay
+F16 and norms F32, as llama.cpp's converter does. A block holds one magnitude, so this is exact
+(up to the fp16 rounding of the scale) only for weights that are ternary with one scale per
+256-block: a QAT checkpoint with ``per_tensor`` or ``per_row`` scales (or groups that are a
+multiple of 256) and rows that are a multiple of 256, or any checkpoint whose weights already are
+such ternary values (e.g. an imported BitCPM4 release). Anything else is refused with one line
+naming the tensor and the reason, never re-quantized: the config-level reasons (row length,
+group size) before any parameter is read, the weight-level one (a block with several
+magnitudes) before the file is written. Dequantization multiplies the codes by ``d`` (fault B14).
 """
 
 from __future__ import annotations
@@ -57,12 +69,17 @@ from minicpm4_jax.convert.io import (
 from minicpm4_jax.convert.llama_fold import flat_params
 from minicpm4_jax.convert.official import from_official, iter_official_tensors, official_config, official_param_shapes
 
-__all__ = ["OUTTYPES", "write_gguf", "export_gguf", "read_gguf_params", "permute_qk", "unpermute_qk",
-           "gguf_tensor_types", "sentencepiece_vocab"]
+__all__ = ["OUTTYPES", "TERNARY_OUTTYPES", "write_gguf", "write_gguf_dir", "export_gguf", "read_gguf_params",
+           "permute_qk", "unpermute_qk", "gguf_tensor_types", "sentencepiece_vocab", "check_ternary_outtype",
+           "check_ternary_blocks"]
 
 #: ``--outtype`` -> (LlamaFileType name, GGMLQuantizationType name of the matrices)
 OUTTYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"),
-            "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+            "q8_0": ("MOSTLY_Q8_0", "Q8_0"), "tq1_0": ("MOSTLY_TQ1_0", "TQ1_0"), "tq2_0": ("MOSTLY_TQ2_0", "TQ2_0")}
+#: ternary outtypes: TQ matrices, token_embd/output F16, norms F32
+TERNARY_OUTTYPES = ("tq1_0", "tq2_0")
+_TQ_BLOCK = 256
+_EXACT_HINT = "use --outtype f32 (exact), bf16 or f16 instead"
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -166,18 +183,81 @@ def _plan(cfg: ModelConfig, outtype: str) -> list[tuple[str, str, tuple[int, ...
         out.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_LONG] + ".weight", "F32", (half,)))
         out.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT] + ".weight", "F32", (half,)))
     bs = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[mat_q]][0]
+    ternary = outtype in TERNARY_OUTTYPES
     for hf_name, shape in official_param_shapes(cfg).items():
         name = tmap.get_name(hf_name, try_suffixes=(".weight",))
         if name is None:  # pragma: no cover - table mismatch
             raise ConvertError(f"no llama.cpp name for {hf_name}")
         if len(shape) <= 1 or name.endswith("_norm.weight"):
             q = "F32"
+        elif ternary and name in ("token_embd.weight", "output.weight"):
+            q = "F16"  # as llama.cpp's converter does for tq1_0/tq2_0
+        elif ternary and shape[-1] % bs:
+            raise ConvertError(
+                f"--outtype {outtype}: {hf_name} ({name}) has rows of {shape[-1]} input columns, not a multiple of the "
+                f"{bs}-element {mat_q} block, so {mat_q} cannot hold it; {_EXACT_HINT}")
         elif shape[-1] % bs:
             q = "F16"  # the converter's QuantError fallback
         else:
             q = mat_q
         out.append((name, q, shape))
     return out
+
+
+def check_ternary_outtype(cfg: ModelConfig, outtype: str, spec: Any) -> None:
+    """Config-level checks of a ternary ``outtype`` (before any parameter is read).
+
+    Args:
+        spec: the checkpoint's ``minicpm4_jax.quant.TernarySpec`` (``None``: not a QAT checkpoint;
+            its weights are then checked block by block in :func:`write_gguf`).
+
+    Raises:
+        ConvertError: a matrix whose rows are not a multiple of 256 (named by ``_plan``), or scale
+            groups that split a 256-block (``per_group`` with ``group_size % 256 != 0``), naming
+            the first such tensor.
+    """
+    if outtype not in TERNARY_OUTTYPES:
+        return
+    plan = _plan(cfg, outtype)  # raises for rows that are not a multiple of the block
+    if spec is None or spec.granularity != "per_group" or spec.group_size % _TQ_BLOCK == 0:
+        return
+    from minicpm4_jax.quant import ternary_hf_names
+
+    mat_q = OUTTYPES[outtype][1]
+    names = _gguf_names(cfg)
+    tq = {n for n, q, _ in plan if q == mat_q}
+    first = next(h for h in ternary_hf_names(cfg, spec) if names.get(h) in tq)
+    raise ConvertError(
+        f"--outtype {outtype}: {first} ({names[first]}) has a ternary scale every {spec.group_size} input columns "
+        f"(qat.granularity=per_group, group_size={spec.group_size}) but a {mat_q} block of {_TQ_BLOCK} columns holds one "
+        f"scale, so it would be re-quantized; {mat_q} is exact for per_tensor/per_row scales or groups that are a "
+        f"multiple of {_TQ_BLOCK}: {_EXACT_HINT}")
+
+
+def check_ternary_blocks(flat: Mapping[str, Any], cfg: ModelConfig, outtype: str, ternary_checkpoint: bool) -> None:
+    """Weight-level check of a ternary ``outtype``: every TQ matrix holds one magnitude per 256-block.
+
+    Raises:
+        ConvertError: the first matrix with a block of several magnitudes (names it, the block and
+            how many magnitudes, and what to do).
+    """
+    from minicpm4_jax.quant import first_non_ternary_group
+
+    mat_q = OUTTYPES[outtype][1]
+    names = _gguf_names(cfg)
+    tq = {n for n, q, _ in _plan(cfg, outtype) if q == mat_q}
+    for hf_name, arr in iter_official_tensors(flat, cfg, np.float32):
+        if names[hf_name] not in tq:
+            continue
+        bad = first_non_ternary_group(arr, "per_group", _TQ_BLOCK)
+        if bad is None:
+            continue
+        why = ("the checkpoint's ternary weights do not match its quantization settings" if ternary_checkpoint else
+               "the checkpoint is not a ternary model (train it with qat.enabled=true and per_tensor/per_row scales, "
+               "or import ternary weights)")
+        raise ConvertError(f"--outtype {outtype}: {hf_name} ({names[hf_name]}) is not ternary per {_TQ_BLOCK}-column "
+                           f"block: {bad}; {mat_q} stores one magnitude per block and would re-quantize it; {why}; "
+                           f"{_EXACT_HINT}")
 
 
 def _gguf_names(cfg: ModelConfig) -> dict[str, str]:
@@ -268,24 +348,28 @@ def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Itera
 
 
 def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str = "f16",
-               tokenizer_dir: str | Path, name: str = "minicpm4", allow_dense: bool = False) -> list[str]:
+               tokenizer_dir: str | Path, name: str = "minicpm4", allow_dense: bool = False,
+               ternary: Any = None) -> list[str]:
     """Write ``params`` as a ``minicpm`` GGUF file at ``path`` (see the module docstring).
 
     Args:
         params: our parameters (anything ``llama_fold.flat_params`` accepts), float32.
         cfg: their model config.
         path: the ``.gguf`` file to create.
-        outtype: ``f32`` | ``f16`` | ``bf16`` | ``q8_0``.
+        outtype: ``f32`` | ``f16`` | ``bf16`` | ``q8_0`` | ``tq1_0`` | ``tq2_0``.
         tokenizer_dir: folder with ``tokenizer.model`` (+ ``tokenizer_config.json`` etc.).
         name: ``general.name``.
         allow_dense: write a sparse (InfLLM v2) model as a dense one (``--allow-dense``).
+        ternary: the ``minicpm4_jax.quant.TernarySpec`` of a QAT checkpoint whose ``params`` are
+            already fake-quantized (used for the checks and messages of ``tq1_0``/``tq2_0``).
 
     Returns:
         Warnings (e.g. F16 fallback for rows that Q8_0 cannot block, ``--allow-dense``).
 
     Raises:
         ConvertError: unknown outtype, a sparse model without ``allow_dense``, no SentencePiece
-            tokenizer, or a tokenizer larger than ``vocab_size``.
+            tokenizer, or a tokenizer larger than ``vocab_size``; for ``tq1_0``/``tq2_0`` weights that
+            the type cannot hold exactly (see the module docstring): all before the file is opened.
     """
     import gguf
 
@@ -294,6 +378,9 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     plan = _plan(cfg, outtype)
     dense_warn = check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)
     flat = flat_params(params)
+    if outtype in TERNARY_OUTTYPES:
+        check_ternary_outtype(cfg, outtype, ternary)
+        check_ternary_blocks(flat, cfg, outtype, ternary is not None)
     tok_dir = Path(tokenizer_dir)
     warnings = [f"{n}: row size {s[-1]} is not a multiple of the Q8_0 block; written as F16"
                 for n, q, s in plan if q == "F16" and outtype == "q8_0"] + dense_warn
@@ -332,6 +419,18 @@ def _check_out_is_a_folder_name(out: str | Path, outtype: str) -> None:
                            f"{Path(out).with_suffix('')}")
 
 
+def _check_train_for(outtype: str) -> Any:
+    """``(train config, step) -> None``: the config-level ternary checks of ``outtype``."""
+
+    def check(tc: Any, step: int) -> None:
+        from minicpm4_jax.quant import checkpoint_is_ternary, ternary_spec
+
+        spec = ternary_spec(tc.qat) if checkpoint_is_ternary(tc, step) else None
+        check_ternary_outtype(tc.model, outtype, spec)
+
+    return check
+
+
 def export_gguf(checkpoint: str | Path, out: str | Path, *, outtype: str = "f16", step: int | None = None,
                 tokenizer: str | Path | None = None, force: bool = False,
                 log: Callable[[str], Any] | None = None, allow_dense: bool = False) -> Any:
@@ -367,9 +466,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, *, outtype: str = "f16"
         check_tokenizer(paths.tokenizer_dir, cfg)
         check_disk_space(out_abs.parent, _needed_bytes(cfg, outtype))
 
-    src = load_export_source(checkpoint, paths=paths, check_config=check)
+    src = load_export_source(checkpoint, paths=paths, check_config=check, check_train=_check_train_for(outtype))
     return write_gguf_dir(src.params, src.cfg, out_abs, outtype=outtype, tokenizer_dir=src.tokenizer_dir,
-                          force=force, provenance=src.provenance, log=log, allow_dense=allow_dense)
+                          force=force, provenance=src.provenance, log=log, allow_dense=allow_dense,
+                          ternary=src.ternary)
 
 
 def _needed_bytes(cfg: ModelConfig, outtype: str) -> int:
@@ -379,7 +479,7 @@ def _needed_bytes(cfg: ModelConfig, outtype: str) -> int:
 def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: str = "f16",
                    tokenizer_dir: str | Path | None, force: bool = False,
                    provenance: Mapping[str, Any] | None = None, log: Callable[[str], Any] | None = None,
-                   allow_dense: bool = False) -> Any:
+                   allow_dense: bool = False, ternary: Any = None) -> Any:
     """Write ``out/minicpm4-<outtype>.gguf`` and the manifest atomically (see :func:`write_gguf`).
 
     Raises:
@@ -399,12 +499,14 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
                            "model (llama.cpp's minicpm path): pass --tokenizer with one")
     _tok, warnings = check_tokenizer(tok_dir, cfg)
     check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)  # before anything is written
+    if outtype in TERNARY_OUTTYPES:  # the weight-level check runs in write_gguf, before its file is opened
+        check_ternary_outtype(cfg, outtype, ternary)
     sparse = cfg.attention == "infllmv2"
     needed = _needed_bytes(cfg, outtype)
     fname = f"minicpm4-{outtype}.gguf"
     with staged_output(out, force=force, needed_bytes=needed) as stage:
         warnings += write_gguf(params, cfg, stage / fname, outtype=outtype, tokenizer_dir=tok_dir,
-                               allow_dense=allow_dense)
+                               allow_dense=allow_dense, ternary=ternary)
         for w_ in warnings:
             if log:
                 log(f"warning: {w_}")
@@ -412,7 +514,9 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
             "format": "gguf",
             "architecture": "minicpm",
             "outtype": outtype,
-            "dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0 (norms, rope factors: float32)"}[outtype],
+            "dtype": {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "q8_0": "q8_0 (norms, rope factors: float32)",
+                      "tq1_0": "tq1_0 (token_embd/output: float16; norms, rope factors: float32)",
+                      "tq2_0": "tq2_0 (token_embd/output: float16; norms, rope factors: float32)"}[outtype],
             "file": fname,
             "source": dict(provenance or {}),
             "folded": [],
@@ -423,6 +527,8 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
             "allow_dense": bool(allow_dense and sparse),
             "warnings": warnings,
         }
+        if ternary is not None:
+            manifest["quantization"] = ternary.describe()
         write_manifest(stage, manifest)
     return ExportResult(path=Path(out).expanduser().absolute(), files=[fname], warnings=warnings, manifest=manifest)
 

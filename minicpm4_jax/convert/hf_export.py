@@ -19,6 +19,13 @@ unless ``no_tokenizer`` (``--no-tokenizer``, recorded in the manifest). :func:`e
 check that needs no parameters (arguments, source paths, ``--out`` against the source and the file
 system, tokenizer, the stored model config) before the checkpoint's parameters are read. The MTP/EAGLE
 draft export is not implemented: the model has no MTP module yet.
+
+A ternary checkpoint (a QAT run past its QAT start, BitCPM4 paper §3.3) is exported in the released
+BitCPM4 convention (``export.md`` §5): **fake-quantized** weights, each ternary tensor holding
+``q * s`` in the stored dtype (at most 3 values per scale group; rounding ``±s`` to bf16/f16 keeps
+it so, since rounding is sign-symmetric), the ordinary ``config.json`` with no
+``quantization_config``, and the quantization settings in the manifest. Every ternary tensor is
+checked to hold at most one magnitude per scale group as it is written.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from minicpm4_jax.config import ConfigError, ModelConfig
+from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig
 from minicpm4_jax.convert.io import (
     ConvertError,
     check_disk_space,
@@ -102,15 +109,19 @@ class ExportSource:
 
     Attributes:
         cfg: the model config.
-        params: our flat parameters ``{'/'-path: np.ndarray}`` (float32, per-layer stacked ``[L, ...]``).
+        params: our flat parameters ``{'/'-path: np.ndarray}`` (float32, per-layer stacked ``[L, ...]``;
+            for a ternary checkpoint already fake-quantized).
         tokenizer_dir: folder with the tokenizer files, or ``None``.
         provenance: what the manifest records about the source (checkpoint folder, step, hashes).
+        ternary: the quantization settings (``minicpm4_jax.quant.TernarySpec``) when the checkpoint
+            is a ternary QAT model, else ``None``.
     """
 
     cfg: ModelConfig
     params: dict[str, np.ndarray]
     tokenizer_dir: Path | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
+    ternary: Any = None
 
 
 @dataclass
@@ -225,8 +236,12 @@ def resolve_export_source(checkpoint: str | Path, *, step: int | None = None, to
 def load_export_source(checkpoint: str | Path, *, step: int | None = None,
                        tokenizer: str | Path | None = None, no_tokenizer: bool = False,
                        paths: SourcePaths | None = None,
-                       check_config: Callable[[ModelConfig], Any] | None = None) -> ExportSource:
+                       check_config: Callable[[ModelConfig], Any] | None = None,
+                       check_train: Callable[[TrainConfig, int], Any] | None = None) -> ExportSource:
     """Read a training run's (or an import's) checkpoint for export.
+
+    A ternary QAT checkpoint (``minicpm4_jax.quant.checkpoint_is_ternary``) comes back
+    fake-quantized (``ExportSource.ternary`` set), as ``load_params_for_inference`` gives it.
 
     Args:
         checkpoint: a run's ``out_dir`` or its ``checkpoints`` folder.
@@ -235,6 +250,7 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
         no_tokenizer: allow a source without a tokenizer.
         paths: the already resolved :func:`resolve_export_source` (then ``step``/``tokenizer`` are ignored).
         check_config: called with the stored model config before any parameter is read.
+        check_train: called with the stored run config and the step before any parameter is read.
 
     Raises:
         ConfigError/ConvertError: no checkpoint there, no such step, no tokenizer, a corrupt step, or
@@ -244,16 +260,27 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
 
     if paths is None:
         paths = resolve_export_source(checkpoint, step=step, tokenizer=tokenizer, no_tokenizer=no_tokenizer)
-    train_cfg, model = load_params_for_inference(
-        paths.checkpoint_dir, paths.step,
-        check_config=(lambda tc: check_config(tc.model)) if check_config is not None else None)
-    params = flat_params(model)
+    from minicpm4_jax.quant import checkpoint_is_ternary, ternary_spec
+
+    def check(tc: TrainConfig) -> None:
+        if check_config is not None:
+            check_config(tc.model)
+        if check_train is not None:
+            check_train(tc, paths.step)
+
+    train_cfg, model = load_params_for_inference(paths.checkpoint_dir, paths.step, check_config=check)
+    # the base model only: an MTP draft head (model.mtp) ships separately in the official releases (spec §7)
+    params = {k: v for k, v in flat_params(model).items() if not k.startswith("mtp/")}
+    ternary = ternary_spec(train_cfg.qat) if checkpoint_is_ternary(train_cfg, paths.step) else None
     prov = {
         "checkpoint": str(paths.checkpoint_dir),
         "step": int(paths.step),
         "params_sha256": params_sha256(params),
     }
-    return ExportSource(cfg=train_cfg.model, params=params, tokenizer_dir=paths.tokenizer_dir, provenance=prov)
+    if ternary is not None:
+        prov["params"] = "fake-quantized ternary weights of the checkpoint's latent weights (qat)"
+    return ExportSource(cfg=train_cfg.model, params=params, tokenizer_dir=paths.tokenizer_dir, provenance=prov,
+                        ternary=ternary)
 
 
 def check_dense_only(cfg: ModelConfig, target: str, allow_dense: bool, keep_hint: str) -> list[str]:
@@ -341,7 +368,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
              dtype: str = "float32", tokenizer_dir: str | Path | None = None, force: bool = False,
              max_shard_size: str | int = "5GB", provenance: Mapping[str, Any] | None = None,
              log: Callable[[str], Any] | None = None, no_tokenizer: bool = False,
-             allow_dense: bool = False) -> ExportResult:
+             allow_dense: bool = False, ternary: Any = None) -> ExportResult:
     """Write our parameters as a Hugging Face folder ``out`` in ``layout``.
 
     Args:
@@ -359,6 +386,9 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         no_tokenizer: write without a tokenizer (``--no-tokenizer``); otherwise ``tokenizer_dir`` is required.
         allow_dense: let a sparse (InfLLM v2) model through to the dense-only ``llama`` layout
             (``--allow-dense``); recorded in the manifest.
+        ternary: a ``minicpm4_jax.quant.TernarySpec`` when ``params`` are fake-quantized ternary
+            weights (BitCPM4): each ternary tensor is checked to hold at most 3 values per scale
+            group after the cast to ``dtype``, and the settings go into the manifest.
 
     Memory: the official layout converts one tensor at a time and holds one shard; the llama layout
     folds all tensors first (``fold_to_llama``, float64 math per tensor), i.e. a second copy of the model.
@@ -369,7 +399,8 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
     Raises:
         ConvertError: unknown layout/dtype, no tokenizer without ``no_tokenizer``, a tokenizer larger
             than the vocabulary, a sparse model to the llama layout without ``allow_dense``, a
-            non-empty ``out`` without ``force``, not enough disk space: all before anything is written.
+            non-empty ``out`` without ``force``, not enough disk space: all before anything is written;
+            a ternary tensor with more than 3 values in a scale group (while writing; nothing is left).
     """
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
@@ -409,6 +440,13 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
                   f"(hidden_size/dim_model_base) ({cfg.width_mult!r}); untied"]
         if sparse:
             dropped.append("sparse_config")
+    quantization = None
+    if ternary is not None:
+        tensors_iter = _checked_ternary(tensors_iter, cfg, ternary, layout, dtype)
+        quantization = {**ternary.describe(),
+                        "stored": f"fake-quantized: each ternary tensor holds q*s in {dtype} (at most 3 values per "
+                                  "scale group); config.json has no quantization_config (the BitCPM4 release "
+                                  "convention)"}
     sizes = [(n, int(np.prod(shapes[n], dtype=np.int64)) * npdt.itemsize) for n in names]
     plan = plan_shards(sizes, max_bytes)
     needed = sum(s for _, s in sizes) + _tokenizer_bytes(tok_dir) + (1 << 20)
@@ -433,12 +471,30 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
             "allow_dense": bool(allow_dense and sparse and layout == "llama"),
             "no_tokenizer": tok_dir is None,
             "tokenizer_files": tok_files,
-            "mtp_draft": "not exported: this model has no MTP module",
+            "mtp_draft": ("not exported: the MTP draft head stays in the run's checkpoint (the official EAGLE "
+                          "draft heads ship as separate repositories)") if getattr(cfg, "mtp", False)
+                         else "not exported: this model has no MTP module",
             "warnings": warnings,
             "shards": len(plan),
         }
+        if quantization is not None:
+            manifest["quantization"] = quantization
         write_manifest(stage, manifest)
     return ExportResult(path=Path(out).expanduser().absolute(), files=files, warnings=warnings, manifest=manifest)
+
+
+def _checked_ternary(tensors: Any, cfg: ModelConfig, spec: Any, layout: str, dtype: str) -> Any:
+    """Pass ``(name, array)`` through, raising ConvertError for a ternary tensor with > 3 values per scale group."""
+    from minicpm4_jax.quant import first_non_ternary_group, ternary_hf_names
+
+    names = ternary_hf_names(cfg, spec, layout)
+    for name, arr in tensors:
+        if name in names:
+            bad = first_non_ternary_group(arr, spec.granularity, spec.group_size)
+            if bad is not None:
+                raise ConvertError(f"{name} is not ternary after the cast to {dtype}: {bad} (a scale group must hold "
+                                   "at most 3 values); the checkpoint's quantization settings do not match its weights")
+        yield name, arr
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm", dtype: str = "float32",
@@ -446,6 +502,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm
               max_shard_size: str | int = "5GB", log: Callable[[str], Any] | None = None,
               no_tokenizer: bool = False, allow_dense: bool = False) -> ExportResult:
     """``minicpm4 export hf``: :func:`load_export_source` then :func:`write_hf`.
+
+    A ternary QAT checkpoint is written fake-quantized (the BitCPM4 release convention; use
+    ``dtype="bfloat16"`` for the released storage type).
 
     Every check that needs no parameter runs first, in this order: the arguments (layout, dtype,
     shard size), the source (checkpoint folder, step, tokenizer folder), ``out`` against the source
@@ -476,4 +535,4 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm
     src = load_export_source(checkpoint, paths=paths, check_config=check)
     return write_hf(src.params, src.cfg, out_abs, layout=layout, dtype=dtype, tokenizer_dir=src.tokenizer_dir,
                     force=force, max_shard_size=max_shard_size, provenance=src.provenance, log=log,
-                    no_tokenizer=no_tokenizer, allow_dense=allow_dense)
+                    no_tokenizer=no_tokenizer, allow_dense=allow_dense, ternary=src.ternary)

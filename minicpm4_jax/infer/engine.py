@@ -194,13 +194,14 @@ class _Collector:
 def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, mode: str):
     """One layer's attention of the chunk's queries over the cache; returns (out, attended fraction).
 
-    ``mode``: ``"prefill"`` (any T; per-sequence dispatch inside :func:`infllmv2_attention`) or a decode mode
-    of :func:`decode_mode` (T = 1).
+    ``mode``: ``"prefill"`` (chunks; per-sequence dispatch on ``dispatch_len`` inside
+    :func:`infllmv2_attention`, over a KV-major -> token-major view of the cache) or a decode mode of
+    :func:`decode_mode` (a few tokens per sequence, e.g. a decode step or a speculative verify chunk; each row
+    dispatches on its own ``position + 1``, reads the KV-major cache directly).
     """
     b, t, nq, d = q.shape
     cap = lc.k.shape[2]
     one = jnp.float32(1.0)
-    pos = positions[:, 0]
     if mode == "prefill":
         kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         kt, vt = lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3)
@@ -211,32 +212,35 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
             q, kt, vt, q_positions=positions, kv_positions=kvp, sparse_cfg=sc, kv_len=dispatch_len,
             q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True)
         return out, stats["attended_fraction"]
+    # decode modes: every query row dispatches on its own length (position + 1), as token-by-token decoding does
     if mode == "dense":
-        return dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=pos)[:, None], one
+        return dense_decode_attention(q, lc.k, lc.v, q_positions=positions), one
     sc = cfg.sparse_config
-    active = pos >= 0
+    active = positions >= 0  # [b, t]
     dl = sc.dense_len
-    use_dense = (dispatch_len < dl) if (dl > 0 and mode == "mixed") else jnp.zeros((b,), bool)
+    use_dense = (positions + 1 < dl) if (dl > 0 and mode == "mixed") else jnp.zeros((b, t), bool)
     params = select_params(sc)
     nb = cap // sc.block_size
     k_used = min(params.topk_cfg, nb)
     window = params.local_blocks if params.variant == "gen1" else 0
     q_sel = q_nope if sc.use_nope else q
     sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
-                                   kv_len=dispatch_len, q_tile=1)
-    idx = sel.topk_idx[:, :, 0, :k_used]
+                                   kv_len=jnp.max(positions, axis=1) + 1, q_tile=t)
+    idx = sel.topk_idx[..., :k_used]  # [b, kv, t, K]
     init, win, width = stage2_forced_split(params, k_used)
-    out = sparse_decode_attention(q[:, 0], lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, pos),
-                                  block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
-    keys = attended_keys(idx[:, :, None, :], positions, block_size=sc.block_size,
-                         window_blocks=window)[:, :, 0].astype(jnp.float32)
+    sparse_pos = jnp.where(use_dense, -1, positions)
+    out = jnp.stack([sparse_decode_attention(q[:, i], lc.k, lc.v, idx[:, :, i], q_positions=sparse_pos[:, i],
+                                             block_size=sc.block_size, window_blocks=win, init_blocks=init,
+                                             gather_width=width) for i in range(t)], axis=1)
+    keys = attended_keys(idx, positions, block_size=sc.block_size, window_blocks=window).astype(jnp.float32)
     if mode == "mixed":
-        dense = dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=jnp.where(use_dense, pos, -1))
-        out = jnp.where(use_dense[:, None, None], dense, out)
-    per_row = jnp.where(use_dense[:, None], 1.0, keys / jnp.maximum(pos + 1, 1).astype(jnp.float32)[:, None])
-    w = jnp.broadcast_to(active[:, None], per_row.shape)
+        dense = dense_decode_attention(q, lc.k, lc.v, q_positions=jnp.where(use_dense, positions, -1))
+        out = jnp.where(use_dense[:, :, None, None], dense, out)
+    per_row = jnp.where(use_dense[:, None, :], 1.0,
+                        keys / jnp.maximum(positions + 1, 1).astype(jnp.float32)[:, None, :])  # [b, kv, t]
+    w = jnp.broadcast_to(active[:, None, :], per_row.shape)
     frac = jnp.sum(jnp.where(w, per_row, 0.0)) / jnp.maximum(jnp.sum(w), 1)
-    return out[:, None], frac
+    return out, frac
 
 
 def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.Array, dispatch_len: jax.Array, *,
@@ -391,9 +395,9 @@ class InferenceEngine:
         valid = positions >= 0
         dispatch = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), axis=1))
         mode = "prefill"
-        if ids.shape[1] == 1:
-            act = jax.device_get(valid[:, 0])
-            mode = decode_mode(self.cfg, [int(n) for n, a in zip(jax.device_get(dispatch), act) if a])
+        if ids.shape[1] <= 16:  # a decode step or a verify chunk: per-token dispatch, the decode attention path
+            p = jax.device_get(positions)
+            mode = decode_mode(self.cfg, [int(x) + 1 for x in p.reshape(-1) if x >= 0])
         return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True, mode=mode,
                              return_hidden=return_hidden)
 

@@ -22,8 +22,9 @@ not yet cached) and the base hidden state ``h_{n-1}``:
    tokens complete those windows (:func:`~minicpm4_jax.infer.cache.update_compressed` starts at the current
    length). The draft cache is refreshed at the accepted positions with the true base hidden states.
 
-A verify chunk that would cross ``dense_len`` (its rows would disagree on the dense/sparse dispatch that plain
-decoding applies token by token) is replaced by one plain decode step, so greedy output stays identical.
+The verify chunk runs the engine's decode attention path, where every row dispatches on its own length
+(dense below ``dense_len``, sparse at or above) exactly as token-by-token decoding does, so greedy output stays
+identical also when a chunk crosses ``dense_len``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from flax import nnx
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
 from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _Collector, decode_mode, validate_request
-from minicpm4_jax.infer.sampling import SamplingParams, row_keys, sample_tokens, top_k_filter, top_p_filter
+from minicpm4_jax.infer.sampling import SamplingParams, row_keys, top_k_filter, top_p_filter
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
 from minicpm4_jax.nn.rope import rope_tables
@@ -253,12 +254,6 @@ def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
     return a, nxt.astype(jnp.int32)
 
 
-def _plain_sample(logits, seeds, rnd, *, sampling, vocab_limit):
-    """A plain step's token from ``logits [b, V]`` (keys distinct from the draft and accept draws)."""
-    keys = jax.vmap(lambda kk: jax.random.fold_in(kk, 4000))(row_keys(seeds, rnd))
-    return sample_tokens(logits, keys, sampling, vocab_limit)
-
-
 class SpeculativeDecoder:
     """Speculative generation for an :class:`~minicpm4_jax.infer.engine.InferenceEngine` with an MTP draft.
 
@@ -293,7 +288,7 @@ class SpeculativeDecoder:
         self.draft = _Draft(mtp=mtp_state, head_rows=jnp.take(table, ids, axis=0), ids=ids)
         kw = dict(cfg=cfg, graphdefs=engine._graphdefs, mtp_gd=mtp_gd)
         self._fill = jax.jit(partial(_draft_fill, **kw), donate_argnums=(2,))
-        self._propose, self._accept, self._plain = {}, {}, {}
+        self._propose, self._accept = {}, {}
         self._kw = kw
 
     def _fns(self, sampling: SamplingParams, vocab_limit: int | None):
@@ -302,8 +297,7 @@ class SpeculativeDecoder:
             self._propose[key] = jax.jit(partial(_draft_propose, k=self.k, sampling=sampling, vocab_limit=vocab_limit,
                                                  **self._kw), donate_argnums=(2,))
             self._accept[key] = jax.jit(partial(_accept, sampling=sampling, vocab_limit=vocab_limit))
-            self._plain[key] = jax.jit(partial(_plain_sample, sampling=sampling, vocab_limit=vocab_limit))
-        return self._propose[key], self._accept[key], self._plain[key]
+        return self._propose[key], self._accept[key]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
@@ -326,7 +320,7 @@ class SpeculativeDecoder:
             raise ConfigError(f"prompt ({max(lens)}) + max_new_tokens ({max_new_tokens}) + num_draft ({k}) exceeds "
                               f"max_position_embeddings={cfg.max_position_embeddings}; generate fewer tokens")
         b = len(prompts)
-        propose, accept, plain = self._fns(sampling, vocab_limit)
+        propose, accept = self._fns(sampling, vocab_limit)
         first = eng._first_fn(sampling, vocab_limit)
         col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
@@ -353,35 +347,19 @@ class SpeculativeDecoder:
         for r, t in enumerate(jax.device_get(tok)):
             take(r, int(t))
         rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
-        dl = cfg.sparse_config.dense_len if cfg.attention == "infllmv2" else 0
         while any(active):
             rnd = jnp.int32(rounds + 1)
             act_rows = [r for r in range(b) if active[r]]
-            crossing = dl > 0 and any(n[r] + 1 < dl <= n[r] + k + 1 for r in act_rows)
             cache = dataclasses.replace(cache, lengths=jnp.asarray(n, jnp.int32))
             pos0 = jnp.asarray([n[r] - 1 if active[r] else -1 for r in range(b)], jnp.int32)
-            if crossing:  # one plain step: the verify rows would disagree on the dense/sparse dispatch
-                p1 = jnp.asarray([[n[r] if active[r] else -1] for r in range(b)], jnp.int32)
-                dcache = self._fill(eng.weights, self.draft, dcache, h_last[:, None], tok[:, None], pos0[:, None])
-                mode = decode_mode(cfg, [n[r] + 1 for r in act_rows])
-                cache, lg, frac, hid = eng._forward(eng.weights, cache, tok[:, None], p1,
-                                                    jnp.asarray(n, jnp.int32) + 1, all_rows=True, mode=mode,
-                                                    return_hidden=True)
-                fracs.append(frac)
-                nxt = plain(lg[:, 0], seeds_arr, rnd)
-                h_last, tok = hid[:, 0], nxt
-                for r in act_rows:
-                    n[r] += 1
-                forwards += 1
-                for r in act_rows:
-                    take(r, int(tok[r]))
-                rounds += 1
-                continue
             dcache, drafts, q = propose(eng.weights, self.draft, dcache, h_last, tok, pos0, seeds_arr, rnd)
             chunk = jnp.concatenate([tok[:, None], drafts], axis=1)  # [b, k+1]
             vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
+            # the decode attention path with per-token dispatch: each verified row sees exactly what a plain
+            # decode step at its position would (dense below dense_len, sparse at or above)
+            mode = decode_mode(cfg, [n[r] + 1 + j for r in act_rows for j in range(k + 1)])
             cache, lg, frac, hid = eng._forward(eng.weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1,
-                                                all_rows=True, mode="prefill", return_hidden=True)
+                                                all_rows=True, mode=mode, return_hidden=True)
             fracs.append(frac)
             a, nxt = accept(lg, drafts, q, seeds_arr, rnd)
             a_h = [int(x) for x in jax.device_get(a)]

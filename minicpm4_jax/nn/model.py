@@ -165,6 +165,7 @@ class MiniCPM4(nnx.Module):
         layers: stacked :class:`DecoderLayer` (every Param has a leading ``[num_hidden_layers]`` axis).
         norm: final RMSNorm weight ``[hidden]``.
         lm_head: ``[hidden, vocab]`` when ``tie_word_embeddings`` is false (else absent).
+        mtp: :class:`~minicpm4_jax.nn.mtp.MTPHead` when ``cfg.mtp`` (else absent).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -181,6 +182,10 @@ class MiniCPM4(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.initializer_range,
                                  ("embed", "vocab"), dtype_of(cfg.param_dtype))
+        if cfg.mtp:
+            from minicpm4_jax.nn.mtp import MTPHead
+
+            self.mtp = MTPHead(cfg, rngs=rngs)
 
     def _embed(self, input_ids: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, ...]:
         """Scaled embeddings ``[batch, seq, hidden]``, positions (default ``arange``) and RoPE tables."""
@@ -254,6 +259,27 @@ class MiniCPM4(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits ``[batch, seq, vocab]`` from final-norm hidden states (÷ width_mult first)."""
         return head_logits(hidden, self.cfg, self.embed_tokens, None if self.cfg.tie_word_embeddings else self.lm_head[...])
+
+    def mtp_logits(self, hidden: jax.Array, next_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """float32 MTP logits ``[batch, seq, vocab]``: position ``i`` predicts ``x_{i+2}`` (spec §3.4).
+
+        Args:
+            hidden: :meth:`hidden_states` output ``[batch, seq, hidden]``.
+            next_ids: int ``[batch, seq]`` the tokens ``x_{i+1}`` (the next-token targets).
+            positions: int32 ``[batch, seq]``; default ``arange(seq)``.
+
+        Raises:
+            ValueError: the model was built without ``mtp``.
+        """
+        cfg = self.cfg
+        if not cfg.mtp:
+            raise ValueError("this model has no MTP module; set model.mtp=true")
+        b, t = next_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        dt = hidden.dtype
+        emb = self.embed_tokens.encode(next_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
+        return self.logits(self.mtp(hidden, emb, positions, cfg))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """``input_ids`` int32 ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``."""

@@ -26,12 +26,18 @@ from minicpm4_jax.config import ModelConfig
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm
 from minicpm4_jax.nn.model import DecoderLayer, _dense
 
-__all__ = ["MTPHead", "mtp_layer_config"]
+__all__ = ["MTPHead", "mtp_layer_config", "mtp_loss"]
 
 
 def mtp_layer_config(cfg: ModelConfig) -> ModelConfig:
-    """The config the MTP decoder layer runs with: residual scale ``scale_depth / sqrt(L + 1)`` (spec §3.4)."""
-    return dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1)
+    """The config the MTP decoder layer runs with.
+
+    Residual scale ``scale_depth / sqrt(L + 1)`` (spec §3.4, the re-implementation mirroring OpenBMB's MTP
+    layer and CPM.cu's draft) and dense attention: the draft layer attends its own short-lived inputs densely,
+    in training and in the inference engine alike (the released EAGLE heads have no sparse attention).
+    """
+    return dataclasses.replace(cfg, num_hidden_layers=cfg.num_hidden_layers + 1, attention="dense",
+                               attention_impl="auto", sparse_config=None)
 
 
 class MTPHead(nnx.Module):
@@ -58,3 +64,31 @@ class MTPHead(nnx.Module):
         e = rms_norm(emb_next.astype(dt), self.input_norm1[...], cfg.rms_norm_eps)
         hh = rms_norm(hidden, self.input_norm2[...], cfg.rms_norm_eps)
         return _dense(jnp.concatenate([e, hh], axis=-1), self.fc[...].astype(dt))
+
+    def __call__(self, hidden: jax.Array, next_emb: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+        """Layer output ``o`` ``[batch, seq, hidden]`` (before the head) for every position.
+
+        Args:
+            hidden: base final-norm hidden states ``h_i`` ``[batch, seq, hidden]``.
+            next_emb: scaled embeddings of ``x_{i+1}`` ``[batch, seq, hidden]``.
+            positions: int32 ``[batch, seq]`` (position ids of the ``h_i``).
+            cfg: the base model's config.
+        """
+        from minicpm4_jax.nn.rope import rope_tables
+
+        cfg_m = mtp_layer_config(cfg)
+        u = self.inputs(next_emb, hidden, cfg)
+        cos, sin = rope_tables(positions, cfg_m)
+        return self.layer(u, cos, sin, positions, cfg_m)
+
+
+def mtp_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """MTP cross-entropy (nats): position ``i``'s logits ``[batch, seq, vocab]`` against ``x_{i+2}``.
+
+    ``targets`` int ``[batch, seq]`` are the next-token targets (``targets[:, i] = x_{i+1}``), so the MTP label
+    of position ``i`` is ``targets[:, i + 1]``; the last position has none and is left out (no double shift:
+    the same ``targets`` array feeds the next-token loss). Mean over ``batch * (seq - 1)`` positions.
+    """
+    import optax
+
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), targets[:, 1:]).mean()

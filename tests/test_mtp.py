@@ -1,0 +1,135 @@
+"""The MTP module: forward and loss against a hand computation, label alignment, training, spec-decode draft."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm4_jax.config import ConfigError, ModelConfig, load_config
+from minicpm4_jax.nn import MiniCPM4
+from minicpm4_jax.nn.mtp import mtp_loss
+
+from test_train import REPO, corpus, cache_dir, tiny_cfg  # noqa: F401  (fixtures)
+
+CFG = ModelConfig(vocab_size=37, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, dim_model_base=8, scale_emb=12.0,
+                  scale_depth=1.4, mtp=True)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def test_mtp_logits_and_loss_against_hand_computation():
+    model = MiniCPM4(CFG, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 9)), jnp.int32)  # inputs x_0..x_8
+    targets = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 9)), jnp.int32)  # x_1..x_9
+    hidden = model.hidden_states(ids)
+    got = np.asarray(model.mtp_logits(hidden, targets))
+
+    # by hand: u = fc([rms1(emb[x_{i+1}] * scale_emb) ; rms2(h_i)]), one decoder layer with residual scale
+    # scale_depth / sqrt(L + 1), no final norm, / width_mult, tied head
+    mtp = model.mtp
+    emb = np.asarray(model.embed_tokens.embedding[...])
+    e = emb[np.asarray(targets)] * CFG.scale_emb
+    h = np.asarray(hidden)
+    u = np.concatenate([_rms(e, np.asarray(mtp.input_norm1[...]), CFG.rms_norm_eps),
+                        _rms(h, np.asarray(mtp.input_norm2[...]), CFG.rms_norm_eps)], axis=-1) @ np.asarray(mtp.fc[...])
+    from minicpm4_jax.nn.rope import rope_tables
+
+    layer_cfg = dataclasses.replace(CFG, num_hidden_layers=4)  # residual scale 1.4 / sqrt(3 + 1) = 0.7
+    assert abs(layer_cfg.residual_scale - 0.7) < 1e-12
+    pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+    cos, sin = rope_tables(pos, layer_cfg)
+    o = np.asarray(mtp.layer(jnp.asarray(u, jnp.float32), cos, sin, pos, layer_cfg))
+    want = (o / (CFG.hidden_size / CFG.dim_model_base)) @ emb.T
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+    # loss: position i predicts targets[:, i + 1]; the last position has no label
+    logp = want - np.log(np.sum(np.exp(want - want.max(-1, keepdims=True)), -1, keepdims=True)) - want.max(-1, keepdims=True)
+    t = np.asarray(targets)
+    hand = -np.mean([logp[b, i, t[b, i + 1]] for b in range(2) for i in range(8)])
+    assert abs(float(mtp_loss(jnp.asarray(got), targets)) - hand) < 1e-4
+
+
+def test_mtp_loss_labels_at_sequence_end():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((2, 6, 11)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 11, (2, 6)), jnp.int32)
+    base = float(mtp_loss(logits, targets))
+    # the last position's logits are never scored ...
+    assert float(mtp_loss(logits.at[:, -1].set(100.0), targets)) == base
+    # ... targets[:, 0] (x_1, the input of position 0) is not a label, targets[:, -1] is (for position T-2)
+    assert float(mtp_loss(logits, targets.at[:, 0].set((targets[:, 0] + 1) % 11))) == base
+    assert float(mtp_loss(logits, targets.at[:, -1].set((targets[:, -1] + 1) % 11))) != base
+
+
+def test_model_without_mtp_says_so():
+    m = MiniCPM4(dataclasses.replace(CFG, mtp=False), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model.mtp=true"):
+        m.mtp_logits(jnp.zeros((1, 3, 32)), jnp.zeros((1, 3), jnp.int32))
+    with pytest.raises(ConfigError, match="mtp_loss_weight=-1"):
+        load_config(None, ["mtp_loss_weight=-1"])
+
+
+def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(corpus, cache_dir, tmp_path,  # noqa: F811
+                                                                             capsys):
+    from minicpm4_jax.infer import InferenceEngine
+    from minicpm4_jax.infer.spec import SpeculativeDecoder
+    from minicpm4_jax.train.checkpoint import load_params_for_inference
+    from minicpm4_jax.train.loop import run_training
+
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "run", steps=24, log_every=4, eval_every=12,
+                   **{"model.mtp": "true", "checkpoint.save_every": 12, "optimizer.decay_steps": 4})
+    s = run_training(cfg, log=lambda m: None, progress=False)
+    hist = s["history"]
+    assert hist[-1]["mtp_loss"] < hist[0]["mtp_loss"] - 0.5, [h["mtp_loss"] for h in hist]
+    assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
+    _, model = load_params_for_inference(tmp_path / "run" / "checkpoints")
+    assert model.cfg.mtp and hasattr(model, "mtp")
+    eng = InferenceEngine(model)
+    prompt = [1, 5, 9, 13, 7]
+    plain = eng.generate([prompt], 20)
+    spec = SpeculativeDecoder(eng, model.mtp, num_draft=3).generate([prompt], 20)
+    assert spec.tokens == plain.tokens
+    # the MTP weights are saved with the model at every checkpoint and keep training between them
+    _, at12 = load_params_for_inference(tmp_path / "run" / "checkpoints", 12)
+    assert not np.allclose(np.asarray(model.mtp.fc[...]), np.asarray(at12.mtp.fc[...]))
+
+    # the command line: --spec-decode (+ FR-Spec from a ranking built for the run) prints the plain greedy text
+    import sys
+
+    from minicpm4_jax.cli import main
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import build_fr_spec
+
+    run = str(tmp_path / "run")
+    assert build_fr_spec.main(["--checkpoint", run, "--size", "64", "--no-pt"]) == 0
+    outs = []
+    for extra in ([], ["--spec-decode"], ["--spec-decode", "--fr-spec-vocab", "64", "--num-draft", "2"]):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", run, "--prompt", "def ", "--max-new-tokens", "12", "--no-stream",
+                     *extra]) == 0
+        o = capsys.readouterr()
+        outs.append(o.out)
+        if extra:
+            assert "acceptance length" in o.err
+    assert outs[0] == outs[1] == outs[2]
+    assert main(["generate", "--checkpoint", run, "--prompt", "x", "--spec-decode", "--fr-spec-vocab", "99"]) == 2
+    assert "freq_99.txt does not exist" in capsys.readouterr().err
+
+    # exports carry the base model only; the manifest says where the draft head is
+    import json
+
+    from safetensors.numpy import load_file
+
+    hf = tmp_path / "hf"
+    assert main(["export", "hf", "--checkpoint", run, "--out", str(hf), "--layout", "minicpm"]) == 0
+    names = set(load_file(str(next(hf.glob("*.safetensors")))))
+    assert names and not any("mtp" in n or "fc" in n for n in names)
+    assert "MTP draft head stays" in json.loads((hf / "minicpm4_manifest.json").read_text())["mtp_draft"]

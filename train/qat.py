@@ -1,0 +1,156 @@
+"""Ternary QAT in the training job (BitCPM4, paper §3.3): where a QAT run starts from, and what it logs.
+
+* :func:`resolve_init` / :func:`load_init_params`: ``qat.init_from``, a checkpoint of this project
+  (a run or an ``import hf`` output). Checked before anything is written (the model must have the
+  same parameters and μP constants); loaded as the **latent** weights (never fake-quantized), into
+  the run's shardings; the optimizer starts fresh, so the schedule re-warms the learning rate.
+* :func:`continue_data_order`: with ``qat.continue_data`` the data iterator resumes where the
+  initial checkpoint's run stopped (same data settings required), so "high precision for k steps,
+  then QAT" sees the token stream of one uninterrupted run.
+* :func:`stats_summary` / :func:`stats_lines`: the fraction of zero codes and the per-layer scales
+  for the terminal (TensorBoard tags come from ``metrics.ternary_scalars``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig, config_to_dict, diff_configs
+
+__all__ = ["InitSource", "resolve_init", "load_init_params", "continue_data_order", "MODEL_FIELDS_MAY_DIFFER",
+           "stats_summary", "stats_lines", "SHORT_NAMES"]
+
+#: Model config fields an init checkpoint may differ in: they change neither the parameters nor the math
+#: of a training forward at ``data.seq_len``.
+MODEL_FIELDS_MAY_DIFFER = frozenset({
+    "dtype", "param_dtype", "attention", "attention_impl", "sparse_config", "scan_layers", "remat",
+    "max_position_embeddings", "rope_scaling", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+})
+
+#: short names of the ternary matrices in log lines
+SHORT_NAMES = {"layers/q_proj": "q", "layers/k_proj": "k", "layers/v_proj": "v", "layers/o_proj": "o",
+               "layers/gate_proj": "gate", "layers/up_proj": "up", "layers/down_proj": "down",
+               "embed_tokens/embedding": "embed", "lm_head": "head"}
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+    """A resolved ``qat.init_from``: checkpoint folder, step and the config it was saved with."""
+
+    directory: Path
+    step: int
+    cfg: TrainConfig
+
+
+def resolve_init(cfg: TrainConfig) -> InitSource:
+    """Find ``cfg.qat.init_from`` (step ``qat.init_step`` or the latest) and check its model fits ``cfg``.
+
+    Reads only the checkpoint's stored config.
+
+    Raises:
+        ConfigError: no such folder / no checkpoint / no such step, or a model whose parameters or
+            μP constants differ (the differing fields are listed).
+    """
+    import orbax.checkpoint as ocp
+
+    from minicpm4_jax.config import config_from_dict
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir
+
+    q = cfg.qat
+    try:
+        directory = find_checkpoint_dir(q.init_from, step_option="qat.init_step")
+    except ConfigError as e:
+        raise ConfigError(f"qat.init_from: {e}") from None
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        steps = sorted(mngr.all_steps())
+        if not steps:
+            raise ConfigError(f"qat.init_from={q.init_from!r}: no complete checkpoint in {directory}")
+        step = steps[-1] if q.init_step is None else int(q.init_step)
+        if step not in steps:
+            raise ConfigError(f"qat.init_step={step} is not a checkpoint in {directory} (saved steps: "
+                              f"{', '.join(map(str, steps))}); pick one of those")
+        try:
+            raw = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged step
+            raise ConfigError(f"qat.init_from: checkpoint step {step} in {directory} has no readable config "
+                              f"({type(e).__name__}); pick another qat.init_step") from None
+    finally:
+        mngr.close()
+    saved = config_from_dict(raw)
+    bad = [d for d in diff_configs(saved.model, cfg.model, "model")
+           if d.split(":", 1)[0].split(".")[1] not in MODEL_FIELDS_MAY_DIFFER]
+    if bad:
+        raise ConfigError(
+            f"qat.init_from={q.init_from!r} (step {step}) holds a different model: " + "; ".join(bad)
+            + " (checkpoint value != current value); give the model section of that checkpoint (its config.json)"
+        )
+    return InitSource(directory=directory, step=step, cfg=saved)
+
+
+def load_init_params(src: InitSource, param_shardings: Any) -> Any:
+    """The latent float parameters of ``src`` (an ``nnx.State``), placed with ``param_shardings``."""
+    import jax
+    from flax import nnx
+
+    from minicpm4_jax.train.checkpoint import load_params_for_inference
+
+    _cfg, model = load_params_for_inference(src.directory, src.step, step_option="qat.init_step", ternary=False)
+    params = nnx.state(model, nnx.Param)
+    return jax.device_put(params, param_shardings)
+
+
+def _data_fields(cfg: TrainConfig) -> dict[str, Any]:
+    d = config_to_dict(cfg.data)
+    d.pop("cache_dir", None)
+    return d
+
+
+def continue_data_order(cfg: TrainConfig, src: InitSource, data_iterator: Any, log: Callable[[str], None]) -> bool:
+    """With ``qat.continue_data``, set ``data_iterator`` to where ``src``'s run stopped.
+
+    Only when ``src`` was saved with a data-iterator state and the same data settings
+    (``cache_dir`` aside); otherwise the data order starts from the beginning, and the reason is
+    logged. Returns whether the order was continued.
+    """
+    from minicpm4_jax.train.checkpoint import restore_data_iterator
+
+    if not cfg.qat.continue_data:
+        return False
+    if _data_fields(src.cfg) != _data_fields(cfg):
+        diffs = [d for d in diff_configs(src.cfg.data, cfg.data, "data") if not d.startswith("data.cache_dir")]
+        log(f"qat: data order starts from the beginning (init checkpoint's data settings differ: {'; '.join(diffs)})")
+        return False
+    if not restore_data_iterator(src.directory, src.step, data_iterator):
+        log(f"qat: data order starts from the beginning (checkpoint step {src.step} holds no data-iterator state)")
+        return False
+    log(f"qat: data order continues from step {src.step} of {src.directory}")
+    return True
+
+
+def stats_summary(stats: dict[str, dict[str, np.ndarray]]) -> tuple[float, float]:
+    """``(fraction of zero codes, mean scale)`` over every ternary matrix and layer (unweighted mean)."""
+    zeros = [float(np.mean(v["zero_fraction"])) for v in stats.values()]
+    scales = [float(np.mean(v["scale_mean"])) for v in stats.values()]
+    return (float(np.mean(zeros)) if zeros else float("nan"), float(np.mean(scales)) if scales else float("nan"))
+
+
+def stats_lines(stats: dict[str, dict[str, np.ndarray]], model_cfg: ModelConfig) -> list[str]:
+    """One terminal line per decoder layer: zero fraction and mean scale of each ternary matrix."""
+    out = []
+    order = {k: i for i, k in enumerate(SHORT_NAMES)}
+    stats = dict(sorted(stats.items(), key=lambda kv: order.get(kv[0], len(order))))
+    stacked = {k: v for k, v in stats.items() if np.ndim(v["zero_fraction"]) == 1}
+    for i in range(model_cfg.num_hidden_layers):
+        parts = [f"{SHORT_NAMES.get(k, k)} {100 * float(v['zero_fraction'][i]):4.1f}%/{float(v['scale_mean'][i]):.2e}"
+                 for k, v in stacked.items()]
+        out.append(f"  layer {i:>2d} zeros/scale: " + "  ".join(parts))
+    for k, v in stats.items():
+        if k not in stacked:
+            out.append(f"  {SHORT_NAMES.get(k, k)} zeros/scale: {100 * float(v['zero_fraction']):4.1f}%/"
+                       f"{float(v['scale_mean']):.2e}")
+    return out
