@@ -19,9 +19,20 @@ ratio of KV-cache values read per step per KV head: dense ``2 N`` (K and V) agai
 ``2 * min(K * block, N) + Nc1 + Nc2`` (selected K and V plus the fine and coarse compressed keys stage 1
 reads); the rest of the step (projections, MLP, head) is the same for both and lowers the real ratio.
 
+Speculative decoding (``--checkpoint RUN`` of a model trained with its MTP head, e.g. ``make train``):
+
+* **at the trained length** (the question a draft trained on short windows can answer): held-out
+  documents of the run's own validation split, a ``--prompt-len`` prompt and ``--gen-len`` greedy tokens
+  (together the training ``seq_len``), decoded plain, speculative and speculative + FR-Spec with the real
+  engine (``generate``); reports decode tokens/s and the measured acceptance length (tokens per verify).
+* **at 4K/16K/32K** (synthetic caches as above, the draft layer's cache too): tokens/s of speculative rounds
+  of the sparse model with the trained weights. The acceptance there is measured too, but on random caches
+  it says nothing about real long inputs (the draft never saw one).
+
 Run::
 
-    .venv/bin/python scripts/bench_decode.py                               # 4K, 16K, 32K
+    .venv/bin/python scripts/bench_decode.py                               # 4K, 16K, 32K, random weights
+    .venv/bin/python scripts/bench_decode.py --checkpoint runs/cpu_tiny --fr-spec-vocab 2048   # + speculative
     .venv/bin/python scripts/bench_decode.py --lengths 4096 8192 --steps 16 --rounds 3 --json out.json
 """
 
@@ -36,6 +47,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from minicpm4_jax.config import load_config
@@ -109,6 +121,77 @@ class Runner:
         return (time.perf_counter() - t0) / steps
 
 
+class SpecRunner:
+    """Speculative rounds on a synthetic cache (target and draft), timed like :class:`Runner`."""
+
+    def __init__(self, model, n: int, capacity: int, seed: int, num_draft: int, fr_ids=None):
+        from minicpm4_jax.infer.spec import SpecState, SpeculativeDecoder
+
+        self.engine = InferenceEngine(model)
+        self.dec = SpeculativeDecoder(self.engine, model.mtp, num_draft=num_draft, fr_spec_ids=fr_ids)
+        cfg = model.cfg
+        draft_cfg = dataclasses.replace(cfg, num_hidden_layers=1, attention="dense", sparse_config=None)
+        dcache = synthetic_cache(draft_cfg, n - 1, capacity, seed + 7).layers[0]
+        h = jax.random.normal(jax.random.key(seed + 3), (1, cfg.hidden_size), jnp.float32)
+        self.state = SpecState(cache=synthetic_cache(cfg, n, capacity, seed), dcache=dcache, lengths=[n],
+                               h_last=h, tok=jnp.zeros((1,), jnp.int32))
+        self.seeds = jnp.zeros((1,), jnp.uint32)
+        self.i = 0
+        self.produced = 0
+        self.rounds = 0
+
+    def run(self, rounds: int) -> tuple[float, int]:
+        """(seconds, tokens produced) over ``rounds`` rounds."""
+        t0 = time.perf_counter()
+        made = 0
+        for _ in range(rounds):
+            self.i += 1
+            self.state, acc, _, _, _ = self.dec.round(self.state, [True], self.seeds, self.i, SamplingParams())
+            made += acc[0] + 1
+        self.state.tok.block_until_ready()
+        self.produced += made
+        self.rounds += rounds
+        return time.perf_counter() - t0, made
+
+
+def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int, gen_len: int, n_docs: int) -> dict:
+    """Plain vs speculative (+ FR-Spec) greedy decoding of held-out text at the length the model trained on."""
+    from pathlib import Path
+
+    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
+    from minicpm4_jax.train.data import prepare_data
+
+    tcfg, model = load_params_for_inference(find_checkpoint_dir(run))
+    data = prepare_data(tcfg.data, log=lambda m: None)
+    val = np.asarray(data.val_tokens)
+    eos = data.tokenizer.eos_id
+    starts = [0] + [int(i) + 1 for i in np.flatnonzero(val == eos)]
+    prompts = [val[s_:s_ + prompt_len].tolist() for s_ in starts
+               if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs]
+    eng = InferenceEngine(model)
+    variants = {"plain": None, f"spec k={k}": SpeculativeDecoder(eng, model.mtp, num_draft=k)}
+    if fr_vocab:
+        ids = load_frequency_ranking(Path(run) / "fr_spec" / f"freq_{fr_vocab}.txt", model.cfg.vocab_size)[:fr_vocab]
+        variants[f"spec k={k} + FR-Spec {fr_vocab}"] = SpeculativeDecoder(eng, model.mtp, num_draft=k,
+                                                                         fr_spec_ids=ids)
+    out, plain_tokens = {}, None
+    for name, dec in variants.items():
+        gen = eng.generate if dec is None else dec.generate
+        gen([prompts[0]], gen_len)  # compile + warm-up
+        secs, toks, acc, tokens = 0.0, 0, [], []
+        for p in prompts:
+            o = gen([p], gen_len)
+            secs += o.decode_seconds
+            toks += o.new_tokens - 1  # the first token comes from prefill
+            acc.append(o.acceptance_length)
+            tokens.append(o.tokens[0])
+        plain_tokens = tokens if dec is None else plain_tokens
+        out[name] = dict(tok_s=toks / secs, acceptance=1.0 if dec is None else float(np.mean(acc)),
+                         identical=tokens == plain_tokens)
+    return dict(prompts=len(prompts), prompt_len=prompt_len, gen_len=gen_len, results=out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="cpu_tiny", help="preset or YAML whose model architecture is used")
@@ -116,13 +199,39 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (alternating)")
     ap.add_argument("--json", default=None, help="write the numbers here")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a run trained with its MTP head: its weights, and the speculative measurements")
+    ap.add_argument("--num-draft", type=int, default=3, help="tokens drafted per speculative round (default 3)")
+    ap.add_argument("--fr-spec-vocab", type=int, default=None,
+                    help="also FR-Spec with <checkpoint>/fr_spec/freq_N.txt (scripts/build_fr_spec.py)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="trained-length prompts: prompt tokens")
+    ap.add_argument("--gen-len", type=int, default=128, help="trained-length prompts: generated tokens")
+    ap.add_argument("--docs", type=int, default=8, help="trained-length prompts: held-out documents")
     args = ap.parse_args(argv)
 
-    base = load_config(args.config).model
-    longest = max(args.lengths) + (args.rounds + 1) * args.steps + 1
+    spec_rows = None
+    if args.checkpoint:
+        from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
+
+        res = trained_length_spec(args.checkpoint, args.num_draft, args.fr_spec_vocab, args.prompt_len,
+                                  args.gen_len, args.docs)
+        print(f"# trained length: {res['prompts']} held-out prompts of {res['prompt_len']} tokens + "
+              f"{res['gen_len']} greedy tokens, batch 1")
+        base_tps = res["results"]["plain"]["tok_s"]
+        for name, r in res["results"].items():
+            print(f"{name:>28}: {r['tok_s']:7.1f} tok/s  {r['tok_s'] / base_tps:5.2f}x  acceptance "
+                  f"{r['acceptance']:.2f}  identical to plain: {r['identical']}", flush=True)
+        spec_rows = res
+        tcfg, trained = load_params_for_inference(find_checkpoint_dir(args.checkpoint))
+        base = trained.cfg
+    else:
+        base = load_config(args.config).model
+    longest = max(args.lengths) + (args.rounds + 1) * args.steps * (args.num_draft + 1) + 1
     cfg = dataclasses.replace(base, max_position_embeddings=max(base.max_position_embeddings, longest),
                               attention="dense", dtype="float32")
     model = MiniCPM4(cfg, rngs=nnx.Rngs(0))
+    if args.checkpoint:  # the trained weights under the longer position limit
+        model = nnx.merge(nnx.graphdef(model), nnx.state(trained))
     dense_model = model
     sparse_model = with_attention(model, "infllmv2")  # the preset's sparse_config, else the MiniCPM4.1 defaults
     print(f"# model {args.config}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads "
@@ -131,28 +240,57 @@ def main(argv=None) -> int:
     print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch 1, fp32, "
           f"{args.rounds} rounds x {args.steps} steps", flush=True)
     rows = []
-    print(f"{'context':>8} {'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'bound':>6} {'attended':>9}")
+    spec = args.checkpoint is not None and cfg.mtp
+    fr_ids = None
+    if spec and args.fr_spec_vocab:
+        from pathlib import Path
+
+        from minicpm4_jax.infer.spec import load_frequency_ranking
+
+        fr_ids = load_frequency_ranking(Path(args.checkpoint) / "fr_spec" / f"freq_{args.fr_spec_vocab}.txt",
+                                        cfg.vocab_size)[:args.fr_spec_vocab]
+    head = f"{'context':>8} {'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'bound':>6} {'attended':>9}"
+    if spec:
+        head += f" {'+spec tok/s':>12} {'x sparse':>8} {'acc':>5}"
+        if fr_ids is not None:
+            head += f" {'+FR tok/s':>10} {'x sparse':>8} {'acc':>5}"
+    print(head)
     for n in args.lengths:
-        cap = cache_capacity(cfg, n + (args.rounds + 1) * args.steps + 1)
+        cap = cache_capacity(cfg, n + (args.rounds + 1) * args.steps * (args.num_draft + 1) + 1)
         runners = {"dense": Runner(dense_model, n, cap, 1), "sparse": Runner(sparse_model, n, cap, 1)}
+        if spec:
+            runners["spec"] = SpecRunner(sparse_model, n, cap, 1, args.num_draft)
+            if fr_ids is not None:
+                runners["fr"] = SpecRunner(sparse_model, n, cap, 1, args.num_draft, fr_ids)
         for r in runners.values():
             r.run(1)  # compile + warm-up
         times = {k: [] for k in runners}
         for _ in range(args.rounds):
             for k, r in runners.items():
-                times[k].append(r.run(args.steps))
+                if isinstance(r, SpecRunner):
+                    secs, made = r.run(args.steps)
+                    times[k].append(secs / made)  # seconds per generated token
+                else:
+                    times[k].append(r.run(args.steps))
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["dense"] / med["sparse"]
         b = bound(sparse_model.cfg, n)
         frac = statistics.mean(runners["sparse"].fracs[1:])
-        rows.append(dict(context=n, dense_tok_s=1 / med["dense"], sparse_tok_s=1 / med["sparse"], ratio=ratio,
-                         bound=b, attended_fraction=frac, dense_times=times["dense"], sparse_times=times["sparse"]))
-        print(f"{n:>8} {1 / med['dense']:>12.1f} {1 / med['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {frac:>9.3f}",
-              flush=True)
+        row = dict(context=n, dense_tok_s=1 / med["dense"], sparse_tok_s=1 / med["sparse"], ratio=ratio, bound=b,
+                   attended_fraction=frac, times=times)
+        line = f"{n:>8} {1 / med['dense']:>12.1f} {1 / med['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {frac:>9.3f}"
+        for k in ("spec", "fr"):
+            if k in runners:
+                acc = runners[k].produced / runners[k].rounds
+                row[f"{k}_tok_s"], row[f"{k}_acceptance"] = 1 / med[k], acc
+                line += f" {1 / med[k]:>12.1f} {med['sparse'] / med[k]:>7.2f}x {acc:>5.2f}"
+        rows.append(row)
+        print(line, flush=True)
         del runners
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=args.config, rows=rows, steps=args.steps, rounds=args.rounds), f, indent=1)
+            json.dump(dict(config=args.checkpoint or args.config, rows=rows, steps=args.steps, rounds=args.rounds,
+                           trained_length=spec_rows), f, indent=1, default=str)
     return 0
 
 

@@ -50,7 +50,7 @@ from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention
 
-__all__ = ["SpeculativeDecoder", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
+__all__ = ["SpeculativeDecoder", "SpecState", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
            "load_frequency_ranking"]
 
 
@@ -254,6 +254,18 @@ def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
     return a, nxt.astype(jnp.int32)
 
 
+@dataclasses.dataclass
+class SpecState:
+    """Between rounds: the target and draft caches, cached lengths (host ints), ``h_{n-1}`` ``[b, H]`` and the
+    pending token ``x_n`` ``[b]`` of every sequence."""
+
+    cache: Any
+    dcache: Any
+    lengths: list
+    h_last: jax.Array
+    tok: jax.Array
+
+
 class SpeculativeDecoder:
     """Speculative generation for an :class:`~minicpm4_jax.infer.engine.InferenceEngine` with an MTP draft.
 
@@ -299,6 +311,41 @@ class SpeculativeDecoder:
             self._accept[key] = jax.jit(partial(_accept, sampling=sampling, vocab_limit=vocab_limit))
         return self._propose[key], self._accept[key]
 
+    def round(self, st: SpecState, active: list[bool], seeds: jax.Array, rnd: int, sampling: SamplingParams,
+              vocab_limit: int | None = None) -> tuple:
+        """One draft-verify-accept round for the ``active`` sequences (module docstring, steps 1-4).
+
+        Returns ``(state, accepted, drafts, next_tokens, attended_fraction)``: accepted drafts per row (host
+        ints), the drafts ``[b, k]`` and the token after the accepted ones ``[b]`` (host arrays).
+        """
+        eng, cfg, k = self.engine, self.cfg, self.k
+        propose, accept = self._fns(sampling, vocab_limit)
+        b = len(active)
+        n = list(st.lengths)
+        r_ = jnp.int32(rnd)
+        cache = dataclasses.replace(st.cache, lengths=jnp.asarray(n, jnp.int32))  # rollback of rejected tokens
+        pos0 = jnp.asarray([n[r] - 1 if active[r] else -1 for r in range(b)], jnp.int32)
+        dcache, drafts, q = propose(eng.weights, self.draft, st.dcache, st.h_last, st.tok, pos0, seeds, r_)
+        chunk = jnp.concatenate([st.tok[:, None], drafts], axis=1)  # [b, k+1]
+        vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
+        # the decode attention path with per-token dispatch: each verified row sees exactly what a plain decode
+        # step at its position would (dense below dense_len, sparse at or above)
+        mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
+        cache, lg, frac, hid = eng._forward(eng.weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1,
+                                            all_rows=True, mode=mode, return_hidden=True)
+        a, nxt = accept(lg, drafts, q, seeds, r_)
+        acc = [int(x) for x in jax.device_get(a)]
+        # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
+        fpos = jnp.asarray([[n[r] + j if (active[r] and j < acc[r]) else -1 for j in range(k)] for r in range(b)],
+                           jnp.int32)
+        dcache = self._fill(eng.weights, self.draft, dcache, hid[:, :k], drafts, fpos)
+        h_last = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
+        for r in range(b):
+            if active[r]:
+                n[r] += acc[r] + 1
+        new = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt)
+        return new, acc, jax.device_get(drafts), jax.device_get(nxt), frac
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
                  stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
@@ -320,7 +367,6 @@ class SpeculativeDecoder:
             raise ConfigError(f"prompt ({max(lens)}) + max_new_tokens ({max_new_tokens}) + num_draft ({k}) exceeds "
                               f"max_position_embeddings={cfg.max_position_embeddings}; generate fewer tokens")
         b = len(prompts)
-        propose, accept = self._fns(sampling, vocab_limit)
         first = eng._first_fn(sampling, vocab_limit)
         col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
@@ -347,35 +393,16 @@ class SpeculativeDecoder:
         for r, t in enumerate(jax.device_get(tok)):
             take(r, int(t))
         rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
+        state = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=tok)
         while any(active):
-            rnd = jnp.int32(rounds + 1)
             act_rows = [r for r in range(b) if active[r]]
-            cache = dataclasses.replace(cache, lengths=jnp.asarray(n, jnp.int32))
-            pos0 = jnp.asarray([n[r] - 1 if active[r] else -1 for r in range(b)], jnp.int32)
-            dcache, drafts, q = propose(eng.weights, self.draft, dcache, h_last, tok, pos0, seeds_arr, rnd)
-            chunk = jnp.concatenate([tok[:, None], drafts], axis=1)  # [b, k+1]
-            vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
-            # the decode attention path with per-token dispatch: each verified row sees exactly what a plain
-            # decode step at its position would (dense below dense_len, sparse at or above)
-            mode = decode_mode(cfg, [n[r] + 1 + j for r in act_rows for j in range(k + 1)])
-            cache, lg, frac, hid = eng._forward(eng.weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1,
-                                                all_rows=True, mode=mode, return_hidden=True)
+            state, acc, d_host, nxt_host, frac = self.round(state, list(active), seeds_arr, rounds + 1, sampling,
+                                                            vocab_limit)
             fracs.append(frac)
-            a, nxt = accept(lg, drafts, q, seeds_arr, rnd)
-            a_h = [int(x) for x in jax.device_get(a)]
-            # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
-            fpos = jnp.asarray([[n[r] + j if (active[r] and j < a_h[r]) else -1 for j in range(k)] for r in range(b)],
-                               jnp.int32)
-            dcache = self._fill(eng.weights, self.draft, dcache, hid[:, :k], drafts, fpos)
-            h_last = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
-            tok = nxt
-            d_host = jax.device_get(drafts)
-            nxt_host = jax.device_get(nxt)
             spec_rounds += len(act_rows)
             for r in act_rows:
-                n[r] += a_h[r] + 1
-                produced += a_h[r] + 1
-                for j in range(a_h[r]):
+                produced += acc[r] + 1
+                for j in range(acc[r]):
                     take(r, int(d_host[r, j]))
                 take(r, int(nxt_host[r]))
             forwards += 1
