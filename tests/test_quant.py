@@ -513,3 +513,37 @@ def test_gguf_tq_refuses_what_it_cannot_hold_exactly(tmp_path, tiny_tokenizer_di
     assert len(err) == 1 and err[0].startswith("error: --outtype tq2_0: model.layers.0.self_attn.q_proj.weight "
                                                "(blk.0.attn_q.weight) has rows of 64 input columns"), err
     assert not out.exists()
+
+
+@pytest.mark.llamacpp
+@pytest.mark.skipif(__import__("os").environ.get("MINICPM4_LLAMACPP") != "1",
+                    reason="opt-in: set MINICPM4_LLAMACPP=1 (builds llama-cpp-python from source once, 15-30 min) "
+                           "and run with -m llamacpp")
+@pytest.mark.parametrize("outtype", ["tq2_0", "tq1_0"])
+def test_gguf_tq_logits_in_llamacpp(tmp_path, tiny_tokenizer_dir, outtype):
+    """llama.cpp itself runs the ternary GGUF: its logits against the JAX model with the same ternary weights.
+
+    llama.cpp's TQ kernels multiply ternary weights by activations quantized to 8 bits (Q8_K), so the match is
+    approximate: the bound is 2% of the largest logit (measured errors are printed).
+    """
+    import subprocess
+
+    from test_gguf_export import REPO
+
+    cfg = _tq_cfg(tied=False)
+    spec = TernarySpec(granularity="per_row")
+    q = ternarize(random_params(cfg, seed=41), cfg, spec)
+    path = tmp_path / "t.gguf"
+    write_gguf(q, cfg, path, outtype=outtype, tokenizer_dir=tiny_tokenizer_dir, ternary=spec)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids[0])
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "verify_gguf_llamacpp.sh"), str(path), str(tmp_path / "ids.npy"),
+                           str(tmp_path / "scores.npy")], cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scores = np.load(tmp_path / "scores.npy")
+    ref = jax_logits(cfg, read_gguf_params(path, cfg), ids)[0]  # the exact dequantized weights of the file
+    err = float(np.max(np.abs(scores - ref)))
+    top1 = float(np.mean(np.argmax(scores, -1) == np.argmax(ref, -1)))
+    print(f"llama.cpp {outtype.upper()} vs JAX: max|dlogit| {err:.3e} of max|logit| {np.max(np.abs(ref)):.3e}, "
+          f"top-1 agreement {top1:.2f}")
+    assert err <= 2e-2 * float(np.max(np.abs(ref)))
