@@ -89,7 +89,7 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
 def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_idx: jax.Array, *,
                             q_positions: jax.Array, block_size: int, window_blocks: int = 0, init_blocks: int = 0,
                             gather_width: int | None = None, scale: float | None = None) -> jax.Array:
-    """InfLLM v2 stage 2 for one new token per sequence: attend only the selected cache blocks (§5.5).
+    """InfLLM v2 stage 2 for new tokens over a KV cache: attend only the selected cache blocks (§5.5).
 
     Each query head attends, over the keys of its KV head at positions ``<= q_position``, the union of the
     group's ``topk_idx`` blocks, the blocks ``0 .. init_blocks - 1`` and the window
@@ -98,90 +98,100 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     window; gen-2 may pass its forced blocks (already in ``topk_idx``) as ``init_blocks`` / ``window_blocks``
     (:func:`~minicpm4_jax.infllm.attention.stage2_forced_split`), which does not change the result.
 
-    The window and init blocks are read as contiguous slices of the cache; only the other picks (compacted
-    into ``gather_width`` columns) are gathered, as whole ``[block_size * head_dim]`` rows.
+    The init blocks and the windows (one slice covering the windows of all new tokens of a sequence) are read
+    as contiguous slices of the cache; only the other picks (compacted into ``gather_width`` columns) are
+    gathered, as whole ``[block_size * head_dim]`` rows, in one gather for all tokens.
 
     Args:
-        q: ``[batch, num_heads, head_dim]`` post-RoPE query.
+        q: ``[batch, num_heads, head_dim]`` (one new token per sequence) or ``[batch, T, num_heads, head_dim]``
+            (a few, e.g. a speculative verify chunk), post-RoPE.
         k_cache, v_cache: ``[batch, num_kv_heads, capacity, head_dim]``; ``capacity`` a multiple of
-            ``block_size`` and at least ``(window_blocks + init_blocks) * block_size``.
-        topk_idx: int ``[batch, num_kv_heads, K]`` block ids, ``-1`` unused, no id repeated
-            (:class:`~minicpm4_jax.infllm.select.Selection` format with ``T`` squeezed).
-        q_positions: int ``[batch]`` (``-1`` = inactive row -> zeros).
+            ``block_size`` and at least the window slice.
+        topk_idx: int ``[batch, num_kv_heads, K]`` (or ``[batch, num_kv_heads, T, K]``) block ids, ``-1`` unused,
+            no id repeated in a row (:class:`~minicpm4_jax.infllm.select.Selection` format).
+        q_positions: int ``[batch]`` (or ``[batch, T]``); ``-1`` = inactive row (zeros out).
         block_size: KV block size.
         window_blocks, init_blocks: forced blocks (see above); 0 = none.
         gather_width: columns kept for the picks outside the forced blocks; default ``K`` (never drops one).
         scale: softmax scale, default ``head_dim ** -0.5``.
 
     Returns:
-        ``[batch, num_heads, head_dim]`` in ``q.dtype`` (fp32 softmax). Reads
-        ``(gather_width + window_blocks + init_blocks) * block_size`` keys and values per (sequence, KV head).
+        the shape of ``q``, in ``q.dtype`` (fp32 softmax). Reads ``(gather_width + window_blocks + init_blocks)
+        * block_size`` keys and values per (new token, KV head) (the window slice is shared by the tokens).
 
     Raises:
         ValueError: mismatched shapes, a capacity that is not a multiple of ``block_size`` or too small.
     """
-    b, nq, d, nkv, s = _check(q, k_cache, v_cache)
+    single = q.ndim == 3
+    q4 = q[:, None] if single else q
+    pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)  # [b, t]
+    idx = (topk_idx[:, :, None] if single else topk_idx).astype(jnp.int32)  # [b, kv, t, K]
+    b, t = q4.shape[:2]
+    _, nq, d, nkv, s = _check(q4[:, 0], k_cache, v_cache)
     if s % block_size:
         raise ValueError(f"cache capacity {s} is not a multiple of block_size={block_size}")
-    if topk_idx.ndim != 3 or topk_idx.shape[:2] != (b, nkv):
-        raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, K]")
+    if idx.ndim != 4 or idx.shape[:3] != (b, nkv, t):
+        raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, (T={t},) K]")
     nb = s // block_size
-    if window_blocks + init_blocks > nb:
-        raise ValueError(f"window_blocks={window_blocks} + init_blocks={init_blocks} exceed the cache's {nb} blocks")
+    span = -(-(t - 1) // block_size) + 1  # query blocks the new tokens of one sequence can touch
+    n_win = window_blocks + span - 1 if window_blocks else 0
+    if n_win + init_blocks > nb:
+        raise ValueError(f"window_blocks={window_blocks} (+{span - 1} for {t} tokens) + init_blocks={init_blocks} "
+                         f"exceed the cache's {nb} blocks")
     g = nq // nkv
+    rows = b * nkv
     scale = d**-0.5 if scale is None else scale
-    pos = q_positions.astype(jnp.int32)
-    qb = jnp.floor_divide(pos, block_size)  # [b]
-    width = topk_idx.shape[-1] if gather_width is None else gather_width
-    idx = topk_idx.astype(jnp.int32)
+    qb = jnp.floor_divide(pos, block_size)  # [b, t]
+    width = idx.shape[-1] if gather_width is None else gather_width
     if window_blocks or init_blocks or width < idx.shape[-1]:
-        idx = compact_topk(idx[:, :, None], pos[:, None], block_size=block_size, init_blocks=init_blocks,
-                           window_blocks=window_blocks, width=width)[:, :, 0]
-    parts_k, parts_v, parts_ok = [], [], []
+        idx = compact_topk(idx, pos, block_size=block_size, init_blocks=init_blocks, window_blocks=window_blocks,
+                           width=width)
+    qr = q4.reshape(b, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(rows, t * g, d)  # rows of (token, head)
+
+    def per_query(ok):  # [b, t, n] -> [rows, t * g, n]
+        n = ok.shape[-1]
+        return jnp.broadcast_to(ok[:, None, :, None, :], (b, nkv, t, g, n)).reshape(rows, t * g, n)
+
+    state = None
     if init_blocks:
         n = init_blocks * block_size
         kp = jnp.arange(n, dtype=jnp.int32)
-        parts_k.append(k_cache[:, :, :n])
-        parts_v.append(v_cache[:, :, :n])
-        parts_ok.append(jnp.broadcast_to((kp[None, :] <= pos[:, None])[:, None], (b, nkv, n)))
+        ok = per_query(kp[None, None, :] <= pos[:, :, None])
+        state = _softmax_state(qr, k_cache[:, :, :n].reshape(rows, n, d), v_cache[:, :, :n].reshape(rows, n, d), ok,
+                               scale)
     if window_blocks:
-        n = window_blocks * block_size
-        start = jnp.clip((qb - window_blocks + 1) * block_size, 0, s - n)  # [b]
+        n = n_win * block_size
+        lo_blk = jnp.min(jnp.where(pos >= 0, qb, nb), axis=1)  # [b] first query block of the sequence's tokens
+        start = jnp.clip((lo_blk - window_blocks + 1) * block_size, 0, s - n)
 
         def window(x):  # per-row slices (a vmapped dynamic slice lowers to a slower gather on XLA:CPU)
             if b <= 16:
                 return jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start[i], n, axis=1) for i in range(b)])
             return jax.vmap(lambda xr, st: jax.lax.dynamic_slice_in_dim(xr, st, n, axis=1))(x, start)
 
-        parts_k.append(window(k_cache))
-        parts_v.append(window(v_cache))
         kp = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]  # [b, n]
-        kblk = jnp.floor_divide(kp, block_size)
-        ok = (kblk > qb[:, None] - window_blocks) & (kp <= pos[:, None]) & (kblk >= init_blocks)
-        parts_ok.append(jnp.broadcast_to(ok[:, None], (b, nkv, n)))
-    qr = q.reshape(b * nkv, g, d)
-    state = None
-    for kp_, vp_, okp in zip(parts_k, parts_v, parts_ok):  # contiguous parts: one softmax state each
-        n = kp_.shape[2]
-        st = _softmax_state(qr, kp_.reshape(b * nkv, n, d), vp_.reshape(b * nkv, n, d), okp.reshape(b * nkv, n), scale)
+        kblk = jnp.floor_divide(kp, block_size)[:, None, :]
+        ok = ((kblk > qb[:, :, None] - window_blocks) & (kp[:, None, :] <= pos[:, :, None])
+              & (kblk >= init_blocks))  # [b, t, n]
+        st = _softmax_state(qr, window(k_cache).reshape(rows, n, d), window(v_cache).reshape(rows, n, d),
+                            per_query(ok), scale)
         state = st if state is None else _merge(state, st)
     if width:
-        # the other picks: one gather of whole [block_size * head_dim] rows of the block-major view of the cache
-        # (a fori_loop reading one block column per step measured 1.2x slower in the whole decode step at 32K)
-        rows = b * nkv
-        ir = idx.reshape(rows, width)
-        blk = jnp.clip(ir, 0, nb - 1)
-        flat = ((jnp.arange(rows) * nb)[:, None] + blk).reshape(-1)
-        kg = jnp.take(k_cache.reshape(rows * nb, block_size * d), flat, axis=0, mode="clip")
-        vg = jnp.take(v_cache.reshape(rows * nb, block_size * d), flat, axis=0, mode="clip")
-        pr = jnp.broadcast_to(pos[:, None], (b, nkv)).reshape(rows)
-        kpos = blk[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)  # [rows, width, block]
-        okg = ((ir >= 0)[..., None] & (kpos <= pr[:, None, None])).reshape(rows, width * block_size)
-        picked = _softmax_state(qr, kg.reshape(rows, width * block_size, d), vg.reshape(rows, width * block_size, d),
-                                okg, scale)
-        state = picked if state is None else _merge(state, picked)
+        # the other picks of every token: one gather of whole [block_size * head_dim] rows of the block-major
+        # view of the cache (a fori_loop reading one block column per step measured 1.2x slower at 32K)
+        blk = jnp.clip(idx, 0, nb - 1)  # [b, kv, t, width]
+        flat = ((jnp.arange(rows) * nb).reshape(b, nkv, 1, 1) + blk).reshape(-1)
+        n = width * block_size
+        kg = jnp.take(k_cache.reshape(rows * nb, block_size * d), flat, axis=0, mode="clip").reshape(rows * t, n, d)
+        vg = jnp.take(v_cache.reshape(rows * nb, block_size * d), flat, axis=0, mode="clip").reshape(rows * t, n, d)
+        kpos = blk[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)  # [b, kv, t, width, block]
+        ok = (idx >= 0)[..., None] & (kpos <= pos[:, None, :, None, None])
+        qt = q4.reshape(b, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(rows * t, g, d)
+        m, l, acc = _softmax_state(qt, kg, vg, ok.reshape(rows * t, n), scale)
+        st = tuple(x.reshape(rows, t * g, x.shape[-1]) for x in (m, l, acc))
+        state = st if state is None else _merge(state, st)
     if state is None:
         return jnp.zeros_like(q)
     _, l, acc = state
-    out = acc / jnp.where(l == 0.0, 1.0, l)
-    return out.reshape(b, nq, d).astype(q.dtype)
+    out = (acc / jnp.where(l == 0.0, 1.0, l)).reshape(b, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d)
+    return (out[:, 0] if single else out).astype(q.dtype)

@@ -291,3 +291,35 @@ def test_with_attention_switches_algorithm_keeps_weights(weights):
     back = with_attention(sp, "dense")
     ids = jnp.asarray([_ids(40)], jnp.int32)
     np.testing.assert_array_equal(np.asarray(back(ids)), np.asarray(model(ids)))
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_sparse_decode_attention_several_tokens_matches_stage2_reference(variant):
+    """A verify chunk: 3 new tokens per sequence crossing a block boundary, each with its own selection."""
+    rng = np.random.default_rng(8)
+    b, nkv, g, d, cap, bs, t = 2, 2, 3, 16, 256, 32, 3
+    k = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
+    pos = jnp.asarray([[190, 191, 192], [62, 63, -1]], jnp.int32)  # the second sequence has one inactive row
+    params = select_params(SparseConfig(**{**GEOM, "variant": variant}))
+    k_used = params.topk_cfg
+    idx = np.full((b, nkv, t, k_used), -1, np.int32)
+    for i in range(b):
+        for j in range(t):
+            if pos[i, j] < 0:
+                continue
+            qb = int(pos[i, j]) // bs
+            for h in range(nkv):
+                pick = np.sort(rng.choice(qb + 1, size=min(k_used, qb + 1), replace=False))
+                idx[i, h, j, :len(pick)] = pick
+    window = params.local_blocks if variant == "gen1" else 0
+    extra = dict(init_blocks=1, window_blocks=window + 1, gather_width=k_used)
+    got = sparse_decode_attention(q, k, v, jnp.asarray(idx), q_positions=pos, block_size=bs, **extra)
+    ref = infllmv2_stage2(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(idx), q_positions=pos,
+                          kv_positions=jnp.broadcast_to(jnp.arange(cap), (b, cap)), block_size=bs, **extra)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(got[1, 2]))  # the inactive row is zeros
+    one = sparse_decode_attention(q[:, 1], k, v, jnp.asarray(idx[:, :, 1]), q_positions=pos[:, 1], block_size=bs,
+                                  **extra)
+    np.testing.assert_allclose(np.asarray(got[:, 1]), np.asarray(one), atol=1e-6, rtol=1e-6)

@@ -228,10 +228,8 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
                                    kv_len=jnp.max(positions, axis=1) + 1, q_tile=t)
     idx = sel.topk_idx[..., :k_used]  # [b, kv, t, K]
     init, win, width = stage2_forced_split(params, k_used)
-    sparse_pos = jnp.where(use_dense, -1, positions)
-    out = jnp.stack([sparse_decode_attention(q[:, i], lc.k, lc.v, idx[:, :, i], q_positions=sparse_pos[:, i],
-                                             block_size=sc.block_size, window_blocks=win, init_blocks=init,
-                                             gather_width=width) for i in range(t)], axis=1)
+    out = sparse_decode_attention(q, lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, positions),
+                                  block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
     keys = attended_keys(idx, positions, block_size=sc.block_size, window_blocks=window).astype(jnp.float32)
     if mode == "mixed":
         dense = dense_decode_attention(q, lc.k, lc.v, q_positions=jnp.where(use_dense, positions, -1))
