@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="keep only the K most likely tokens when sampling (default 0 = all)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when the continuation contains TEXT (repeatable; the text is cut before it)")
+                   help="stop when the continuation contains TEXT (repeatable; the text is cut before it; taken "
+                        "literally: in bash write a newline as $'\\n')")
     g.add_argument("--sparse", action=argparse.BooleanOptionalAction, default=None,
                    help="force InfLLM v2 sparse attention (the model's sparse_config, else the MiniCPM4.1 defaults) "
                         "or, with --no-sparse, dense attention (default: as the model was trained)")
