@@ -256,17 +256,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # This project's data pipeline separates documents with EOS: a new document follows an EOS.
     prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     stream = None
+    shown = [False]  # the prompt is echoed with the first streamed piece: a refused request prints nothing
     if not args.no_stream:
-        print(args.prompt, end="", flush=True)
-
         def stream(piece: str) -> None:
+            if not shown[0]:
+                print(args.prompt, end="", flush=True)
+                shown[0] = True
             print(piece, end="", flush=True)
 
     text, out = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
                          top_p=args.top_p, seed=args.seed, prefix_ids=prefix, top_k=args.top_k,
                          stop_strings=args.stop, stream=stream, engine=engine, speculative=speculative,
                          return_output=True)
-    print(args.prompt + text if args.no_stream else "", flush=True)
+    print("" if shown[0] else args.prompt + text, flush=True)
     attn = model.cfg.attention
     print(f"[{out.new_tokens} new tokens ({out.finish_reasons[0]}); prefill {out.prompt_tokens} tokens in "
           f"{out.prefill_seconds:.2f} s; decode {out.decode_tokens_per_second:.1f} tokens/s; attention {attn}, "
@@ -292,6 +294,9 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
     from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking
 
     ids = None
+    vocab = model.cfg.vocab_size
+    if args.fr_spec_vocab is not None and not 1 <= args.fr_spec_vocab <= vocab:
+        raise ConfigError(f"--fr-spec-vocab={args.fr_spec_vocab} must be in [1, vocab_size={vocab}]")
     if args.fr_spec is not None or args.fr_spec_vocab is not None:
         path = Path(args.fr_spec) if args.fr_spec else None
         if path is None:

@@ -46,12 +46,11 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
 
 
 @partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p", "vocab_limit"))
-def _step(graphdef: nnx.GraphDef, params: Any, buf: jax.Array, cursor: jax.Array, key: jax.Array,
+def _step(graphdef: nnx.GraphDef, params: Any, ids: jax.Array, key: jax.Array,
           temperature: float, top_p: float, vocab_limit: int | None) -> jax.Array:
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden_states(buf)  # [1, L, h]
-    h = jax.lax.dynamic_slice_in_dim(hidden, cursor - 1, 1, axis=1)  # the last filled position
-    logits = model.logits(h)[:, 0]  # [1, vocab] float32
+    hidden = model.hidden_states(ids)  # [1, L, h]: exactly the sequence so far (no padding: the InfLLM v2
+    logits = model.logits(hidden[:, -1:])[:, 0]  # dispatch depends on the length), [1, vocab] float32
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
     return sample_next(logits, key, temperature, top_p)[0]
@@ -60,7 +59,11 @@ def _step(graphdef: nnx.GraphDef, params: Any, buf: jax.Array, cursor: jax.Array
 def generate_ids_uncached(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                           top_p: float = 1.0, seed: int = 0, stop_ids: tuple[int, ...] = (),
                           vocab_limit: int | None = None) -> list[int]:
-    """Reference without a KV cache (one full forward per token). Extend ``prompt_ids`` by up to ``max_new_tokens`` ids (stops after any id in ``stop_ids``).
+    """Reference without a KV cache: one full forward of exactly the sequence so far per new token.
+
+    Extends ``prompt_ids`` by up to ``max_new_tokens`` ids (stops after any id in ``stop_ids``). The forward
+    sees the true length (never a padded buffer), so an InfLLM v2 model dispatches dense/sparse as at
+    that length.
 
     ``vocab_limit``: only ids below it are produced (a tokenizer smaller than the model's padded
     vocabulary).
@@ -75,21 +78,18 @@ def generate_ids_uncached(model: Any, prompt_ids: list[int], max_new_tokens: int
 
     check_generation_request(model.cfg, [len(prompt_ids)], max_new_tokens)
     SamplingParams(temperature=temperature, top_p=top_p).validate()
-    total = len(prompt_ids) + max_new_tokens
     graphdef, params = nnx.split(model, nnx.Param)
-    buf = jnp.zeros((1, total), jnp.int32).at[0, : len(prompt_ids)].set(jnp.asarray(prompt_ids, jnp.int32))
     key = jax.random.key(seed)
     out: list[int] = []
-    cursor = len(prompt_ids)
-    for _ in range(max_new_tokens):
+    seq = [int(i) for i in prompt_ids]
+    for _ in range(max_new_tokens):  # one compilation per length: a reference, not a fast path
         key, sub = jax.random.split(key)
-        tok = _step(graphdef, params, buf, jnp.int32(cursor), sub, float(temperature), float(top_p), vocab_limit)
-        tok_i = int(tok)
+        tok_i = int(_step(graphdef, params, jnp.asarray([seq], jnp.int32), sub, float(temperature), float(top_p),
+                          vocab_limit))
         out.append(tok_i)
         if tok_i in stop_ids:
             break
-        buf = buf.at[0, cursor].set(tok)
-        cursor += 1
+        seq.append(tok_i)
     return out
 
 

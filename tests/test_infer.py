@@ -273,6 +273,17 @@ def test_bad_requests_are_one_line_errors(weights):
         eng.generate([[1]], 3, stop_strings=["x"])
     with pytest.raises(ConfigError, match="2 seeds for 1 prompts"):
         eng.generate([[1]], 3, seeds=[1, 2])
+    # found by the break test: seeds outside uint32, empty stop strings, non-finite / non-integer sampling values
+    with pytest.raises(ConfigError, match=r"seed -1 is outside \[0, 4294967295\]"):
+        eng.generate([[1]], 3, seeds=-1)
+    with pytest.raises(ConfigError, match="seed 4294967296 is outside"):
+        eng.generate([[1], [2]], 3, seeds=2**32 - 1)  # row 1 gets seed + 1
+    with pytest.raises(ConfigError, match="stop string is empty"):
+        eng.generate([[1]], 3, stop_strings=[""], detokenize=str)
+    with pytest.raises(ConfigError, match="temperature=inf must be a finite number"):
+        eng.generate([[1]], 3, sampling=SamplingParams(temperature=float("inf")))
+    with pytest.raises(ConfigError, match="top_k=2.5 must be an integer"):
+        eng.generate([[1]], 3, sampling=SamplingParams(top_k=2.5))
     with pytest.raises(ConfigError, match="prefill_chunk=10"):
         InferenceEngine(_model(weights, BASE), prefill_chunk=10)
     with pytest.raises(ConfigError, match="attention_impl='pallas'"):
@@ -323,3 +334,21 @@ def test_sparse_decode_attention_several_tokens_matches_stage2_reference(variant
     one = sparse_decode_attention(q[:, 1], k, v, jnp.asarray(idx[:, :, 1]), q_positions=pos[:, 1], block_size=bs,
                                   **extra)
     np.testing.assert_allclose(np.asarray(got[:, 1]), np.asarray(one), atol=1e-6, rtol=1e-6)
+
+
+def test_uncached_reference_sees_the_true_length_across_dense_len():
+    """Break-test regression: the reference once padded its buffer, so a sparse model dispatched on the padded length."""
+    from minicpm4_jax.generate import generate_ids_uncached
+
+    # gen-1 with 1 top-k block and a 1-block window: sparse differs from dense below dense_len = 128; a larger
+    # init makes the logits spread enough that the dispatch changes the argmax (checked below)
+    cfg = dataclasses.replace(_cfg("gen1", dense_len=128, topk=1, window_size=32), initializer_range=0.5)
+    model = MiniCPM4(cfg, rngs=nnx.Rngs(0))
+    prompt = _ids(120, seed=3)
+    exact = np.asarray(model(jnp.asarray([prompt], jnp.int32)))[0, -1]
+    padded = np.asarray(model(jnp.asarray([prompt + [0] * 16], jnp.int32)))[0, 119]  # dispatches sparse
+    assert exact.argmax() != padded.argmax()  # so a padded reference would give another first token
+    ref = generate_ids_uncached(model, prompt, 16)
+    assert ref[0] == int(exact.argmax())
+    assert generate_ids_uncached(model, prompt, 1) == ref[:1]  # the first token does not depend on the budget
+    assert InferenceEngine(model, prefill_chunk=64).generate([prompt], 16).tokens[0] == ref

@@ -133,3 +133,14 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
     names = set(load_file(str(next(hf.glob("*.safetensors")))))
     assert names and not any("mtp" in n or "fc" in n for n in names)
     assert "MTP draft head stays" in json.loads((hf / "minicpm4_manifest.json").read_text())["mtp_draft"]
+
+    # break-test regressions: refusals are one line on stderr, exit 2, nothing on stdout (the prompt is echoed
+    # only with the first generated text)
+    for bad, msg in ((["--top-p", "0"], "top_p=0.0 must be in"), (["--stop", ""], "stop string is empty"),
+                     (["--seed", "-1"], "seed -1 is outside"), (["--max-new-tokens", "0"], "max_new_tokens=0"),
+                     (["--spec-decode", "--fr-spec", str(tmp_path)], "is a directory"),
+                     (["--spec-decode", "--fr-spec-vocab", "0"], "--fr-spec-vocab=0 must be in [1, vocab_size=")):
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", run, "--prompt", "def ", *bad]) == 2, bad
+        o = capsys.readouterr()
+        assert o.out == "" and msg in o.err and len(o.err.strip().splitlines()) == 1, (bad, o)

@@ -159,10 +159,16 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
     sampling.validate()
     if stop_strings and detokenize is None:
         raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
+    if any(not s for s in stop_strings):
+        raise ConfigError("a stop string is empty; give non-empty stop texts")
     b = len(prompt_lens)
     seed_list = [int(seeds) + i for i in range(b)] if isinstance(seeds, int) else [int(s) for s in seeds]
     if len(seed_list) != b:
         raise ConfigError(f"{len(seed_list)} seeds for {b} prompts; give one per prompt or a single int")
+    bad = [x for x in seed_list if not 0 <= x < 2**32]
+    if bad:
+        raise ConfigError(f"seed {bad[0]} is outside [0, {2**32 - 1}] (an int seed s gives row i the seed s + i); "
+                          "pick a smaller non-negative seed")
     return jnp.asarray(seed_list, jnp.uint32)
 
 

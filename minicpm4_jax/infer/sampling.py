@@ -28,10 +28,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises :class:`~minicpm4_jax.config.ConfigError` naming a bad value and its valid range."""
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k={self.top_k} must be >= 0 (0 = no top-k filter)")
+        if not 0 <= self.temperature < float("inf"):
+            raise ConfigError(f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
 

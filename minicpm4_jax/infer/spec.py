@@ -107,6 +107,8 @@ def load_frequency_ranking(path: str | Path, vocab_size: int) -> np.ndarray:
         ConfigError: missing or unreadable file, duplicate ids, or ids outside ``[0, vocab_size)``.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"FR-Spec ranking {path} is a directory; pass its freq_N.txt or the official freq_N.pt")
     if not path.is_file():
         raise ConfigError(f"FR-Spec ranking {path} does not exist; build one with "
                           "scripts/build_fr_spec.py or pass the official freq_*.pt")
@@ -365,7 +367,8 @@ class SpeculativeDecoder:
         seeds_arr = validate_request(cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
         if max(lens) + max_new_tokens + k > cfg.max_position_embeddings:
             raise ConfigError(f"prompt ({max(lens)}) + max_new_tokens ({max_new_tokens}) + num_draft ({k}) exceeds "
-                              f"max_position_embeddings={cfg.max_position_embeddings}; generate fewer tokens")
+                              f"max_position_embeddings={cfg.max_position_embeddings} (a verify chunk writes num_draft positions "
+                              "ahead); generate fewer tokens or lower num_draft")
         b = len(prompts)
         first = eng._first_fn(sampling, vocab_limit)
         col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
