@@ -159,8 +159,18 @@ def test_bad_spec_settings():
         SpeculativeDecoder(eng, mtp, num_draft=0)
     with pytest.raises(ConfigError, match=r"FR-Spec ids must lie in \[0, 11\)"):
         SpeculativeDecoder(eng, mtp, fr_spec_ids=np.asarray([1, 11]))
-    with pytest.raises(ConfigError, match="num_draft"):
-        SpeculativeDecoder(eng, mtp, num_draft=8).generate([[1] * 1000], 20)
+
+
+def test_speculative_near_the_position_limit_finishes_plainly():
+    """Break-test regression: a request plain decoding accepts (prompt + new = max positions) is not refused."""
+    model, mtp = _pair(SMALL)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompts = [_prompts(SMALL.vocab_size, (1004,))[0], _prompts(SMALL.vocab_size, (990,))[0]]
+    plain = eng.generate(prompts, 20)  # 1004 + 20 = 1024 = max_position_embeddings
+    dec = _OracleDrafts(eng, mtp, num_draft=8, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
+    spec = dec.generate(prompts, 20)
+    assert spec.tokens == plain.tokens
+    assert spec.acceptance_length > 1.0  # rounds ran before the plain tail
 
 
 @pytest.mark.torch

@@ -348,6 +348,32 @@ class SpeculativeDecoder:
         new = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt)
         return new, acc, jax.device_get(drafts), jax.device_get(nxt), frac
 
+    def _plain_tail(self, st: SpecState, active: list[bool], take: Callable, seeds: jax.Array, step0: int,
+                    sampling: SamplingParams, vocab_limit: int | None, fracs: list) -> int:
+        """Plain decode steps until every sequence is done (near ``max_position_embeddings``); returns the count.
+
+        Their sampling keys (``row_keys(seeds, step)`` with ``step >= 1``) are never used by the rounds, whose
+        keys are folded with other constants, so the draws stay independent.
+        """
+        eng, cfg = self.engine, self.cfg
+        b = len(active)
+        n = list(st.lengths)
+        cache = dataclasses.replace(st.cache, lengths=jnp.asarray(n, jnp.int32))
+        tok, steps = st.tok, 0
+        while any(active):
+            mode = decode_mode(cfg, [n[r] + 1 for r in range(b) if active[r]])
+            act = jnp.asarray(active)
+            for r in range(b):
+                n[r] += int(active[r])
+            cache, tok, frac = eng.decode_fn(sampling, vocab_limit, mode)(eng.weights, cache, tok, act, seeds,
+                                                                           jnp.int32(step0 + steps))
+            fracs.append(frac)
+            steps += 1
+            for r, t in enumerate(jax.device_get(tok)):
+                if active[r]:
+                    take(r, int(t))
+        return steps
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
                  stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
@@ -358,25 +384,22 @@ class SpeculativeDecoder:
         The output's ``acceptance_length`` is the mean number of tokens produced per target forward (accepted
         drafts + 1) over the speculative rounds; ``decode_steps`` counts target forwards after prefill.
 
+        Near ``max_position_embeddings`` (when a verify chunk would write past the last position) the remaining
+        tokens are decoded plainly.
+
         Raises:
-            ConfigError: as :meth:`InferenceEngine.generate`, and a request whose verify chunk would pass
-                ``max_position_embeddings`` (``prompt + max_new_tokens + num_draft``).
+            ConfigError: as :meth:`InferenceEngine.generate`.
         """
         cfg, eng, k = self.cfg, self.engine, self.k
         lens = [len(p) for p in prompts]
         seeds_arr = validate_request(cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
-        if max(lens) + max_new_tokens + k > cfg.max_position_embeddings:
-            raise ConfigError(f"prompt ({max(lens)}) + max_new_tokens ({max_new_tokens}) + num_draft ({k}) exceeds "
-                              f"max_position_embeddings={cfg.max_position_embeddings} (a verify chunk writes num_draft positions "
-                              "ahead); generate fewer tokens or lower num_draft")
         b = len(prompts)
         first = eng._first_fn(sampling, vocab_limit)
         col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
-        total = max(lens) + max_new_tokens + k
-        cache = eng.new_cache(b, total)
+        cache = eng.new_cache(b, max(lens) + max_new_tokens + k)
         cache, logits, _, hidden = eng.prefill(cache, prompts, return_hidden=True)
         dcache = init_cache(dataclasses.replace(cfg, num_hidden_layers=1, attention="dense"), b,
                             cache.capacity).layers[0]
@@ -397,8 +420,13 @@ class SpeculativeDecoder:
             take(r, int(t))
         rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
         state = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=tok)
+        max_pos = cfg.max_position_embeddings
         while any(active):
             act_rows = [r for r in range(b) if active[r]]
+            if any(state.lengths[r] + k >= max_pos for r in act_rows):
+                # a verify chunk would write past the last position: finish with plain decode steps
+                forwards += self._plain_tail(state, active, take, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
+                break
             state, acc, d_host, nxt_host, frac = self.round(state, list(active), seeds_arr, rounds + 1, sampling,
                                                             vocab_limit)
             fracs.append(frac)
