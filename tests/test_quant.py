@@ -31,7 +31,7 @@ from minicpm4_jax.convert.hf_import import import_hf
 from minicpm4_jax.convert.io import MANIFEST_NAME, ConvertError, SafetensorsSource
 from minicpm4_jax.quant import (MatrixLayout, TernarySpec, dequantize, fake_quant, fake_quant_params, fake_quant_ste,
                                 first_non_ternary_group, numpy_ternary, pack_codes, pack_params, recover_codes,
-                                ternarize, ternary_codes, ternary_hf_names, ternary_stats, unpack_codes,
+                                ternarize, ternary_codes, ternary_hf_names, unpack_codes,
                                 unpack_params)
 from minicpm4_jax.train.checkpoint import load_params_for_inference
 from minicpm4_jax.train.loop import run_training
@@ -213,6 +213,17 @@ def test_packed_inference_gives_identical_logits(granularity):
 # ------------------------------------------------------------------------------------------------
 
 
+def _record_first_params(seen: dict):
+    """A ``run_training`` step hook keeping the parameters at step 0 in ``seen["params"]``."""
+
+    def hook(step, state):
+        if step == 0:
+            seen["params"] = jax.tree.map(np.asarray, state.params)
+        return state
+
+    return hook
+
+
 def _corpus_docs(n_docs: int = 60) -> list[str]:
     from test_train import _corpus_text
 
@@ -247,11 +258,7 @@ def qat_runs(tmp_path_factory):
     s_two = run_training(two, log=logs.append, progress=False)
     logs_init: list[str] = []
     seen: dict = {}
-
-    def hook(step, state):
-        if step == 0:
-            seen["params"] = jax.tree.map(np.asarray, state.params)
-        return state
+    hook = _record_first_params(seen)
 
     init = load_config(None, _overrides(root, "init", steps=8, **{
         "qat.enabled": True, "qat.init_from": str(root / "two"), "qat.init_step": 8}))
@@ -350,11 +357,7 @@ def test_init_from_an_hf_import(qat_runs, tmp_path, tiny_tokenizer_dir):
                       "rope_theta")}
     logs: list[str] = []
     seen: dict = {}
-
-    def hook(step, state):
-        if step == 0:
-            seen["params"] = jax.tree.map(np.asarray, state.params)
-        return state
+    hook = _record_first_params(seen)
 
     qcfg = load_config(None, _overrides(root, "from_import", steps=4, **model, **{
         "model.rope_scaling": json.dumps(dataclasses.asdict(cfg.rope_scaling)),

@@ -426,6 +426,14 @@ class InferenceEngine:
         return self._first[key]
 
     # -- the generation loop -----------------------------------------------------------------------------
+    def _start(self, prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings, detokenize, vocab_limit,
+               on_token) -> tuple:
+        """Validate a request; ``(prompt lengths, seeds uint32 [b], first-token sampler, token collector)``."""
+        lens = [len(p) for p in prompts]
+        seeds_arr = validate_request(self.cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
+        col = _Collector(len(prompts), max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
+        return lens, seeds_arr, self._first_fn(sampling, vocab_limit), col
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
                  stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
@@ -451,11 +459,9 @@ class InferenceEngine:
                 ``stop_strings`` without ``detokenize``.
         """
         cfg = self.cfg
-        lens = [len(p) for p in prompts]
-        seeds_arr = validate_request(cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
+        lens, seeds_arr, first, col = self._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
+                                                  detokenize, vocab_limit, on_token)
         b = len(prompts)
-        first = self._first_fn(sampling, vocab_limit)
-        col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
@@ -467,8 +473,7 @@ class InferenceEngine:
 
         for r in range(b):
             take(r, tok_host[r])
-        steps, frac_sum = 0, 0.0
-        fracs = []
+        steps, fracs = 0, []
         lengths = list(lens)  # cached tokens per sequence, tracked on the host for the static decode mode
         while any(active):
             act = jnp.asarray(active)
@@ -484,9 +489,7 @@ class InferenceEngine:
                 if active[r]:
                     take(r, tok_host[r])
         t2 = time.perf_counter()
-        if fracs:
-            frac_sum = float(jnp.mean(jnp.stack(fracs)))
         return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
                                 new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
                                 decode_seconds=t2 - t1, decode_steps=steps,
-                                attended_fraction=frac_sum if fracs else float("nan"))
+                                attended_fraction=float(jnp.mean(jnp.stack(fracs))) if fracs else float("nan"))

@@ -42,7 +42,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
-from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _Collector, decode_mode, validate_request
+from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, decode_mode
 from minicpm4_jax.infer.sampling import SamplingParams, row_keys, top_k_filter, top_p_filter
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
@@ -391,11 +391,9 @@ class SpeculativeDecoder:
             ConfigError: as :meth:`InferenceEngine.generate`.
         """
         cfg, eng, k = self.cfg, self.engine, self.k
-        lens = [len(p) for p in prompts]
-        seeds_arr = validate_request(cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
+        lens, seeds_arr, first, col = eng._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
+                                                 detokenize, vocab_limit, on_token)
         b = len(prompts)
-        first = eng._first_fn(sampling, vocab_limit)
-        col = _Collector(b, max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
