@@ -27,7 +27,7 @@ every key, its type and default: minicpm4_jax/config.py (one dataclass per secti
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of the ``minicpm4`` command (subcommands ``train`` and ``generate``)."""
+    """The argparse parser of the ``minicpm4`` command (``train``, ``generate``, ``import``, ``export``, ``eval``)."""
     p = argparse.ArgumentParser(
         prog="minicpm4",
         description="MiniCPM4 in JAX/Flax NNX: train a model or sample text from a checkpoint.",
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fr-spec", default=None, metavar="FILE",
                    help="an FR-Spec ranking (freq_*.txt of this project or the official freq_*.pt)")
     _add_interchange_parsers(sub)
+    from minicpm4_jax.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return p
 
 
@@ -333,6 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_import(args)
         if args.command == "export":
             return _cmd_export(args)
+        if args.command == "eval":
+            from minicpm4_jax.eval.cli import run_eval
+
+            return run_eval(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

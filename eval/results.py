@@ -1,0 +1,128 @@
+"""Result files of an evaluation run: one JSON with everything, one Markdown summary (issue 6, "Reports").
+
+The JSON holds the run's configuration, the model's identity (checkpoint path and parameter hash, tokenizer
+hash), the SHA-256 of every dataset file read, the scores and the per-item predictions, plus the software
+versions; ``minicpm4 eval report`` renders plots from it (:mod:`minicpm4_jax.eval.report`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+__all__ = ["sha256_file", "write_results", "read_results", "RESULTS_VERSION"]
+
+RESULTS_VERSION = 1
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """SHA-256 hex digest of a file's bytes (read in 1 MiB pieces)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("minicpm4-jax", "jax", "flax"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def default_markdown(result: dict[str, Any]) -> str:
+    """A Markdown summary of a results dict: model, datasets, then the scores (per-task table if present)."""
+    model = result.get("model", {})
+    lines = [f"# {result['kind']} results: {model.get('name', '?')}", "",
+             f"- created: {result['created']}",
+             f"- checkpoint: `{model.get('checkpoint', '')}` (params sha256 `{model.get('checkpoint_hash', '')[:16]}`)",
+             f"- tokenizer sha256: `{str(model.get('tokenizer_hash', ''))[:16]}`",
+             f"- attention: {model.get('attention', '?')}", ""]
+    scores = result.get("scores", {})
+    tasks = scores.get("tasks")
+    if isinstance(tasks, dict) and tasks:
+        lines += ["| task | metric | score | n |", "| --- | --- | ---: | ---: |"]
+        for name, t in tasks.items():
+            lines.append(f"| {name} | {t.get('metric', '')} | {_fmt(t.get('score', ''))} | {t.get('n', '')} |")
+        lines.append("")
+    rest = {k: v for k, v in scores.items() if k != "tasks"}
+    for k, v in rest.items():
+        if isinstance(v, (int, float, str)):
+            lines.append(f"- {k}: {_fmt(v)}")
+    if result.get("datasets"):
+        lines += ["", "Datasets (sha256):", ""]
+        lines += [f"- {k}: `{v[:16]}`" for k, v in sorted(result["datasets"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out_dir: str | os.PathLike, *, kind: str, config: dict[str, Any], model_info: dict[str, Any],
+                  datasets: dict[str, str], items: list[dict[str, Any]], scores: dict[str, Any],
+                  markdown: str | None = None) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<kind>_results.json`` and ``<out_dir>/<kind>_summary.md``; return both paths.
+
+    Args:
+        kind: ``"ruler"``, ``"bench"``, ... (the report picks plots by it).
+        config: the run's options (tasks, lengths, seeds, ``attention`` ...), JSON-serialisable.
+        model_info: :meth:`~minicpm4_jax.eval.model.EvalModel.info` (or a scripted model's description).
+        datasets: dataset name -> SHA-256 of the file read (:func:`sha256_file`).
+        items: per-item records (prompt id, prediction, gold, score ...).
+        scores: the aggregate scores; ``{"tasks": {name: {"score", "metric", "n"}}}`` renders as a table.
+        markdown: the summary text; default :func:`default_markdown` of the result.
+
+    Files are written to a temporary name and renamed, so an interrupted run never leaves a truncated result.
+
+    Raises:
+        ValueError: a value that is not JSON-serialisable (names the key).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "results_version": RESULTS_VERSION, "kind": kind,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": config, "model": model_info, "datasets": datasets, "scores": scores,
+        "versions": _versions(), "items": items,
+    }
+    for key, val in result.items():
+        try:
+            json.dumps(val)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"results field {key!r} is not JSON-serialisable ({e})") from None
+    paths = (out / f"{kind}_results.json", out / f"{kind}_summary.md")
+    texts = (json.dumps(result, indent=1, ensure_ascii=False) + "\n",
+             default_markdown(result) if markdown is None else markdown)
+    for p, text in zip(paths, texts):
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, p)
+    return paths
+
+
+def read_results(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a results JSON written by :func:`write_results`.
+
+    Raises:
+        ValueError: not a results file of this project (names the file).
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: cannot read a results JSON ({e})") from None
+    if not isinstance(data, dict) or "kind" not in data or "scores" not in data:
+        raise ValueError(f"{p}: not a minicpm4 results file (no 'kind'/'scores'); give a *_results.json")
+    return data

@@ -1,0 +1,162 @@
+"""EvalModel: log-likelihoods equal a brute-force forward (joint tokenisation, right offsets), rolling windows,
+batched generation equal to one prompt at a time."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from minicpm4_jax.config import ConfigError, ModelConfig, SparseConfig
+from minicpm4_jax.eval.model import EvalModel, rolling_windows
+from minicpm4_jax.generate import generate
+from minicpm4_jax.nn import MiniCPM4
+
+BASE = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, dim_model_base=16, scale_emb=12.0)
+SPARSE = dataclasses.replace(BASE, attention="infllmv2", sparse_config=SparseConfig(
+    kernel_size=32, kernel_stride=16, block_size=32, window_size=64, topk=2, dense_len=256))
+
+
+class ToyTokenizer:
+    """Characters, plus one merge: "ab" is a single token (so a boundary can merge)."""
+
+    bos_id, eos_id, unk_id = 1, 2, 0
+    vocab_size = 97
+    _AB = 96
+    source, file_hash = "toy", "0" * 64
+
+    def encode(self, text):
+        out, i = [], 0
+        while i < len(text):
+            if text.startswith("ab", i):
+                out.append(self._AB)
+                i += 2
+            else:
+                out.append(3 + (ord(text[i]) - 32) % 93)
+                i += 1
+        return out
+
+    def decode(self, ids):
+        return "".join("ab" if i == self._AB else chr(32 + i - 3) if i >= 3 else "" for i in ids)
+
+
+TOK = ToyTokenizer()
+
+
+@pytest.fixture(scope="module")
+def dense_model():
+    return MiniCPM4(BASE, rngs=nnx.Rngs(0))
+
+
+def _brute(model, ctx_ids, cont_ids):
+    """Sum of log P(cont | ctx) from one unpadded full forward, and whether every cont token is the argmax."""
+    ids = np.asarray([ctx_ids + cont_ids], np.int32)
+    logp = np.asarray(jax.nn.log_softmax(model(ids)[0], axis=-1))
+    n = len(ctx_ids)
+    lp = sum(logp[n - 1 + j, t] for j, t in enumerate(cont_ids))
+    greedy = all(int(np.argmax(logp[n - 1 + j])) == t for j, t in enumerate(cont_ids))
+    return lp, greedy
+
+
+def test_encode_pair_joint_tokenisation():
+    m = EvalModel.__new__(EvalModel)
+    m.tokenizer = TOK
+    # "xa" + "b c": jointly "x", "ab", " ", "c"; the merged "ab" belongs to the continuation.
+    ctx, cont = m.encode_pair("xa", "b c")
+    assert ctx == TOK.encode("x") and cont == TOK.encode("ab c")
+    # Trailing whitespace of the context moves to the continuation.
+    ctx, cont = m.encode_pair("Answer: ", "yes")
+    assert ctx == TOK.encode("Answer:") and cont == TOK.encode(" yes")
+    with pytest.raises(ConfigError, match="continuation is empty"):
+        m.encode_pair("x", "")
+
+
+def test_loglikelihood_equals_brute_force(dense_model):
+    em = EvalModel(dense_model, TOK, batch_size=3, progress=False)
+    reqs = [("The cat sat on the m", "at"), ("xa", "b c"), ("q", "uestion " * 5), ("Answer: ", "yes"),
+            ("a" * 70, "bcd")]
+    got = em.loglikelihood(reqs)
+    for (c, x), (lp, greedy) in zip(reqs, got):
+        ctx, cont = em.encode_pair(c, x)
+        ref_lp, ref_greedy = _brute(dense_model, [TOK.eos_id] + ctx, cont)
+        np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-4)
+        assert greedy == ref_greedy
+    # The merged boundary token is scored as a continuation token (field_faults B19 offset).
+    lp_merge = got[1][0]
+    wrong = _brute(dense_model, [TOK.eos_id] + TOK.encode("xa"), TOK.encode("b c"))[0]
+    assert abs(lp_merge - wrong) > 1e-3
+    # A greedy continuation is reported as greedy.
+    ids = [TOK.eos_id] + TOK.encode("hello")
+    nxt = int(np.argmax(np.asarray(dense_model(np.asarray([ids], np.int32))[0, -1])))
+    assert em.loglikelihood_tokens([(TOK.encode("hello"), [nxt])])[0][1] is True
+
+
+def test_loglikelihood_sparse_model_dispatches_per_row():
+    model = MiniCPM4(SPARSE, rngs=nnx.Rngs(1))
+    em = EvalModel(model, TOK, batch_size=2, progress=False)
+    rng = np.random.default_rng(0)
+    reqs = [([int(t) for t in rng.integers(3, 96, n)], [int(t) for t in rng.integers(3, 96, 7)]) for n in (200, 300)]
+    got = em.loglikelihood_tokens(reqs)
+    for (ctx, cont), (lp, _) in zip(reqs, got):
+        # the short row (207 inputs < dense_len 256) is dense although it shares a batch padded past dense_len
+        np.testing.assert_allclose(lp, _brute(model, [TOK.eos_id] + ctx, cont)[0], rtol=1e-5, atol=2e-4)
+    # ... which matters: the same row run sparse (as a forward of the padded batch would) scores differently.
+    ctx, cont = reqs[0]
+    ids = np.asarray([[TOK.eos_id] + ctx + cont + [0] * 100], np.int32)
+    logp = np.asarray(jax.nn.log_softmax(model(ids)[0], axis=-1))
+    padded = sum(logp[len(ctx) + j, t] for j, t in enumerate(cont))
+    assert abs(padded - got[0][0]) > 1e-3
+
+
+def test_rolling_windows_cover_every_token_once(dense_model):
+    toks = list(range(3, 3 + 90))
+    wins = rolling_windows(toks, 2, 32)
+    assert sum(len(c) for _, c in wins) == len(toks)
+    assert [t for _, c in wins for t in c] == toks
+    assert all(len(x) + len(c) <= 33 for x, c in wins)
+    # a full window of 32 predictions has room for one context token; the last one fills up with context
+    assert wins[0][0] == [2] and wins[1][0] == toks[31:32] and wins[2][0] == toks[57:64]
+    em = EvalModel(dense_model, TOK, batch_size=2, max_length=32, progress=False)
+    text = "def f(x):\n    return x * 2\n" * 4
+    ids = TOK.encode(text)
+    ref = sum(_brute(dense_model, ctx, cont)[0] for ctx, cont in rolling_windows(ids, TOK.eos_id, 32))
+    np.testing.assert_allclose(em.loglikelihood_rolling([text])[0], ref, rtol=1e-5, atol=1e-3)
+    # Within one window the rolling score is the plain full-text log-likelihood.
+    full = EvalModel(dense_model, TOK, progress=False).loglikelihood_rolling([text])[0]
+    np.testing.assert_allclose(full, _brute(dense_model, [TOK.eos_id], ids)[0], rtol=1e-5, atol=1e-3)
+
+
+def test_generate_batching_and_stops(dense_model):
+    prompts = ["def f", "import os\nimport sys\n", "x = 1"]
+    em = EvalModel(dense_model, TOK, batch_size=2, progress=False)
+    batched = em.generate(prompts, max_new_tokens=12)
+    for p, text in zip(prompts, batched):
+        assert text == generate(dense_model, TOK, p, 12, prefix_ids=[TOK.eos_id])
+    sampled = em.generate(prompts, max_new_tokens=8, temperature=1.0, seed=5)
+    alone = [EvalModel(dense_model, TOK, batch_size=1, progress=False).generate([p], max_new_tokens=8,
+                                                                               temperature=1.0, seed=5 + i)[0]
+             for i, p in enumerate(prompts)]
+    assert sampled == alone
+    stop = batched[0][3:5]
+    cut = em.generate(prompts[:1], max_new_tokens=12, stop=[stop])[0]
+    assert cut == batched[0][:batched[0].index(stop)]
+
+
+def test_bad_input_is_one_line(dense_model):
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        EvalModel(dense_model, TOK, batch_size=0)
+    with pytest.raises(ConfigError, match="prefix='cls'"):
+        EvalModel(dense_model, TOK, prefix="cls")
+    with pytest.raises(ConfigError, match="max_length=4096"):
+        EvalModel(dense_model, TOK, max_length=4096)
+    em = EvalModel(dense_model, TOK, progress=False)
+    with pytest.raises(ConfigError, match="prompt 1 has"):
+        em.generate(["a", "b" * 600], max_new_tokens=4)
+    with pytest.raises(ConfigError, match="request 0 has an empty continuation"):
+        em.loglikelihood_tokens([([5], [])])
+    with pytest.raises(ConfigError, match="no context"):
+        EvalModel(dense_model, TOK, prefix="none", progress=False).loglikelihood_tokens([([], [5])])
+    with pytest.raises(ConfigError, match="attention='fast'"):
+        EvalModel.from_checkpoint("/nonexistent", attention="fast")
