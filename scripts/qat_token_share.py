@@ -31,31 +31,11 @@ import datetime as dt
 import json
 import math
 import platform
-import shutil
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _run(name: str, cfg, out_root: Path, fresh: bool) -> dict:
-    """Train ``cfg`` into ``out_root/name`` (or reuse a finished run of the same config)."""
-    from minicpm4_jax.config import config_to_dict
-    from minicpm4_jax.train.loop import run_training
-
-    run_dir = out_root / name
-    summ, conf = run_dir / "summary.json", run_dir / "config.json"
-    if not fresh and summ.is_file() and conf.is_file() and json.loads(conf.read_text()) == config_to_dict(cfg):
-        print(f"== {name}: reusing {run_dir}", flush=True)
-        return json.loads(summ.read_text())
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    print(f"== {name}: training {cfg.steps} steps into {run_dir}", flush=True)
-    t0 = time.perf_counter()
-    s = run_training(cfg, progress=False, handle_signals=False)
-    print(f"== {name}: held-out loss {s['val_loss']:.4f} after {time.perf_counter() - t0:.0f} s", flush=True)
-    return s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from minicpm4_jax.config import load_config
+    from minicpm4_jax.train.sweep import train_or_reuse as _run
 
     t_start = time.perf_counter()
     base = load_config(a.config, a.overrides)
