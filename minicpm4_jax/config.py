@@ -114,6 +114,10 @@ class ModelConfig:
     ``dots`` (save matmul outputs only). ``mtp``: add the multi-token-prediction module
     (:class:`~minicpm4_jax.nn.mtp.MTPHead`, the EAGLE draft layout; spec §3.4/§7), trained with
     ``TrainConfig.mtp_loss_weight`` and used as the speculative draft by ``minicpm4 generate --spec-decode``.
+    ``vocab_pad_multiple``: the embedding and head hold :attr:`padded_vocab_size` rows (``vocab_size`` rounded
+    up to this multiple, independent of the mesh, so a checkpoint restores onto any mesh and the vocabulary
+    axis divides the tensor axis); the padding rows start at zero, their logits are ``-inf`` (out of every
+    softmax, loss and sample) and exports drop them. 1 = no padding (the released configs).
     """
 
     vocab_size: int = 73448
@@ -144,12 +148,19 @@ class ModelConfig:
     scan_layers: bool = True
     remat: str = "none"
     mtp: bool = False
+    vocab_pad_multiple: int = 1
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
     def resolved_head_dim(self) -> int:
         """Per-head width d (``head_dim`` or ``hidden_size // num_attention_heads``)."""
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding / columns of the head: ``vocab_size`` rounded up to ``vocab_pad_multiple``."""
+        m = max(1, self.vocab_pad_multiple)
+        return -(-self.vocab_size // m) * m
 
     @property
     def width_mult(self) -> float:
@@ -169,10 +180,11 @@ class ModelConfig:
         mlp = 3 * h * self.intermediate_size
         per_layer = attn + mlp + 2 * h
         total = self.num_hidden_layers * per_layer + h
+        v = self.padded_vocab_size
         if include_embedding:
-            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+            total += v * h * (1 if self.tie_word_embeddings else 2)
         elif not self.tie_word_embeddings:
-            total += self.vocab_size * h
+            total += v * h
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -648,6 +660,8 @@ def validate_model(m: ModelConfig) -> None:
                  "num_key_value_heads", "max_position_embeddings", "dim_model_base"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.vocab_pad_multiple < 1:
+        raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be >= 1 (1 = no padding; e.g. 256)")
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError(
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "

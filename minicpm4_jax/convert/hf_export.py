@@ -271,6 +271,7 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
     train_cfg, model = load_params_for_inference(paths.checkpoint_dir, paths.step, check_config=check)
     # the base model only: an MTP draft head (model.mtp) ships separately in the official releases (spec §7)
     params = {k: v for k, v in flat_params(model).items() if not k.startswith("mtp/")}
+    params, model_cfg = drop_vocab_padding(params, train_cfg.model)
     ternary = ternary_spec(train_cfg.qat) if checkpoint_is_ternary(train_cfg, paths.step) else None
     prov = {
         "checkpoint": str(paths.checkpoint_dir),
@@ -279,7 +280,7 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
     }
     if ternary is not None:
         prov["params"] = "fake-quantized ternary weights of the checkpoint's latent weights (qat)"
-    return ExportSource(cfg=train_cfg.model, params=params, tokenizer_dir=paths.tokenizer_dir, provenance=prov,
+    return ExportSource(cfg=model_cfg, params=params, tokenizer_dir=paths.tokenizer_dir, provenance=prov,
                         ternary=ternary)
 
 
@@ -362,6 +363,24 @@ def _tokenizer_bytes(tokenizer_dir: Path | None) -> int:
     if tokenizer_dir is None:
         return 0
     return sum((tokenizer_dir / n).stat().st_size for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
+
+
+def drop_vocab_padding(params: Mapping[str, Any], cfg: ModelConfig) -> tuple[dict[str, Any], ModelConfig]:
+    """``('/'``-keyed params, cfg)`` without vocabulary padding (``vocab_pad_multiple``): what every export writes.
+
+    The embedding keeps its first ``vocab_size`` rows and an untied ``lm_head`` its first ``vocab_size``
+    columns; the returned config has ``vocab_pad_multiple = 1``.
+    """
+    import dataclasses
+
+    if cfg.padded_vocab_size == cfg.vocab_size:
+        return dict(params), dataclasses.replace(cfg, vocab_pad_multiple=1)
+    v = cfg.vocab_size
+    out = dict(params)
+    out["embed_tokens/embedding"] = params["embed_tokens/embedding"][:v]
+    if "lm_head" in params:
+        out["lm_head"] = params["lm_head"][:, :v]
+    return out, dataclasses.replace(cfg, vocab_pad_multiple=1)
 
 
 def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path, *, layout: str = "minicpm",

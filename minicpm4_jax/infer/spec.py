@@ -221,7 +221,7 @@ def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, s
             sub = jax.vmap(lambda kk: jax.random.fold_in(kk, 1000 + j))(keys)
             idx = jax.vmap(jax.random.categorical)(sub, pl)
             q = jax.nn.softmax(pl, axis=-1)
-            probs.append(jnp.zeros((b, cfg.vocab_size), jnp.float32).at[:, draft.ids].set(q))
+            probs.append(jnp.zeros((b, cfg.padded_vocab_size), jnp.float32).at[:, draft.ids].set(q))
         tok = draft.ids[idx].astype(jnp.int32)
         toks.append(tok)
         h = o[:, 0]

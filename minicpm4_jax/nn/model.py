@@ -41,16 +41,25 @@ def _dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     return y.reshape(*lead, w.shape[-1])
 
 
+def zero_vocab_padding(p: nnx.Param, cfg: ModelConfig, axis: int) -> None:
+    """Set the vocabulary-padding rows (``axis``) of an embedding/head parameter to zero, in place."""
+    if cfg.padded_vocab_size > cfg.vocab_size:
+        idx = [slice(None)] * p[...].ndim
+        idx[axis] = slice(cfg.vocab_size, None)
+        p[...] = p[...].at[tuple(idx)].set(0)
+
+
 class Embedder(nnx.Module):
-    """Token embedding ``[vocab, hidden]`` with ``encode`` (lookup) and ``attend`` (logits).
+    """Token embedding ``[padded_vocab, hidden]`` with ``encode`` (lookup) and ``attend`` (logits).
 
     One table serves both directions when the head is tied (no shared Variables).
     Init N(0, initializer_range) (μP: embeddings at the plain init_std, spec §3.2).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.embedding = param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.initializer_range,
+        self.embedding = param(rngs, (cfg.padded_vocab_size, cfg.hidden_size), cfg.initializer_range,
                                ("vocab", "embed"), dtype_of(cfg.param_dtype))
+        zero_vocab_padding(self.embedding, cfg, axis=0)
 
     def encode(self, ids: jax.Array, dtype) -> jax.Array:
         """``ids`` int ``[batch, seq]`` -> ``[batch, seq, hidden]`` in ``dtype`` (unscaled)."""
@@ -140,12 +149,17 @@ def head_logits(hidden: jax.Array, cfg: ModelConfig, embed_tokens: Embedder, lm_
     """float32 logits ``[..., vocab]`` of final-norm hidden states ``[..., hidden]`` (spec §2 step 4).
 
     ``hidden / (hidden_size / dim_model_base)``, then the tied embedding (``lm_head`` ``None``) or
-    ``lm_head`` ``[hidden, vocab]``.
+    ``lm_head`` ``[hidden, vocab]``. With vocabulary padding (``vocab_pad_multiple``) the last axis is
+    ``padded_vocab_size`` and the padding columns are ``-inf``.
     """
     x = hidden / jnp.asarray(cfg.width_mult, hidden.dtype)
     if lm_head is None:
-        return embed_tokens.attend(x)
-    return _dense(x, lm_head.astype(x.dtype), out_dtype=jnp.float32)
+        logits = embed_tokens.attend(x)
+    else:
+        logits = _dense(x, lm_head.astype(x.dtype), out_dtype=jnp.float32)
+    if cfg.padded_vocab_size > cfg.vocab_size:  # vocabulary padding: never predicted, out of every softmax
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < cfg.vocab_size, logits, -jnp.inf)
+    return logits
 
 
 def remat_policy(name: str):
@@ -180,8 +194,9 @@ class MiniCPM4(nnx.Module):
         self.layers = make_layers(rngs)
         self.norm = param(None, (cfg.hidden_size,), None, ("norm",), dtype_of(cfg.param_dtype))
         if not cfg.tie_word_embeddings:
-            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.initializer_range,
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.padded_vocab_size), cfg.initializer_range,
                                  ("embed", "vocab"), dtype_of(cfg.param_dtype))
+            zero_vocab_padding(self.lm_head, cfg, axis=1)
         if cfg.mtp:
             from minicpm4_jax.nn.mtp import MTPHead
 
