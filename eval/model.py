@@ -27,7 +27,7 @@ import hashlib
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ import numpy as np
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["EvalModel", "params_hash", "rolling_windows"]
+__all__ = ["EvalModel", "joint_encode_pair", "params_hash", "rolling_windows"]
 
 _PREFIXES = ("eos", "bos", "none")
 
@@ -94,6 +94,30 @@ def rolling_windows(tokens: Sequence[int], prefix_id: int, max_length: int) -> l
         out.append((toks[ctx_start:done], toks[done:end]))
         done = end
     return out
+
+
+def joint_encode_pair(encode: Callable[[str], Sequence[int]], context: str,
+                      continuation: str) -> tuple[list[int], list[int]]:
+    """Token ids of ``(context, continuation)`` on their joint tokenisation (lm-eval ``TemplateLM``).
+
+    Trailing whitespace of the context moves to the front of the continuation; then ``whole =
+    encode(context + continuation)``, ``context_ids = encode(context)`` and ``continuation_ids =
+    whole[len(context_ids):]``. When the joint tokenisation merges across the boundary so that ``whole``
+    does not start with ``context_ids``, the boundary is the longest common prefix instead (the continuation
+    then covers every token that differs), so no continuation text is ever scored as context.
+    """
+    n_space = len(context) - len(context.rstrip())
+    if n_space:
+        continuation = context[-n_space:] + continuation
+        context = context[:-n_space]
+    whole = list(encode(context + continuation))
+    ctx = list(encode(context)) if context else []
+    cut = len(ctx)
+    if whole[:cut] != ctx:
+        cut = 0
+        while cut < min(len(ctx), len(whole)) and ctx[cut] == whole[cut]:
+            cut += 1
+    return whole[:cut], whole[cut:]
 
 
 def _bucket(n: int, quantum: int) -> int:
@@ -281,31 +305,14 @@ class EvalModel:
 
     # -- log-likelihoods ---------------------------------------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of ``(context, continuation)`` on their joint tokenisation (lm-eval ``TemplateLM``).
-
-        Trailing whitespace of the context moves to the front of the continuation; then ``whole =
-        encode(context + continuation)``, ``context_ids = encode(context)`` and ``continuation_ids =
-        whole[len(context_ids):]``. When the joint tokenisation merges across the boundary so that ``whole``
-        does not start with ``context_ids``, the boundary is the longest common prefix instead (the
-        continuation then covers every token that differs), so no continuation text is ever scored as context.
+        """Token ids of ``(context, continuation)`` on their joint tokenisation (:func:`joint_encode_pair`).
 
         Raises:
             ConfigError: an empty continuation.
         """
         if not continuation:
             raise ConfigError("the continuation is empty; a log-likelihood request needs text to score")
-        n_space = len(context) - len(context.rstrip())
-        if n_space:
-            continuation = context[-n_space:] + continuation
-            context = context[:-n_space]
-        whole = list(self.tokenizer.encode(context + continuation))
-        ctx = list(self.tokenizer.encode(context)) if context else []
-        cut = len(ctx)
-        if whole[:cut] != ctx:
-            cut = 0
-            while cut < min(len(ctx), len(whole)) and ctx[cut] == whole[cut]:
-                cut += 1
-        return whole[:cut], whole[cut:]
+        return joint_encode_pair(self.tokenizer.encode, context, continuation)
 
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """``(log P(continuation | context), continuation is greedy)`` per ``(context, continuation)`` pair.

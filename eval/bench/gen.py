@@ -1,0 +1,89 @@
+"""Generation tasks: generate, cut at the stop strings, extract the answer, exact match."""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from minicpm4_jax.eval.bench.math_equiv import extract_math_answer, is_equiv
+from minicpm4_jax.eval.bench.tasks import extract_bbh_cot, extract_bbh_direct, normalize_number
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to the first occurrence of any (non-empty) stop string."""
+    cut = len(text)
+    for s in stop:
+        if s:
+            i = text.find(s)
+            if 0 <= i < cut:
+                cut = i
+    return text[:cut]
+
+
+_NUM = re.compile(r"-?[$]?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_gsm8k(text: str) -> tuple[str, str]:
+    """(strict, flexible): the number after ``#### `` (or in "The answer is N"), and the last number."""
+    strict = ""
+    m = re.search(r"####\s*(-?[$]?\d[\d,]*(?:\.\d+)?)", text)
+    if m is None:
+        m = re.search(r"[Tt]he answer is\s*(-?[$]?\d[\d,]*(?:\.\d+)?)", text)
+    if m:
+        strict = normalize_number(m.group(1))
+    nums = _NUM.findall(text)
+    flexible = normalize_number(nums[-1]) if nums else ""
+    return strict, flexible
+
+
+def generate_all(model, items: list[dict], *, temperature: float = 0.0, seed: int = 0,
+                 n_samples: int = 1) -> list[list[str]]:
+    """``n_samples`` completions per item, grouped by (stop strings, budget) for batching."""
+    groups: dict[tuple, list[int]] = {}
+    for i, it in enumerate(items):
+        groups.setdefault((tuple(it["until"]), int(it["max_new_tokens"])), []).append(i)
+    out: list[list[str]] = [[] for _ in items]
+    for (until, budget), idx in groups.items():
+        for s in range(n_samples):
+            texts = model.generate([items[i]["prompt"] for i in idx], max_new_tokens=budget, stop=list(until),
+                                   temperature=temperature, seed=seed + s)
+            if len(texts) != len(idx):
+                raise RuntimeError(f"model returned {len(texts)} generations for {len(idx)} prompts")
+            for i, t in zip(idx, texts):
+                out[i].append(cut_at_stop(t, until))
+    return out
+
+
+def score_gen(model, items: list[dict], *, seed: int = 0, math_timeout: float = 5.0) -> tuple[list[dict], dict]:
+    """Greedy generation + extraction + exact match. Aggregate ``exact_match`` in [0, 1]."""
+    gens = generate_all(model, items, seed=seed)
+    out, hits, strict_hits = [], 0, 0
+    for it, (text,) in zip(items, gens):
+        kind = it["extract"]
+        rec = {"id": it["id"], "subtask": it.get("subtask", ""), "gold": it["gold"], "output": text}
+        if kind == "gsm8k":
+            strict, flex = extract_gsm8k(text)
+            pred = strict or flex
+            ok = pred == it["gold"]
+            rec["strict_correct"] = strict == it["gold"]
+            strict_hits += rec["strict_correct"]
+        elif kind == "math":
+            pred = extract_math_answer(text)
+            ok = is_equiv(pred, it["gold"], timeout=math_timeout)
+        elif kind == "bbh_cot":
+            pred = extract_bbh_cot(text)
+            ok = pred == it["gold"].strip()
+        elif kind == "bbh_direct":
+            pred = extract_bbh_direct(text)
+            ok = pred == it["gold"].strip()
+        else:
+            raise ValueError(f"unknown extraction {kind!r}")
+        rec["pred"] = pred
+        rec["correct"] = bool(ok)
+        hits += bool(ok)
+        out.append(rec)
+    n = len(items)
+    agg = {"exact_match": hits / n if n else 0.0, "n": n}
+    if items and items[0]["extract"] == "gsm8k":
+        agg["exact_match_strict"] = strict_hits / n
+    return out, agg

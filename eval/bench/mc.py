@@ -1,0 +1,54 @@
+"""Multiple choice by log-likelihood: one (context, " X") request per choice, argmax wins.
+
+``acc`` compares raw log-likelihoods; ``acc_norm`` divides each by the choice's length in
+characters (lm-evaluation-harness's definition). Ties go to the first choice (``argmax``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+
+def _argmax(xs: Sequence[float]) -> int:
+    best = 0
+    for i, x in enumerate(xs):
+        if x > xs[best]:
+            best = i
+    return best
+
+
+def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[dict], dict]:
+    """Score multiple-choice ``items`` (``context``, ``choices``, ``gold``) with ``model.loglikelihood``.
+
+    Returns per-item records and the aggregate ``{"acc", "acc_norm"?, "n"}`` (fractions in [0, 1]).
+    """
+    reqs, spans = [], []
+    for it in items:
+        spans.append((len(reqs), len(it["choices"])))
+        reqs.extend((it["context"], c) for c in it["choices"])
+    res = model.loglikelihood(reqs) if reqs else []
+    if len(res) != len(reqs):
+        raise RuntimeError(f"model returned {len(res)} log-likelihoods for {len(reqs)} requests")
+    out, hits, hits_n = [], 0, 0
+    for it, (s, n) in zip(items, spans):
+        lls = [float(r[0]) for r in res[s : s + n]]
+        greedy = [bool(r[1]) for r in res[s : s + n]]
+        if any(math.isnan(x) for x in lls):
+            raise RuntimeError(f"NaN log-likelihood for item {it['id']}")
+        pred = _argmax(lls)
+        norm = [ll / max(1, len(c)) for ll, c in zip(lls, it["choices"])]
+        pred_n = _argmax(norm)
+        hits += pred == it["gold"]
+        hits_n += pred_n == it["gold"]
+        rec = {"id": it["id"], "subtask": it.get("subtask", ""), "gold": it["gold"], "pred": pred,
+               "correct": pred == it["gold"], "loglikelihoods": lls, "is_greedy": greedy}
+        if acc_norm:
+            rec["pred_norm"] = pred_n
+            rec["correct_norm"] = pred_n == it["gold"]
+        out.append(rec)
+    n = len(items)
+    agg = {"acc": hits / n if n else 0.0, "n": n}
+    if acc_norm:
+        agg["acc_norm"] = hits_n / n if n else 0.0
+    return out, agg

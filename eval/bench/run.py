@@ -1,0 +1,328 @@
+"""``minicpm4 eval bench``: standard benchmarks against a checkpoint, with a JSON + Markdown report.
+
+Python entry points:
+
+* :func:`evaluate` — any object with the eval-model protocol (``loglikelihood``, ``generate``)
+  against benchmark names; returns ``{"scores", "items", "datasets", "config"}``;
+* :func:`run_bench` — the same plus writing the result files (``kind="bench"``);
+* :func:`add_arguments` / :func:`run` — the CLI hooks used by ``minicpm4_jax.eval.cli``.
+
+All scores are percentages (0-100). Multi-subject tasks (MMLU, CMMLU, C-Eval, BBH) report the
+micro average over questions as ``score`` (lm-evaluation-harness's ``weight_by_size``) and the
+macro average over subjects as ``score_macro`` (OpenCompass's naive average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from minicpm4_jax.eval.bench.readers import DataError
+from minicpm4_jax.eval.bench.tasks import DEFAULT_TASKS, LOADERS, Task, load_task
+from minicpm4_jax.eval.sandbox import SandboxLimits, SandboxUnavailable
+
+CODE_TASKS = ("humaneval", "mbpp")
+
+
+def _sha256(path: Path) -> str:
+    try:
+        from minicpm4_jax.eval.results import sha256_file
+
+        return sha256_file(path)
+    except ImportError:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+
+def _subtask_scores(items: list[dict], key: str = "correct") -> dict[str, dict]:
+    by: dict[str, list[float]] = {}
+    for it in items:
+        by.setdefault(it.get("subtask", ""), []).append(float(it[key]))
+    return {s: {"score": 100.0 * sum(v) / len(v), "n": len(v)} for s, v in sorted(by.items())}
+
+
+def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
+    if spec is None:
+        return list(DEFAULT_TASKS)
+    names = [t.strip() for t in (spec.split(",") if isinstance(spec, str) else spec) if t.strip()]
+    if names == ["all"]:
+        return list(LOADERS)
+    unknown = [t for t in names if t not in LOADERS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
+    if not names:
+        raise ValueError("no benchmark named")
+    return names
+
+
+#: tasks a single ``--k-shot N`` applies to (they have a dev/train pool); the others keep their
+#: standard setting unless named (``--k-shot bbh=0``): BBH and MBPP have 3 fixed exemplars,
+#: MATH-500 needs a training file for shots, HumanEval is 0-shot.
+POOL_TASKS = ("mmlu", "cmmlu", "ceval", "arc_challenge", "arc_easy", "gsm8k")
+
+
+def parse_k_shot(spec, names: Sequence[str]) -> dict[str, int]:
+    """``None`` / ``5`` / ``"5"`` / ``"mmlu=5,bbh=0"`` -> {task: k} for the tasks it sets."""
+    if spec is None or spec == "":
+        return {}
+    if isinstance(spec, dict):
+        out = {str(k): int(v) for k, v in spec.items()}
+    elif isinstance(spec, int) or (isinstance(spec, str) and "=" not in spec):
+        try:
+            k = int(spec)
+        except ValueError:
+            raise ValueError(f"--k-shot expects N or task=N,...; got {spec!r}") from None
+        out = {t: k for t in names if t in POOL_TASKS}
+    else:
+        out = {}
+        for part in str(spec).split(","):
+            name, _, val = part.partition("=")
+            name = name.strip()
+            if name not in LOADERS:
+                raise ValueError(f"--k-shot names unknown benchmark {name!r}; known: {', '.join(LOADERS)}")
+            try:
+                out[name] = int(val)
+            except ValueError:
+                raise ValueError(f"--k-shot expects N or task=N,...; got {spec!r}") from None
+    bad = {t: k for t, k in out.items() if k < 0}
+    if bad:
+        raise ValueError(f"--k-shot must be >= 0, got {bad}")
+    return out
+
+
+def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, limit: int | None = None,
+             k_shot: int | str | dict | None = None, seed: int = 1234, n_samples: int = 1,
+             pass_ks: Sequence[int] = (1,),
+             code_temperature: float | None = None, allow_code_execution: bool = False,
+             sandbox_limits: SandboxLimits | None = None, workers: int = 4, math_timeout: float = 5.0,
+             log=print) -> dict:
+    """Run benchmarks ``tasks`` from ``data_dir`` against ``model``.
+
+    ``model`` needs ``loglikelihood(list[(context, continuation)]) -> list[(float, bool)]`` and
+    ``generate(prompts, *, max_new_tokens, stop, temperature, seed) -> list[str]``.
+    Code tasks refuse to run unless ``allow_code_execution`` and the sandbox can isolate code.
+    """
+    from minicpm4_jax.eval.bench.code import CodeExecutionNotAllowed, score_code
+    from minicpm4_jax.eval.bench.gen import score_gen
+    from minicpm4_jax.eval.bench.mc import score_mc
+
+    names = parse_tasks(tasks)
+    if n_samples < 1:
+        raise ValueError(f"pass@k samples must be >= 1, got {n_samples}")
+    if any(t in CODE_TASKS for t in names):
+        if not allow_code_execution:
+            raise CodeExecutionNotAllowed(
+                f"{', '.join(t for t in names if t in CODE_TASKS)} execute model-written code: pass "
+                "--allow-code-execution (programs then run in the sandbox), or leave these tasks out")
+        from minicpm4_jax.eval.sandbox import check_isolation
+
+        check_isolation()
+    shots = parse_k_shot(k_shot, names)
+    loaded: list[Task] = [load_task(t, data_dir, k_shot=shots.get(t), limit=limit, seed=seed) for t in names]
+    base = Path(data_dir)
+    datasets: dict[str, str] = {}
+    scores: dict = {"tasks": {}}
+    all_items: list[dict] = []
+    for task in loaded:
+        t0 = time.monotonic()
+        if task.kind == "mc":
+            recs, agg = score_mc(model, task.items, acc_norm=bool(task.meta.get("acc_norm")))
+            entry = {"metric": "acc", "score": 100.0 * agg["acc"], "n": agg["n"], "acc": 100.0 * agg["acc"]}
+            if "acc_norm" in agg:
+                entry["acc_norm"] = 100.0 * agg["acc_norm"]
+        elif task.kind == "gen":
+            recs, agg = score_gen(model, task.items, seed=seed, math_timeout=math_timeout)
+            entry = {"metric": "exact_match", "score": 100.0 * agg["exact_match"], "n": agg["n"]}
+            if "exact_match_strict" in agg:
+                entry["exact_match_strict"] = 100.0 * agg["exact_match_strict"]
+        else:
+            recs, agg = score_code(model, task.items, n_samples=n_samples, ks=pass_ks, temperature=code_temperature,
+                                   seed=seed, allow_code_execution=allow_code_execution, limits=sandbox_limits,
+                                   workers=workers)
+            first = min(k for k in pass_ks if k <= n_samples) if any(k <= n_samples for k in pass_ks) else 1
+            entry = {"metric": f"pass@{first}", "score": 100.0 * agg.get(f"pass@{first}", 0.0), "n": agg["n"],
+                     "samples_per_problem": n_samples, "temperature": agg["temperature"]}
+            for k in pass_ks:
+                if f"pass@{k}" in agg:
+                    entry[f"pass@{k}"] = 100.0 * agg[f"pass@{k}"]
+        if task.kind != "code":
+            subs = _subtask_scores(recs)
+            if len(subs) > 1:
+                entry["subtasks"] = subs
+                entry["score_macro"] = sum(s["score"] for s in subs.values()) / len(subs)
+        entry["k_shot"] = task.k_shot
+        entry["seconds"] = round(time.monotonic() - t0, 2)
+        scores["tasks"][task.name] = entry
+        for r in recs:
+            r["task"] = task.name
+        all_items.extend(recs)
+        for f in task.files:
+            try:
+                key = str(Path(f).resolve().relative_to(base.resolve()))
+            except ValueError:
+                key = str(f)
+            datasets.setdefault(key, _sha256(Path(f)))
+        if log:
+            log(f"{task.name}: {entry['metric']} {entry['score']:.2f} (n={entry['n']}, {entry['seconds']}s)")
+    if scores["tasks"]:
+        scores["average"] = sum(e["score"] for e in scores["tasks"].values()) / len(scores["tasks"])
+    config = {"tasks": names, "data_dir": str(data_dir), "limit": limit,
+              "k_shot": {t.name: t.k_shot for t in loaded}, "seed": seed,
+              "pass_k_samples": n_samples, "pass_ks": list(pass_ks), "code_temperature": code_temperature,
+              "math_timeout": math_timeout, "allow_code_execution": allow_code_execution,
+              "sandbox_limits": ((sandbox_limits or SandboxLimits()).__dict__
+                                 if any(t in CODE_TASKS for t in names) else None)}
+    return {"scores": scores, "items": all_items, "datasets": datasets, "config": config}
+
+
+def model_info(model) -> dict:
+    if callable(getattr(model, "info", None)):
+        return dict(model.info())
+    info = {}
+    for k in ("name", "checkpoint_hash", "max_length", "attention", "checkpoint", "step"):
+        v = getattr(model, k, None)
+        if v is not None and isinstance(v, (str, int, float, bool)):
+            info[k] = v
+    tok = getattr(model, "tokenizer", None)
+    if tok is not None:
+        for k in ("sha256", "name", "vocab_size"):
+            v = getattr(tok, k, None)
+            if isinstance(v, (str, int)):
+                info[f"tokenizer_{k}"] = v
+    return info
+
+
+def run_bench(model, data_dir: str | Path, tasks: Sequence[str] | str | None = None, *,
+              out_dir: str | Path | None = None, extra_config: dict | None = None, **kw) -> dict:
+    """:func:`evaluate`, then write ``out_dir`` (JSON + Markdown) when given; returns the result
+    dict with ``"paths"`` added."""
+    res = evaluate(model, tasks, data_dir, **kw)
+    config = {**res["config"], **(extra_config or {})}
+    res["config"] = config
+    res["paths"] = None
+    if out_dir is not None:
+        from minicpm4_jax.eval.results import write_results
+
+        res["paths"] = write_results(out_dir, kind="bench", config=config, model_info=model_info(model),
+                                     datasets=res["datasets"], items=res["items"], scores=res["scores"])
+    return res
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint directory (a training run or an exported model)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--data-dir", required=True,
+                        help="folder holding the benchmark folders (mmlu/, gsm8k/, ...) or one benchmark's folder")
+    parser.add_argument("--tasks", default=None,
+                        help=f"comma-separated benchmarks, or 'all' (known: {', '.join(LOADERS)}; default: "
+                             f"{','.join(DEFAULT_TASKS)}, the code ones only with --allow-code-execution)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="at most this many items per task (subjects interleaved)")
+    parser.add_argument("--k-shot", default=None,
+                        help="few-shot examples: N for the tasks with a dev/train pool (MMLU, CMMLU, C-Eval, ARC, "
+                             "GSM8K), or per task as 'mmlu=5,bbh=0'. Defaults: MMLU/CMMLU/C-Eval/GSM8K 5, BBH 3 "
+                             "and MBPP 3 (fixed exemplars, at most 3), ARC/MATH-500/HumanEval 0")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--pass-k-samples", type=int, default=1,
+                        help="completions per code problem (1 = greedy pass@1; more = sampling, unbiased pass@k)")
+    parser.add_argument("--pass-k", default="1,10,100",
+                        help="k values reported when samples allow (default: %(default)s)")
+    parser.add_argument("--code-temperature", type=float, default=None,
+                        help="sampling temperature for code when --pass-k-samples > 1 (default 0.8)")
+    parser.add_argument("--seed", type=int, default=1234, help="few-shot sampling and generation seed")
+    parser.add_argument("--out-dir", default=None, help="write the JSON + Markdown results here")
+    att = parser.add_mutually_exclusive_group()
+    att.add_argument("--sparse", dest="attention", action="store_const", const="sparse",
+                     help="InfLLM v2 sparse attention (default: the checkpoint's setting)")
+    att.add_argument("--dense", dest="attention", action="store_const", const="dense", help="dense attention")
+    parser.add_argument("--allow-code-execution", action="store_true",
+                        help="run model-written programs (HumanEval, MBPP) in the sandbox (needs root on Linux)")
+    parser.add_argument("--exec-timeout", type=float, default=10.0, help="wall-clock seconds per program")
+    parser.add_argument("--exec-memory-mb", type=int, default=1024, help="address-space limit per process")
+    parser.add_argument("--exec-workers", type=int, default=4, help="programs executed in parallel")
+    parser.add_argument("--math-timeout", type=float, default=5.0, help="seconds per sympy equivalence check")
+
+
+def _ints(spec: str) -> list[int]:
+    try:
+        vals = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--pass-k expects comma-separated integers, got {spec!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"--pass-k values must be >= 1, got {spec!r}")
+    return vals
+
+
+def run(args: argparse.Namespace) -> int:
+    """CLI body: returns the exit status; errors are one line on stderr (status 2)."""
+    from minicpm4_jax.eval.bench.code import CodeExecutionNotAllowed
+
+    try:
+        names = parse_tasks(args.tasks)
+        parse_k_shot(args.k_shot, names)
+        ks = _ints(args.pass_k)
+        if args.limit is not None and args.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        if not Path(args.data_dir).is_dir():
+            raise DataError(f"{args.data_dir}: no such directory (--data-dir)")
+        code = [t for t in names if t in CODE_TASKS]
+        if code and args.tasks is None and not args.allow_code_execution:
+            names = [t for t in names if t not in CODE_TASKS]
+            code = []
+            print(f"note: skipping {', '.join(CODE_TASKS)} (they execute model-written code; "
+                  "add --allow-code-execution to run them in the sandbox)", file=sys.stderr)
+        if code:  # refuse before loading anything
+            if not args.allow_code_execution:
+                raise CodeExecutionNotAllowed(
+                    f"{', '.join(code)} execute model-written code: pass --allow-code-execution, "
+                    "or leave them out of --tasks")
+            from minicpm4_jax.eval.sandbox import check_isolation
+
+            check_isolation()
+        from minicpm4_jax.eval.model import EvalModel
+
+        model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
+                                          batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
+        if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
+            raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
+        limits = SandboxLimits(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
+        res = run_bench(model, args.data_dir, names, out_dir=args.out_dir, limit=args.limit, k_shot=args.k_shot,
+                        seed=args.seed, n_samples=args.pass_k_samples, pass_ks=ks,
+                        code_temperature=args.code_temperature,
+                        allow_code_execution=args.allow_code_execution, sandbox_limits=limits,
+                        workers=args.exec_workers, math_timeout=args.math_timeout,
+                        extra_config={"checkpoint": str(args.checkpoint), "step": args.step,
+                                      "attention": args.attention, "batch_size": args.batch_size,
+                                      "prefill_chunk": args.prefill_chunk},
+                        log=lambda s: print(s, file=sys.stderr))
+    except (DataError, ValueError, SandboxUnavailable, CodeExecutionNotAllowed, FileNotFoundError) as e:
+        # ValueError covers the project's ConfigError (bad checkpoint, options of the eval model)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    for name, e in res["scores"]["tasks"].items():
+        print(f"{name:14s} {e['metric']:12s} {e['score']:6.2f}  n={e['n']}")
+    if res.get("paths"):
+        print(f"results: {res['paths'][0]}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # python -m minicpm4_jax.eval.bench.run
+    p = argparse.ArgumentParser(prog="minicpm4 eval bench", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["evaluate", "run_bench", "add_arguments", "run", "parse_tasks", "parse_k_shot", "model_info"]

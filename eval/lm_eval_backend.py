@@ -1,0 +1,233 @@
+"""lm-evaluation-harness backend: run any ``lm_eval`` task against a checkpoint of this project.
+
+The class :class:`MiniCPM4LM` is registered with lm-eval as ``minicpm4-jax`` (alias
+``minicpm4_jax``) when this module is imported. lm-eval has no plug-in discovery for models, so
+use either the Python API::
+
+    import lm_eval, minicpm4_jax.eval.lm_eval_backend as be
+    lm = be.MiniCPM4LM(checkpoint="runs/x")                  # or MiniCPM4LM(model=an_eval_model)
+    lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=TaskManager(include_path=DIR))
+
+or the launcher, which imports this module and then runs lm-eval's own command line::
+
+    python -m minicpm4_jax.eval.lm_eval_backend run --model minicpm4-jax \\
+        --model_args checkpoint=runs/x,attention=sparse --tasks my_task --include_path DIR
+
+Tokenisation follows ``TemplateLM``: the context's trailing whitespace moves to the
+continuation, the pair is encoded jointly and split at ``len(encode(context))`` (at the longest
+common prefix when the joint encoding merges across the boundary); an empty context is
+conditioned on the model's own document prefix (EOS or BOS), which the eval model adds to
+every request. Scoring, batching, length truncation and the KV cache live in the eval model
+(``minicpm4_jax.eval.model.EvalModel``); this class only adapts requests and results.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable, Sequence
+
+import numpy as np
+
+from minicpm4_jax.eval.bench.gen import cut_at_stop
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+
+    HAVE_LM_EVAL = True
+except ImportError:  # the backend is optional; the scoring helper below is not
+    HAVE_LM_EVAL = False
+    TemplateLM = object  # type: ignore[assignment,misc]
+
+    def register_model(*_names):  # type: ignore[no-redef]
+        return lambda cls: cls
+
+
+MODEL_NAME = "minicpm4-jax"
+
+
+def _int_or_none(v) -> int | None:
+    if v is None or v == "" or str(v).lower() == "none":
+        return None
+    return int(v)
+
+
+def _register(cls):
+    # Run as ``python -m``, this file is ``__main__``: the launcher below imports the real module,
+    # which registers the class once (lm-eval refuses a second class under the same name).
+    if __name__ == "__main__" or not HAVE_LM_EVAL:
+        return cls
+    return register_model(MODEL_NAME, "minicpm4_jax")(cls)
+
+
+@_register
+class MiniCPM4LM(TemplateLM):
+    """lm-eval ``LM`` over this project's eval model (anything with the ``EvalModel`` protocol)."""
+
+    def __init__(self, checkpoint: str | None = None, step=None, attention: str | None = None, batch_size=8,
+                 prefill_chunk=512, max_gen_toks=256, seed=0, model=None, max_batch_size=None, device=None,
+                 **unused) -> None:
+        if not HAVE_LM_EVAL:
+            raise ImportError("the lm-eval backend needs the lm-eval package (pip install 'lm-eval>=0.4.13,<0.5')")
+        super().__init__()
+        if model is None:
+            if not checkpoint:
+                raise ValueError(f"--model {MODEL_NAME} needs --model_args checkpoint=PATH")
+            from minicpm4_jax.eval.model import EvalModel
+
+            bs = 8 if batch_size in (None, "", "auto") or str(batch_size).startswith("auto") else int(batch_size)
+            att = None if attention in (None, "", "none", "None") else str(attention)
+            model = EvalModel.from_checkpoint(checkpoint, step=_int_or_none(step), attention=att, batch_size=bs,
+                                              prefill_chunk=int(prefill_chunk))
+        self.model = model
+        self._tok = model.tokenizer
+        self.max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
+
+    # --- TemplateLM hooks -----------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        eos = self._tok.eos_id
+        if eos is None:
+            raise ValueError("the tokenizer has no end-of-text token")
+        return int(eos)
+
+    @property
+    def _model_adds_prefix(self) -> bool:
+        # EvalModel puts its document-start token (``prefix_ids``, EOS by this project's training
+        # convention) before every context; a model without the attribute is taken to do the same.
+        return bool(getattr(self.model, "prefix_ids", True))
+
+    @property
+    def prefix_token_id(self) -> int:
+        ids = getattr(self.model, "prefix_ids", None)
+        if ids:
+            return int(ids[0])
+        bos = getattr(self._tok, "bos_id", None)
+        return int(bos) if bos is not None else self.eot_token_id
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """TemplateLM's split (trailing context whitespace moves to the continuation; the pair is
+        encoded jointly and cut at ``len(encode(context))``), except that when the joint encoding
+        merges tokens across the boundary the cut is the longest common prefix, so both parts come
+        from the joint tokenisation and no continuation text is scored as context (as
+        ``EvalModel.encode_pair`` does)."""
+        from minicpm4_jax.eval.model import joint_encode_pair
+
+        return joint_encode_pair(self.tok_encode, context, continuation)
+
+    @property
+    def max_length(self) -> int:
+        return int(self.model.max_length)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.model, "name", MODEL_NAME))
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return list(self._tok.encode(string))
+
+    def tok_decode(self, tokens: Sequence[int], **kwargs) -> str:
+        return self._tok.decode(list(tokens))
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        pairs = []
+        for (context, _continuation), ctx, cont in requests:
+            ctx = list(ctx)
+            if context == "" and ctx == [self.prefix_token_id] and self._model_adds_prefix:
+                ctx = []  # the eval model prepends its document prefix to every request itself
+            pairs.append((ctx, list(cont)))
+        res = self.model.loglikelihood_tokens(pairs)
+        if len(res) != len(pairs):
+            raise RuntimeError(f"eval model returned {len(res)} results for {len(pairs)} requests")
+        out = [(float(lp), bool(g)) for lp, g in res]
+        for (req_str, _, _), ans in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood", req_str, ans)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        texts = [req.args[0] for req in requests]
+        res = [float(x) for x in self.model.loglikelihood_rolling(texts)]
+        for req, r in zip(requests, res):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), r)
+        return res
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        settings: dict[str, dict] = {}
+        for i, req in enumerate(requests):
+            ctx, kw = req.args[0], dict(req.args[1] or {})
+            until = kw.get("until", None)
+            until = [until] if isinstance(until, str) else list(until or [])
+            max_toks = int(kw.get("max_gen_toks", self.max_gen_toks))
+            do_sample = bool(kw.get("do_sample", False))
+            temp = float(kw.get("temperature", 0.0) or 0.0) if do_sample else 0.0
+            s = {"until": until, "max_new_tokens": max_toks, "temperature": temp}
+            key = json.dumps(s, sort_keys=True)
+            settings[key] = s
+            groups.setdefault(key, []).append(i)
+        for key, idx in groups.items():
+            s = settings[key]
+            texts = self.model.generate([requests[i].args[0] for i in idx], max_new_tokens=s["max_new_tokens"],
+                                        stop=s["until"], temperature=s["temperature"], seed=self.seed)
+            if len(texts) != len(idx):
+                raise RuntimeError(f"eval model returned {len(texts)} generations for {len(idx)} prompts")
+            for i, t in zip(idx, texts):
+                t = cut_at_stop(t, s["until"])
+                out[i] = t
+                self.cache_hook.add_partial("generate_until", requests[i].args, t)
+        return [o if o is not None else "" for o in out]
+
+
+def score_tokens_with_logits(logits_fn: Callable[[list[int]], np.ndarray],
+                             requests: Sequence[tuple[Sequence[int], Sequence[int]]], *, max_length: int,
+                             prefix: Sequence[int] = ()) -> list[tuple[float, bool]]:
+    """Reference continuation scoring (field fault B19), one sequence at a time.
+
+    ``whole = prefix + context + continuation``, left-truncated to ``max_length + 1`` tokens;
+    the model input is ``whole[:-1]`` and the last ``len(continuation)`` rows of its logits
+    (``logits_fn(input) -> [len(input), vocab]``) predict the continuation tokens. Returns the
+    summed log-probability and whether every continuation token is the argmax.
+    """
+    out = []
+    for ctx, cont in requests:
+        cont = list(cont)
+        if not cont:
+            out.append((0.0, True))
+            continue
+        whole = list(prefix) + list(ctx) + cont
+        if len(cont) > max_length:
+            raise ValueError(f"continuation of {len(cont)} tokens does not fit max_length {max_length}")
+        whole = whole[-(max_length + 1):]
+        inp = whole[:-1]
+        logits = np.asarray(logits_fn(inp), dtype=np.float64)
+        if logits.shape[0] != len(inp):
+            raise ValueError(f"logits_fn returned {logits.shape[0]} rows for {len(inp)} input tokens")
+        rows = logits[len(inp) - len(cont):]
+        m = rows.max(axis=-1, keepdims=True)
+        logp = rows - m - np.log(np.exp(rows - m).sum(axis=-1, keepdims=True))
+        tgt = np.asarray(cont)
+        lp = float(logp[np.arange(len(cont)), tgt].sum())
+        greedy = bool((rows.argmax(axis=-1) == tgt).all())
+        out.append((lp, greedy))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """lm-eval's command line with ``minicpm4-jax`` registered (this module is imported)."""
+    if not HAVE_LM_EVAL:
+        print("error: the lm-eval backend needs the lm-eval package (pip install 'lm-eval>=0.4.13,<0.5')",
+              file=sys.stderr)
+        raise SystemExit(2)
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    from minicpm4_jax.eval.lm_eval_backend import main as _main
+
+    _main()

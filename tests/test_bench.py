@@ -1,0 +1,399 @@
+"""Standard benchmarks: readers and their errors, prompts, answer extraction, MATH equivalence,
+pass@k, and the plumbing proven with scripted models (an oracle scores 100 on every task, a
+random model scores near chance)."""
+
+import gzip
+import json
+import math
+import random
+import sys
+from itertools import combinations
+
+import pytest
+from conftest import shared_path
+
+from minicpm4_jax.eval.bench import readers
+from minicpm4_jax.eval.bench.code import CodeExecutionNotAllowed, pass_at_k
+from minicpm4_jax.eval.bench.gen import cut_at_stop, extract_gsm8k
+from minicpm4_jax.eval.bench.math_equiv import extract_math_answer, is_equiv, last_boxed, normalize
+from minicpm4_jax.eval.bench.readers import DataError, read_records
+from minicpm4_jax.eval.bench.tasks import (LOADERS, bbh_prompt_parts, extract_bbh_cot, extract_bbh_direct,
+                                           load_task)
+
+
+# ------------------------------------------------------------------------------------ readers
+def test_readers_accept_the_standard_formats(tmp_path):
+    rows = [{"question": "q1", "answer": 1}, {"question": "q,2\nline", "answer": 2}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "b.json").write_text(json.dumps({"examples": rows}))
+    (tmp_path / "a.csv").write_text('question,answer\nq1,1\n"q,2\nline",2\n')
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    for name, kw in [("a.jsonl", {}), ("a.jsonl.gz", {}), ("a.json", {}), ("b.json", {"field": "examples"}),
+                     ("a.csv", {}), ("a.parquet", {})]:
+        got = read_records(tmp_path / name, **kw)
+        assert [r["question"] for r in got] == ["q1", "q,2\nline"], name
+        assert str(got[1]["answer"]) == "2"
+        assert got[0][readers.WHERE].startswith(str(tmp_path / name))
+    # the CSV row that spans two lines is located at its first line
+    assert read_records(tmp_path / "a.csv")[1][readers.WHERE].endswith("a.csv:3")
+
+
+@pytest.mark.parametrize("name,text,where,what", [
+    ("bad.jsonl", '{"a": 1}\n{"a": 2,}\n', "bad.jsonl:2", "invalid JSON"),
+    ("list.jsonl", '{"a": 1}\n\n[1, 2]\n', "list.jsonl:3", "expected a JSON object"),
+    ("bad.json", '[\n {"a": 1},\n {"a": }\n]', "bad.json:3", "invalid JSON"),
+    ("bad.csv", "question,A,B\nq,1,2\nq2,1\n", "bad.csv:3", "expected 3 fields"),
+    ("quote.csv", 'question,A\nq,1\n"unterminated,2\n', "quote.csv:", "malformed CSV"),
+    ("x.txt", "hello", "x.txt", "unsupported file type"),
+])
+def test_reader_errors_name_file_and_line(tmp_path, name, text, where, what):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError) as ei:
+        read_records(tmp_path / name)
+    msg = str(ei.value)
+    assert "\n" not in msg and where in msg and what in msg
+
+
+def test_reader_errors_for_parquet_and_missing_fields(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"x\.parquet: not a readable Parquet file"):
+        read_records(tmp_path / "x.parquet")
+    (tmp_path / "g.jsonl").write_text('{"question": "a", "answer": "#### 1"}\n{"question": "b"}\n')
+    recs = read_records(tmp_path / "g.jsonl")
+    with pytest.raises(DataError, match=r"g\.jsonl:2: missing field 'answer'"):
+        readers.require(recs, ["question", "answer"])
+    # a benchmark folder with a bad row: the task loader names file and line
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    (d / "test.jsonl").write_text('{"question": "a", "answer": "x\\n#### 3"}\n'
+                                  '{"question": "b", "answer": "no marker"}\n')
+    with pytest.raises(DataError, match=r"test\.jsonl:2: answer has no '#### <number>' line"):
+        load_task("gsm8k", tmp_path, k_shot=0)
+    m = tmp_path / "mmlu" / "test"
+    m.mkdir(parents=True)
+    (m / "x_test.csv").write_text("question,choice0,choice1,choice2,choice3,answer\nq,a,b,c,d,7\n")
+    with pytest.raises(DataError, match=r"x_test\.csv:2: answer '7' is out of range"):
+        load_task("mmlu", tmp_path, k_shot=0)
+    with pytest.raises(DataError, match=r"no dev file for subject 'x'"):
+        load_task("mmlu", tmp_path, k_shot=5)
+
+
+def test_mmlu_original_tarball_and_hf_parquet_layouts(tmp_path):
+    # the original hendrycks tarball: no header row, letter answers
+    t = tmp_path / "tar" / "mmlu"
+    (t / "test").mkdir(parents=True)
+    (t / "dev").mkdir()
+    (t / "test" / "astronomy_test.csv").write_text('"What is, the Sun?",A star,A planet,A moon,A comet,A\n'
+                                                   'Q2,a,b,c,d,C\n')
+    (t / "dev" / "astronomy_dev.csv").write_text("Dev q,w,x,y,z,D\n")
+    task = load_task("mmlu", tmp_path / "tar", k_shot=1)
+    assert [it["gold"] for it in task.items] == [0, 2]
+    assert task.items[0]["context"] == ("The following are multiple choice questions (with answers) "
+                                        "about astronomy.\n\n"
+                                        "Dev q\nA. w\nB. x\nC. y\nD. z\nAnswer: D\n\n"
+                                        "What is, the Sun?\nA. A star\nB. A planet\nC. A moon\nD. A comet\nAnswer:")
+    # the Hugging Face export: one parquet per split, a subject column, a choices list
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    h = tmp_path / "hf" / "mmlu"
+    h.mkdir(parents=True)
+    rows = [{"question": f"q{i}", "subject": s, "choices": ["w", "x", "y", "z"], "answer": i % 4}
+            for i, s in enumerate(["astronomy", "virology", "astronomy"])]
+    pq.write_table(pa.Table.from_pylist(rows), h / "test-00000-of-00001.parquet")
+    pq.write_table(pa.Table.from_pylist([{**r, "question": "d" + r["question"]} for r in rows]),
+                   h / "dev-00000-of-00001.parquet")
+    task = load_task("mmlu", tmp_path / "hf", k_shot=1)
+    assert [it["id"] for it in task.items] == ["astronomy/0", "astronomy/1", "virology/0"]
+    assert "dq0\nA. w" in task.items[1]["context"]
+    assert task.items[1]["context"].endswith("q2\nA. w\nB. x\nC. y\nD. z\nAnswer:")
+    with pytest.raises(DataError, match="no mmlu data"):
+        load_task("mmlu", tmp_path / "nothing")
+
+
+def test_k_shot_option():
+    from minicpm4_jax.eval.bench.run import parse_k_shot
+
+    names = ["mmlu", "bbh", "math500", "gsm8k"]
+    assert parse_k_shot(None, names) == {}
+    assert parse_k_shot("0", names) == {"mmlu": 0, "gsm8k": 0}
+    assert parse_k_shot("mmlu=3,bbh=0", names) == {"mmlu": 3, "bbh": 0}
+    for bad, what in [("x", "expects N"), ("nope=1", "unknown benchmark"), ("-1", ">= 0")]:
+        with pytest.raises(ValueError, match=what):
+            parse_k_shot(bad, names)
+
+
+# -------------------------------------------------------------------------- extraction, pass@k
+def test_pass_at_k_estimator():
+    def brute(n, c, k):  # 1 - P(all k drawn without replacement fail), by enumeration
+        fails = sum(1 for s in combinations(range(n), k) if all(i >= c for i in s))
+        return 1 - fails / math.comb(n, k)
+
+    for n in range(1, 8):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(brute(n, c, k), abs=1e-12)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(10, 3, 2) == pytest.approx(1 - 21 / 45)
+    assert pass_at_k(200, 0, 100) == 0.0 and pass_at_k(200, 101, 100) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 5)
+
+
+def test_gsm8k_and_bbh_extraction():
+    assert extract_gsm8k("so 3 + 4 = 7.\n#### 1,234") == ("1234", "1234")
+    assert extract_gsm8k("The answer is $56.") == ("56", "56")
+    assert extract_gsm8k("we get 12 then 15.5") == ("", "15.5")
+    assert cut_at_stop("42\n\nQuestion: next", ["Question:", "\n\n"]) == "42"
+    assert extract_bbh_cot("Let's see. So the answer is (B).") == "(B)"
+    assert extract_bbh_cot("the answer is no. Then the answer is yes.\nmore") == "yes"
+    assert extract_bbh_direct(" (C).\nQ: x") == "(C)"
+
+
+def test_bbh_prompts_reproduce_the_upstream_files():
+    p = shared_path("data", "benchmarks", "bbh", "cot_prompts.json")
+    prompts = json.loads(p.read_text())
+    assert len(prompts) == 27
+    for task, text in prompts.items():
+        desc, shots = bbh_prompt_parts(text)
+        assert len(shots) == 3 and all(a for _, _, a in shots), task
+        rebuilt = desc + "\n\n" + "\n\n".join(f"Q: {q}\nA: Let's think step by step.{c}" for q, c, _ in shots)
+        assert rebuilt.strip() == text.split("-----\n", 1)[1].strip(), task
+
+
+def test_math_boxed_extraction_and_equivalence():
+    assert last_boxed(r"a \boxed{\frac{1}{2}} then \boxed{x^{2}+1}.") == "x^{2}+1"
+    assert last_boxed(r"so \boxed 5") == "5"
+    assert extract_math_answer("Final Answer: The final answer is $42$. I hope it is correct.") == "42"
+    assert extract_math_answer(r"thus $x = \frac{3}{4}$") == r"x = \frac{3}{4}"
+    assert normalize(r"\dfrac{1}{2}") == normalize("0.5") == normalize("1/2")
+    equal = [(r"\frac{1}{2}", "0.5"), (r"\dfrac12", "1/2"), (r"2\sqrt{3}", r"\sqrt{12}"), ("(1, 2)", "(1,2)"),
+             ("x^2+2x+1", "(x+1)^2"), (r"10\%", "10"), (r"\text{(C)}", "(C)"),
+             (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"),
+             ("1,000", "1000"), ("x = 5", "5"), (r"5 \text{ cm}", "5"), (r"\pi/2", r"\frac{\pi}{2}"),
+             (r"\sqrt[3]{8}", "2"), ("2^{10}", "1024"), (r"90^\circ", "90")]
+    different = [("[1,2)", "(1,2)"), ("3", "4"), ("0.333", r"\frac{1}{3}"), ("3, 5", "5, 3"), ("abc", "abd"),
+                 (None, "1"), ("", "1")]
+    for a, b in equal:
+        assert is_equiv(a, b), (a, b)
+    for a, b in different:
+        assert not is_equiv(a, b), (a, b)
+    # a check that cannot finish in time is "not equivalent", and the next check still works
+    assert not is_equiv("x^{2^{2^{2^{2^{10}}}}}-1", "(x-1)(x+1)(x^2+1)", timeout=0.5)
+    assert is_equiv("(x+1)^2", "x^2+2x+1")
+
+
+def test_math500_gold_solutions_are_equivalent_to_their_answers():
+    p = shared_path("data", "benchmarks", "math500", "test.jsonl")
+    rows = read_records(p)
+    assert len(rows) == 500
+    assert all(is_equiv(extract_math_answer(r["solution"]), r["answer"]) for r in rows)
+
+
+# ------------------------------------------------------------------------------ scripted models
+def _gold_text(it: dict) -> str:
+    kind = it.get("extract") or it.get("program")
+    if kind == "gsm8k":
+        return f" Adding up gives the total.\n#### {it['gold']}"
+    if kind == "math":
+        return f" We compute carefully, so the result is $\\boxed{{{it['gold']}}}$."
+    if kind == "bbh_cot":
+        return f" First consider each option. So the answer is {it['gold']}."
+    if kind == "bbh_direct":
+        return f" {it['gold']}"
+    if kind == "humaneval":
+        return it["canonical"]
+    if kind == "mbpp":
+        return it["canonical"] + "\n[DONE]"
+    raise AssertionError(kind)
+
+
+class OracleModel:
+    """Returns the gold answer for every prompt it was told about: scores must be 100."""
+
+    def __init__(self, tasks):
+        self.mc = {}
+        self.gen = {}
+        for t in tasks:
+            for it in t.items:
+                if t.kind == "mc":
+                    self.mc[it["context"]] = it["choices"][it["gold"]]
+                else:
+                    self.gen[it["prompt"]] = _gold_text(it)
+
+    def loglikelihood(self, reqs):
+        return [(0.0, True) if self.mc[c] == x else (-5.0 - len(x), False) for c, x in reqs]
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), temperature=0.0, seed=0):
+        return [self.gen[p] for p in prompts]
+
+
+class RandomModel:
+    """Random log-likelihoods and random text: multiple choice lands near chance."""
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def loglikelihood(self, reqs):
+        return [(self.rng.uniform(-10, -1), False) for _ in reqs]
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), temperature=0.0, seed=0):
+        return [f" maybe {self.rng.randint(0, 10**6)} or \\boxed{{{self.rng.randint(0, 10**6)}}}; "
+                f"the answer is ({'ABCD'[self.rng.randint(0, 3)]})." for _ in prompts]
+
+
+def _bench_dir():
+    return shared_path("data", "benchmarks")
+
+
+def test_all_shared_benchmarks_load_with_standard_prompts():
+    d = _bench_dir()
+    sizes = {n: len(load_task(n, d).items) for n in LOADERS}
+    assert sizes == {"mmlu": 14042, "cmmlu": 11582, "ceval": 1346, "arc_challenge": 1172, "arc_easy": 2376,
+                     "gsm8k": 1269, "math500": 500, "bbh": 6361, "bbh_direct": 6361, "humaneval": 114, "mbpp": 500}
+    mmlu = load_task("mmlu", d, limit=1).items[0]
+    assert mmlu["context"].startswith(
+        "The following are multiple choice questions (with answers) about abstract algebra.\n\n")
+    assert mmlu["context"].count("\nAnswer:") == 6 and mmlu["context"].endswith("D. 6\nAnswer:")
+    assert mmlu["choices"] == [" A", " B", " C", " D"] and mmlu["gold"] == 1
+    ceval = load_task("ceval", d, limit=1).items[0]
+    assert ceval["context"].startswith("以下是中国关于") and ceval["context"].endswith("\n答案：")
+    cm = load_task("cmmlu", d, limit=1, k_shot=0).items[0]
+    assert cm["context"].startswith("以下是关于农学的单项选择题，请直接给出正确答案的选项。\n\n")
+    arc = load_task("arc_challenge", d, limit=1, k_shot=2).items[0]
+    assert arc["context"].count("Question: ") == 3 and not arc["choices"][0].startswith("  ")
+    mbpp = load_task("mbpp", d, limit=1).items[0]
+    assert mbpp["prompt"].count("[BEGIN]") == 4 and mbpp["prompt"].count("[DONE]") == 3 and mbpp["id"] == "mbpp/11"
+    gsm = load_task("gsm8k", d, limit=2, k_shot=3)
+    assert gsm.items[0]["prompt"].count("Question: ") == 4 and gsm.items[0]["gold"].lstrip("-").isdigit()
+    # few-shot examples are fixed by the seed
+    one = load_task("gsm8k", d, limit=1, seed=1).items[0]["prompt"]
+    assert one == load_task("gsm8k", d, limit=1, seed=1).items[0]["prompt"]
+    assert one != load_task("gsm8k", d, limit=1, seed=2).items[0]["prompt"]
+    # a small limit still covers every subject
+    assert len({it["subtask"] for it in load_task("mmlu", d, limit=57, k_shot=0).items}) == 57
+
+
+def test_oracle_scores_100_and_random_scores_near_chance(tmp_path):
+    from minicpm4_jax.eval.bench.run import evaluate
+
+    d = _bench_dir()
+    names = ["mmlu", "cmmlu", "ceval", "arc_challenge", "arc_easy", "gsm8k", "math500", "bbh", "bbh_direct"]
+    tasks = [load_task(n, d, limit=120) for n in names]
+    res = evaluate(OracleModel(tasks), names, d, limit=120, log=None)
+    for n in names:
+        e = res["scores"]["tasks"][n]
+        assert e["score"] == 100.0 and e["n"] == 120, (n, e)
+        if "acc_norm" in e:
+            assert e["acc_norm"] == 100.0
+    assert len(res["items"]) == 120 * len(names) and all(it["correct"] for it in res["items"])
+    assert len(res["datasets"]) > 10 and all(len(h) == 64 for h in res["datasets"].values())
+    # random: chance is 25% for 4 choices (ARC: 3-5 choices), 0 for free-form answers
+    mc = ["mmlu", "cmmlu", "ceval", "arc_challenge"]
+    rnd = evaluate(RandomModel(0), mc + ["gsm8k", "bbh"], d, limit=400, log=None)["scores"]["tasks"]
+    for n in mc:
+        assert 17.0 <= rnd[n]["score"] <= 34.0, (n, rnd[n])
+    assert rnd["gsm8k"]["score"] <= 2.0
+    assert rnd["bbh"]["score"] <= 20.0
+
+
+def test_code_tasks_need_explicit_permission_and_score_by_execution():
+    from minicpm4_jax.eval.bench.run import evaluate
+    from minicpm4_jax.eval.sandbox import SandboxLimits, SandboxUnavailable, check_isolation
+
+    d = _bench_dir()
+    with pytest.raises(CodeExecutionNotAllowed, match="--allow-code-execution"):
+        evaluate(RandomModel(), ["humaneval"], d, limit=2, log=None)
+    try:
+        check_isolation()
+    except SandboxUnavailable as e:
+        pytest.skip(f"no sandbox here: {e}")
+    names = ["humaneval", "mbpp"]
+    tasks = [load_task(n, d, limit=16) for n in names]
+    lim = SandboxLimits(timeout_s=10.0)
+    res = evaluate(OracleModel(tasks), names, d, limit=16, allow_code_execution=True, sandbox_limits=lim, log=None)
+    for n in names:
+        assert res["scores"]["tasks"][n]["score"] == 100.0, [it for it in res["items"] if it["passed"] == 0][:2]
+    bad = evaluate(RandomModel(), names, d, limit=8, allow_code_execution=True, sandbox_limits=lim, log=None)
+    assert all(bad["scores"]["tasks"][n]["score"] == 0.0 for n in names)
+    # pass@k with several samples: a model right on every other sample
+    class Half(OracleModel):
+        def generate(self, prompts, *, max_new_tokens, stop=(), temperature=0.0, seed=0):
+            return [self.gen[p] if seed % 2 == 0 else "    raise ValueError('no')\n" for p in prompts]
+
+    h = evaluate(Half(tasks[:1]), ["humaneval"], d, limit=4, n_samples=4, pass_ks=(1, 2, 4),
+                 allow_code_execution=True, sandbox_limits=lim, log=None)["scores"]["tasks"]["humaneval"]
+    assert h["pass@1"] == pytest.approx(50.0) and h["pass@2"] == pytest.approx(100 * (1 - 1 / 6))
+    assert h["pass@4"] == 100.0 and h["temperature"] == 0.8
+
+
+def test_results_files_and_determinism(tmp_path):
+    pytest.importorskip("minicpm4_jax.eval.results")
+    from minicpm4_jax.eval.bench.run import run_bench
+
+    d = _bench_dir()
+    a = run_bench(RandomModel(3), d, ["mmlu", "gsm8k"], out_dir=tmp_path / "a", limit=10, log=None)
+    b = run_bench(RandomModel(3), d, ["mmlu", "gsm8k"], out_dir=tmp_path / "b", limit=10, log=None)
+    ja, jb = (json.loads(r["paths"][0].read_text()) for r in (a, b))
+    assert ja["kind"] == "bench" and ja["items"] == jb["items"] and ja["scores"] == jb["scores"]
+    assert set(ja["scores"]["tasks"]) == {"mmlu", "gsm8k"} and ja["scores"]["tasks"]["mmlu"]["metric"] == "acc"
+    assert "| mmlu | acc |" in a["paths"][1].read_text()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    import argparse
+
+    from minicpm4_jax.eval.bench.run import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    d = str(_bench_dir())
+    cases = [
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu,humaneval"], "--allow-code-execution"),
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu,nope"], "unknown benchmark(s) nope"),
+        (["ckpt", "--data-dir", str(tmp_path / "missing"), "--tasks", "mmlu"], "no such directory"),
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--pass-k", "1,x"], "--pass-k expects"),
+    ]
+    for argv, what in cases:
+        assert run(p.parse_args(argv)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and what in err[0], (argv, err)
+    args = p.parse_args(["ckpt", "--data-dir", d, "--dense", "--allow-code-execution", "--limit", "3"])
+    assert args.attention == "dense" and args.allow_code_execution and args.limit == 3
+    assert sys.modules.get("minicpm4_jax.eval.bench.run") is not None
+
+
+def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    em = pytest.importorskip("minicpm4_jax.eval.model")
+    pytest.importorskip("minicpm4_jax.eval.results")
+    from minicpm4_jax.eval.bench.run import add_arguments, run
+
+    d = _bench_dir()
+    seen = {}
+
+    def fake_from_checkpoint(path, **kw):
+        seen.update(kw, path=path)
+        return RandomModel(1)
+
+    monkeypatch.setattr(em.EvalModel, "from_checkpoint", staticmethod(fake_from_checkpoint))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["ckpt", "--data-dir", str(d), "--limit", "3", "--sparse", "--k-shot", "mmlu=1",
+                         "--out-dir", str(tmp_path / "out"), "--batch-size", "2"])
+    assert run(args) == 0
+    out, err = capsys.readouterr()
+    assert "skipping humaneval, mbpp" in err
+    assert seen == {"path": "ckpt", "step": None, "attention": "sparse", "batch_size": 2, "prefill_chunk": 512}
+    res = json.loads((tmp_path / "out" / "bench_results.json").read_text())
+    assert set(res["scores"]["tasks"]) == {"mmlu", "cmmlu", "ceval", "bbh", "gsm8k", "math500"}
+    assert res["config"]["k_shot"]["mmlu"] == 1 and res["config"]["attention"] == "sparse"
+    assert all(e["n"] == 3 for e in res["scores"]["tasks"].values())
+    assert "results:" in out

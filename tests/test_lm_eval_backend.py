@@ -1,0 +1,285 @@
+"""lm-evaluation-harness backend: the context/continuation boundary, continuation logits at the
+right offset (field fault B19), equality with a brute-force per-token computation, and an offline
+``simple_evaluate`` over local task YAMLs that point at the shared benchmark files."""
+
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import shared_path
+
+_REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_CACHE", str(_REPO / ".cache" / "hf_datasets"))
+
+from minicpm4_jax.eval.lm_eval_backend import HAVE_LM_EVAL, score_tokens_with_logits  # noqa: E402
+
+TASK_DIR = Path(__file__).resolve().parent / "data" / "lm_eval_tasks"
+V = 512
+PAD, BOS, EOS = 0, 1, 2
+MERGES = ["ab", " A", " B", " C", " D", "Answer:", "Question:", "\n\n", " the", "th", "he", "in", " a"]
+
+
+# ------------------------------------------------------------------------------ B19 offsets
+def test_b19_continuation_logits_at_the_right_offset():
+    seen = []
+
+    def stub(shift):
+        def logits_fn(inp):
+            seen.append(list(inp))
+            whole = [5, 6, 7, 8, 9]
+            out = np.full((len(inp), 16), -30.0)
+            for i in range(len(inp)):
+                # row i predicts the token after input position i (shifted: one further)
+                j = whole.index(inp[i]) + 1 + shift
+                if j < len(whole):
+                    out[i, whole[j]] = 30.0
+            return out
+        return logits_fn
+
+    (lp, greedy), = score_tokens_with_logits(stub(0), [([5, 6, 7], [8, 9])], max_length=16)
+    assert seen[-1] == [5, 6, 7, 8]  # the last continuation token is not an input
+    assert lp == pytest.approx(0.0, abs=1e-9) and greedy
+    (lp_bad, g_bad), = score_tokens_with_logits(stub(1), [([5, 6, 7], [8, 9])], max_length=16)
+    assert lp_bad < -50 and not g_bad
+    # left truncation keeps the continuation and the same offsets
+    (lp_t, g_t), = score_tokens_with_logits(stub(0), [([5, 6, 7], [8, 9])], max_length=3)
+    assert seen[-1] == [6, 7, 8] and lp_t == pytest.approx(0.0, abs=1e-9) and g_t
+    assert score_tokens_with_logits(stub(0), [([5], [])], max_length=4) == [(0.0, True)]
+
+
+# ------------------------------------------------------------------------ scripted eval model
+class ToyTokenizer:
+    """Greedy longest match over a few merged tokens, one token per other character."""
+
+    eos_id, bos_id, pad_id, vocab_size = EOS, BOS, PAD, V
+
+    def __init__(self):
+        self.merge_ids = {m: 3 + i for i, m in enumerate(MERGES)}
+
+    def _char(self, c):
+        return 100 + ord(c) % (V - 100)
+
+    def encode(self, text):
+        ids, i = [], 0
+        while i < len(text):
+            for m in sorted(MERGES, key=len, reverse=True):
+                if text.startswith(m, i):
+                    ids.append(self.merge_ids[m])
+                    i += len(m)
+                    break
+            else:
+                ids.append(self._char(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids):
+        inv = {v: k for k, v in self.merge_ids.items()}
+        return "".join(inv.get(i, chr(i - 100) if i >= 100 else "") for i in ids)
+
+
+_W = np.random.default_rng(0).normal(size=(V, V)).astype(np.float64) * 3.0
+_P = np.random.default_rng(1).normal(size=(4096, V)).astype(np.float64)
+
+
+def toy_logits(inp):
+    """Depends on the token and its position in the input, so an offset error changes the score."""
+    inp = np.asarray(inp)
+    return _W[inp] + _P[np.arange(len(inp))]
+
+
+def brute_force(ctx, cont, max_length, prefix=(EOS,)):
+    """Per-token: each continuation token from its own forward over the (truncated) prefix."""
+    whole = (list(prefix) + list(ctx) + list(cont))[-(max_length + 1):]
+    start = len(whole) - len(cont)
+    total, greedy = 0.0, True
+    for j in range(start, len(whole)):
+        row = toy_logits(whole[:j])[-1]
+        logp = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+        total += logp[whole[j]]
+        greedy &= int(row.argmax()) == whole[j]
+    return total, greedy
+
+
+class ScriptedEvalModel:
+    """The EvalModel protocol over ``toy_logits`` (document prefix EOS, as this project trains)."""
+
+    name = "scripted"
+    prefix_ids = [EOS]
+
+    def __init__(self, max_length=512):
+        self.tokenizer = ToyTokenizer()
+        self.max_length = max_length
+        self.calls = []
+
+    def loglikelihood_tokens(self, requests):
+        self.calls.append([(list(c), list(x)) for c, x in requests])
+        return score_tokens_with_logits(toy_logits, requests, max_length=self.max_length, prefix=self.prefix_ids)
+
+    def loglikelihood_rolling(self, texts):
+        return [score_tokens_with_logits(toy_logits, [([], self.tokenizer.encode(t))], max_length=self.max_length,
+                                         prefix=self.prefix_ids)[0][0] for t in texts]
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), temperature=0.0, seed=0):
+        self.calls.append(("generate", max_new_tokens, tuple(stop), temperature))
+        return [f" {len(p) % 7} apples.\n#### {len(p) % 7}\n\nQuestion: more" for p in prompts]
+
+
+needs_lm_eval = pytest.mark.skipif(not HAVE_LM_EVAL, reason="lm-eval is not installed")
+
+
+def _inst(kind, args, idx=0):
+    from lm_eval.api.instance import Instance
+
+    return Instance(request_type=kind, doc={}, arguments=args, idx=idx)
+
+
+@needs_lm_eval
+def test_boundary_merge_whitespace_and_empty_context():
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = ScriptedEvalModel()
+    lm = MiniCPM4LM(model=m)
+    tok = m.tokenizer
+    # "a" + "b" merge into one token: both parts come from the joint tokenisation "x|ab|c"
+    ctx, cont = lm._encode_pair("xa", "bc")
+    assert ctx + cont == tok.encode("xabc") and ctx == tok.encode("x")
+    assert cont == [tok.merge_ids["ab"], tok.encode("c")[0]]
+    # trailing whitespace of the context moves to the continuation (" A" is one token)
+    ctx, cont = lm._encode_pair("Answer: ", "A")
+    assert ctx == [tok.merge_ids["Answer:"]] and cont == [tok.merge_ids[" A"]]
+    reqs = [("xa", "bc"), ("Answer: ", "A"), ("The moon is", " a rock"), ("", "hello there")]
+    got = lm.loglikelihood([_inst("loglikelihood", r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    sent = m.calls[-1]
+    assert sent[3][0] == []  # empty context: the model adds its own prefix, not a second one
+    for (c, x), (lp, g) in zip(sent, got):
+        blp, bg = brute_force(c, x, m.max_length)
+        assert lp == pytest.approx(blp, abs=1e-9) and g == bg
+    # left truncation when context + continuation exceed max_length
+    short = ScriptedEvalModel(max_length=8)
+    lm2 = MiniCPM4LM(model=short)
+    (lp, _), = lm2.loglikelihood([_inst("loglikelihood", ("a long context of many characters", " the end"))],
+                                 disable_tqdm=True)
+    c, x = short.calls[-1][0]
+    assert lp == pytest.approx(brute_force(c, x, 8)[0], abs=1e-9)
+
+
+@needs_lm_eval
+def test_rolling_and_generate_until():
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = ScriptedEvalModel()
+    lm = MiniCPM4LM(model=m, max_gen_toks=17)
+    texts = ["hello the world", "in a  moment"]
+    got = lm.loglikelihood_rolling([_inst("loglikelihood_rolling", (t,), i) for i, t in enumerate(texts)])
+    for t, lp in zip(texts, got):
+        assert lp == pytest.approx(brute_force([], m.tokenizer.encode(t), m.max_length)[0], abs=1e-9)
+    reqs = [_inst("generate_until", ("Q1", {"until": ["\n\n"], "max_gen_toks": 5}), 0),
+            _inst("generate_until", ("Q22", {"until": "apples"}), 1),
+            _inst("generate_until", ("Q333", {"until": ["\n\n"], "max_gen_toks": 5}), 2)]
+    outs = lm.generate_until(reqs)
+    assert outs == [" 2 apples.\n#### 2", " 3 ", " 4 apples.\n#### 4"]
+    gens = [c for c in m.calls if c[0] == "generate"]
+    assert ("generate", 5, ("\n\n",), 0.0) in gens and ("generate", 17, ("apples",), 0.0) in gens
+
+
+def _local_tasks(tmp_path):
+    bench = shared_path("data", "benchmarks")
+    out = tmp_path / "tasks"
+    out.mkdir()
+    for y in TASK_DIR.glob("*.yaml"):
+        (out / y.name).write_text(y.read_text().replace("@BENCH@", str(bench)))
+    return out
+
+
+@needs_lm_eval
+def test_simple_evaluate_offline_with_local_task_yamls(tmp_path):
+    import lm_eval
+    from lm_eval.api.registry import get_model
+    from lm_eval.tasks import TaskManager
+
+    from minicpm4_jax.eval.lm_eval_backend import MODEL_NAME, MiniCPM4LM
+
+    assert get_model(MODEL_NAME) is MiniCPM4LM
+    task_dir = _local_tasks(tmp_path)
+    m = ScriptedEvalModel(max_length=1024)
+    lm = MiniCPM4LM(model=m)
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=["minicpm4_mmlu_local", "minicpm4_arc_local", "minicpm4_gsm8k_local", "minicpm4_rolling_local"],
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False), limit=4, log_samples=True,
+        random_seed=0,
+        numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0, bootstrap_iters=0)
+    r = res["results"]
+    assert set(r) >= {"minicpm4_mmlu_local", "minicpm4_arc_local", "minicpm4_gsm8k_local", "minicpm4_rolling_local"}
+    tok = m.tokenizer
+    n_ll = 0
+    for task in ("minicpm4_mmlu_local", "minicpm4_arc_local"):
+        for s in res["samples"][task]:
+            for args, resp in zip(s["arguments"], s["resps"]):
+                ctx, cont = (args["arg_0"], args["arg_1"]) if isinstance(args, dict) else args[:2]
+                c_ids, x_ids = lm._encode_pair(ctx, cont)
+                assert c_ids + x_ids == tok.encode(ctx + cont)
+                blp, bg = brute_force(c_ids, x_ids, m.max_length)
+                lp, g = resp[0]
+                assert float(lp) == pytest.approx(blp, abs=1e-6) and bool(g) == bg
+                n_ll += 1
+        assert len(res["samples"][task]) == 4
+    assert n_ll >= 4 * 4 + 4 * 3
+    mmlu_ctx = res["samples"]["minicpm4_mmlu_local"][0]["arguments"][0]
+    mmlu_ctx = mmlu_ctx["arg_0"] if isinstance(mmlu_ctx, dict) else mmlu_ctx[0]
+    assert mmlu_ctx.startswith("The following are multiple choice questions (with answers) about astronomy.")
+    assert mmlu_ctx.count("Answer:") == 2  # 1-shot from dev + the question
+    # generation: cut at the stop strings, scored by the task's own filter
+    for s in res["samples"]["minicpm4_gsm8k_local"]:
+        out = s["resps"][0][0]
+        assert "\n\n" not in out and re.fullmatch(r" \d apples\.\n#### \d", out)
+    assert 0.0 <= r["minicpm4_gsm8k_local"]["exact_match,strict-match"] <= 1.0
+    # rolling: the whole question's log-likelihood, as brute force
+    for s in res["samples"]["minicpm4_rolling_local"]:
+        text = s["doc"]["question"]
+        blp = brute_force([], tok.encode(text), m.max_length)[0] if len(tok.encode(text)) < m.max_length else None
+        if blp is not None:
+            assert float(s["resps"][0][0]) == pytest.approx(blp, abs=1e-6)
+    assert r["minicpm4_rolling_local"]["word_perplexity,none"] > 1.0
+
+
+@needs_lm_eval
+def test_constructor_needs_a_checkpoint_and_launcher_registers():
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    with pytest.raises(ValueError, match="checkpoint=PATH"):
+        MiniCPM4LM()
+    lm = MiniCPM4LM.create_from_arg_string("max_gen_toks=9", {"model": ScriptedEvalModel(), "batch_size": "auto"})
+    assert lm.max_gen_toks == 9 and lm.prefix_token_id == EOS and lm.eot_token_id == EOS and lm.max_length == 512
+
+
+@needs_lm_eval
+def test_backend_over_a_real_tiny_model_equals_a_full_forward():
+    """A randomly initialised minicpm4_jax model behind EvalModel: the backend's scores equal one
+    unpadded full forward per request (prefix EOS + context + continuation)."""
+    import jax
+    from flax import nnx
+
+    em_mod = pytest.importorskip("minicpm4_jax.eval.model")
+    from minicpm4_jax.config import ModelConfig
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+    from minicpm4_jax.nn import MiniCPM4
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=128, dim_model_base=16, scale_emb=12.0)
+    net = MiniCPM4(cfg, rngs=nnx.Rngs(0))
+    em = em_mod.EvalModel(net, ToyTokenizer(), batch_size=4, progress=False)
+    lm = MiniCPM4LM(model=em)
+    reqs = [("xa", "bc"), ("Answer: ", "A"), ("", "the end"), ("Question: in the", " a moon")]
+    got = lm.loglikelihood([_inst("loglikelihood", r, i) for i, r in enumerate(reqs)], disable_tqdm=True)
+    for (c, x), (lp, g) in zip(reqs, got):
+        c_ids, x_ids = lm._encode_pair(c, x) if c else ([], ToyTokenizer().encode(x))
+        ids = [EOS] + c_ids + x_ids
+        logp = np.asarray(jax.nn.log_softmax(net(np.asarray([ids], np.int32))[0].astype(np.float32), axis=-1))
+        n = 1 + len(c_ids)
+        want = sum(float(logp[n - 1 + j, t]) for j, t in enumerate(x_ids))
+        assert lp == pytest.approx(want, abs=1e-3), (c, x)
+        assert g == all(int(np.argmax(logp[n - 1 + j])) == t for j, t in enumerate(x_ids))

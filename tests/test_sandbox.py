@@ -1,0 +1,135 @@
+"""Sandbox for model-written code: each attack is contained, scored as a failure, and leaves
+nothing behind (no stray processes, no files outside the private directory, no connection)."""
+
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from minicpm4_jax.eval import sandbox as sb
+
+
+def _isolated_or_skip():
+    try:
+        sb.check_isolation()
+    except sb.SandboxUnavailable as e:
+        pytest.skip(f"no isolation on this machine: {e}")
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+SMALL = sb.SandboxLimits(timeout_s=3.0, memory_mb=512, file_size_mb=4, nproc=8)
+
+
+def test_refuses_with_one_line_error_when_it_cannot_isolate(monkeypatch):
+    sb._probe.cache_clear()
+    monkeypatch.setattr(sb.os, "geteuid", lambda: 1000)
+    try:
+        with pytest.raises(sb.SandboxUnavailable) as ei:
+            sb.run_program("print(1)")
+        msg = str(ei.value)
+        assert "\n" not in msg and "root" in msg
+        with pytest.raises(sb.SandboxUnavailable):
+            sb.run_programs(["print(1)"])
+    finally:
+        monkeypatch.undo()
+        sb._probe.cache_clear()
+
+
+def test_pass_fail_and_identity():
+    _isolated_or_skip()
+    ok = sb.run_program("import os\nprint(os.getuid(), os.getgroups(), os.getcwd())\n", SMALL)
+    assert ok.passed and ok.returncode == 0
+    uid, _, rest = ok.stdout.partition(" ")
+    assert int(uid) >= sb.UID_BASE and "[]" in rest and "minicpm4-sandbox-" in rest
+    bad = sb.run_program("assert 1 == 2\n", SMALL)
+    assert bad.status == "failed" and "AssertionError" in bad.stderr
+    # results come back in order, several at a time
+    rs = sb.run_programs([f"import sys\nsys.exit({i % 2})\n" for i in range(6)], SMALL, workers=3)
+    assert [r.passed for r in rs] == [True, False] * 3
+
+
+def test_infinite_loop_times_out():
+    _isolated_or_skip()
+    t0 = time.monotonic()
+    r = sb.run_program("while True:\n    pass\n", sb.SandboxLimits(timeout_s=1.5))
+    assert r.status == "timeout" and not r.passed
+    assert time.monotonic() - t0 < 10
+    assert sb._pids_of_uid(r.uid) == []
+
+
+def test_fork_bomb_is_contained_and_leaves_no_process():
+    _isolated_or_skip()
+    before = set(_children_of(os.getpid()))
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    r = sb.run_program(bomb, sb.SandboxLimits(timeout_s=2.0, nproc=8))
+    assert not r.passed
+    assert sb._pids_of_uid(r.uid) == []  # nothing left under the private uid
+    assert set(_children_of(os.getpid())) <= before  # no stray child of the harness
+    # a child that leaves the process group and outlives its parent is killed too
+    esc = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent done')\n"
+    r = sb.run_program(esc, SMALL)
+    assert r.passed and sb._pids_of_uid(r.uid) == []
+    # the harness still works
+    assert sb.run_program("print('alive')\n", SMALL).stdout.strip() == "alive"
+
+
+def test_large_allocation_fails():
+    _isolated_or_skip()
+    r = sb.run_program("x = bytearray(8 * 1024 ** 3)\n", SMALL)
+    assert r.status == "failed" and "MemoryError" in r.stderr
+
+
+def test_writes_outside_the_private_directory_fail(tmp_path):
+    _isolated_or_skip()
+    targets = [tmp_path / "escape.txt", f"/tmp/minicpm4-escape-{uuid.uuid4().hex}", "/var/tmp/minicpm4-escape",
+               "/dev/shm/minicpm4-escape", os.path.join(os.getcwd(), "minicpm4-escape")]
+    for t in targets:
+        r = sb.run_program(f"open({str(t)!r}, 'w').write('x')\n", SMALL)
+        assert r.status == "failed", (t, r)
+        assert not os.path.exists(t), t
+    # inside its own directory it may write; a file-size limit caps it
+    assert sb.run_program("open('ok.txt', 'w').write('x')\n", SMALL).passed
+    big = sb.run_program("f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * 65536)\n", SMALL)
+    assert big.status == "failed"
+
+
+def test_no_network_even_to_localhost():
+    _isolated_or_skip()
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(5)
+    srv.settimeout(0.2)
+    port = srv.getsockname()[1]
+    try:
+        prog = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'leak')\n"
+        r = sb.run_program(prog, SMALL)
+        assert r.status == "failed"
+        with pytest.raises(socket.timeout):
+            srv.accept()  # nothing ever connected
+    finally:
+        srv.close()
+
+
+def test_a_program_cannot_fake_a_setup_failure():
+    _isolated_or_skip()
+    r = sb.run_program("import sys\nsys.stderr.write('sandbox-setup: fake\\n')\nsys.exit(121)\n", SMALL)
+    assert r.status == "failed" and r.returncode == 121
+    # no descriptor beyond stdout/stderr is writable (the setup-status pipe is closed before the program starts)
+    prog = ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'x')\n        print(fd)\n"
+            "    except OSError:\n        pass\n")
+    r = sb.run_program(prog, SMALL)
+    assert r.passed and r.stdout == ""
