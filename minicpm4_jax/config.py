@@ -706,10 +706,9 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.attention_impl={m.attention_impl!r}; use 'xla', 'pallas' or 'auto'")
     if m.attention == "infllmv2" and m.sparse_config is None:
         raise ConfigError("model.attention='infllmv2' needs a model.sparse_config section")
-    if m.attention_impl == "pallas":  # the same message as the dispatch in nn/attention.py, before any work
-        kernel = "dense" if m.attention == "dense" else "InfLLM v2"
+    if m.attention_impl == "pallas" and m.attention == "dense":  # the dispatch's message, before any work
         raise ConfigError(
-            f"model.attention_impl={m.attention_impl!r} has no {kernel} kernel in this version; use 'xla' or 'auto'"
+            f"model.attention_impl={m.attention_impl!r} has no dense kernel in this version; use 'xla' or 'auto'"
         )
     if m.sparse_config is not None:
         s = m.sparse_config
@@ -734,6 +733,9 @@ def validate_model(m: ModelConfig) -> None:
             )
         if s.dense_len < -1:
             raise ConfigError(f"model.sparse_config.dense_len={s.dense_len}; use -1 (always sparse) or a length >= 0")
+        if m.attention_impl == "pallas" and (s.block_size < 16 or s.block_size & (s.block_size - 1)):
+            raise ConfigError(f"model.sparse_config.block_size={s.block_size}: the Pallas kernels need a power of two "
+                              ">= 16 (MiniCPM4: 64); change it or use model.attention_impl='xla'")
     for nm in ("dtype", "param_dtype"):
         if getattr(m, nm) not in _DTYPES:
             raise ConfigError(f"model.{nm}={getattr(m, nm)!r}; use one of {list(_DTYPES)}")

@@ -97,8 +97,8 @@ def pool(s: np.ndarray, pos: np.ndarray, *, num_blocks: int, block_size: int, st
                     out[h, t, b] = -np.inf
                     continue
                 cand = [j for j in range(r * b - 1, r * b + r) if 0 <= j < nc1]
-                if cand:
-                    out[h, t, b] = max(s[h, t, j] for j in cand)
+                if cand:  # clamped to the largest finite value: a forced (+inf) block wins every tie
+                    out[h, t, b] = min(max(s[h, t, j] for j in cand), np.finfo(np.float32).max)
     return out
 
 

@@ -74,26 +74,29 @@ def test_sparse_model_gradients_finite(dense_model):
     assert float(jnp.abs(g["layers"]["q_proj"][...]).max()) > 0
 
 
-def test_pallas_impl_is_a_clear_error(dense_model, tmp_path, capsys):
-    sp = SparseConfig(dense_len=-1)
-    cfg = dataclasses.replace(BASE, attention="infllmv2", sparse_config=sp, attention_impl="pallas")
-    # the one validation function rejects it, with the dispatch's message
-    with pytest.raises(ConfigError, match="attention_impl='pallas' has no InfLLM v2 kernel") as v:
-        validate_model(cfg)
-    with pytest.raises(ConfigError, match="attention_impl='pallas' has no dense kernel"):
-        validate_model(dataclasses.replace(BASE, attention_impl="pallas"))
+def test_pallas_impl_limits_are_clear_errors(dense_model, tmp_path, capsys):
+    # dense attention has no Pallas kernel: the one validation function rejects it with the dispatch's message
+    dense_pallas = dataclasses.replace(BASE, attention_impl="pallas")
+    with pytest.raises(ConfigError, match="attention_impl='pallas' has no dense kernel") as v:
+        validate_model(dense_pallas)
     # a model built from an unvalidated config still fails clearly in the dispatch, with the same message
-    m = _with(dense_model, cfg)
+    m = _with(dense_model, dense_pallas)
     with pytest.raises(ConfigError) as d:
         m(jnp.zeros((1, 8), jnp.int32))
     assert str(d.value) == str(v.value)
-    # `minicpm4 train ... model.attention_impl=pallas` fails in validation, before writing anything
+    # the InfLLM v2 kernels need power-of-two blocks
+    bad = dataclasses.replace(BASE, attention="infllmv2", attention_impl="pallas",
+                              sparse_config=SparseConfig(kernel_size=48, kernel_stride=16, block_size=48,
+                                                         window_size=96, dense_len=-1))
+    with pytest.raises(ConfigError, match="block_size=48: the Pallas kernels need a power of two"):
+        validate_model(bad)
+    # `minicpm4 train ... model.attention_impl=pallas` on a dense preset fails in validation, writing nothing
     from minicpm4_jax.cli import main
 
     out = tmp_path / "run"
     rc = main(["train", "--config", "cpu_tiny", "--no-progress", f"out_dir={out}", "model.attention_impl=pallas"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "model.attention_impl='pallas' has no" in err[0], err
+    assert rc == 2 and len(err) == 1 and "model.attention_impl='pallas' has no dense kernel" in err[0], err
     assert not out.exists()
 
 

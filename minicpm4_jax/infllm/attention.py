@@ -26,7 +26,8 @@ def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, in
 
     * gen-2: the forced ``init`` and ``q_blk - L .. q_blk`` blocks (+inf scores) are all in the top
       ``K = k_used`` whenever they fit (``topk_cfg >= init + L + 1``), so at most ``K - init - L - 1`` picks
-      are outside them; stage 2 gets window ``L + 1``.
+      are outside them (forced blocks win every tie, :func:`~minicpm4_jax.infllm.select.pool_block_scores`);
+      stage 2 gets window ``L + 1``.
     * gen-1: the init blocks are in the top ``K`` (``topk_cfg >= init``), the window ``q_blk - L + 1 ..
       q_blk`` is never in it and is added by stage 2 (window ``L``): at most ``K - init`` other picks.
 
@@ -63,6 +64,7 @@ def infllmv2_attention(
     attn_q_tile: int = 64,
     gather_tile: int | None = None,
     remat: bool = True,
+    impl: str = "xla",
     return_selection: bool = False,
     return_stats: bool = False,
 ) -> jax.Array | tuple:
@@ -87,6 +89,9 @@ def infllmv2_attention(
         select_q_tile, attn_q_tile, gather_tile: query tile sizes of selection, of stage 2's dense forced
             part and of its gathered top-k part (:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
+        impl: ``"xla"`` (stage 2 = :func:`infllmv2_stage2`) or ``"pallas"`` (stage 2 =
+            :func:`~minicpm4_jax.ops.pallas.sparse_attention.block_sparse_attention` on the backend of
+            :func:`~minicpm4_jax.ops.dispatch.pallas_target`); selection and the dense fallback are XLA either way.
         return_selection: also return the :class:`Selection` (``None`` when the dense path is static).
         return_stats: also return ``{"attended_fraction": float32 scalar}``, the mean over (sequence,
             KV head, query) of attended visible keys / causal keys (:func:`attended_keys`; 1 on the dense
@@ -126,10 +131,25 @@ def infllmv2_attention(
         sel = select_blocks(jax.lax.stop_gradient(q_sel), jax.lax.stop_gradient(k_sel), q_positions=q_positions,
                             params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile)
     k_used = min(params.topk_cfg, -(-s // params.block_size))
-    init, window, width = stage2_forced_split(params, k_used)
-    out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions, kv_positions=kv_positions,
-                          block_size=params.block_size, window_blocks=window, init_blocks=init, gather_width=width,
-                          kv_valid=kv_valid, scale=scale, q_tile=attn_q_tile, gather_tile=gather_tile, remat=remat)
+    if impl == "pallas":
+        from minicpm4_jax.ops.dispatch import pallas_target
+        from minicpm4_jax.ops.pallas.sparse_attention import block_sparse_attention
+
+        backend, interpret = pallas_target()
+        # the same forced blocks as the reference (stage2_forced_split): its attended set, exactly
+        init, window, _ = stage2_forced_split(params, k_used)
+        out = block_sparse_attention(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions,
+                                     kv_positions=kv_positions, block_size=params.block_size, window_blocks=window,
+                                     init_blocks=init, kv_valid=kv_valid, scale=scale, backend=backend,
+                                     interpret=interpret)
+    elif impl == "xla":
+        init, window, width = stage2_forced_split(params, k_used)
+        out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions,
+                              kv_positions=kv_positions, block_size=params.block_size, window_blocks=window,
+                              init_blocks=init, gather_width=width, kv_valid=kv_valid, scale=scale,
+                              q_tile=attn_q_tile, gather_tile=gather_tile, remat=remat)
+    else:
+        raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
     if dl > 0:
         use_dense = kv_len < dl  # [b]
         kd, vd = k[:, :dl], v[:, :dl]

@@ -12,8 +12,8 @@ pipeline is:
    * gen-1: the visible *fine* logits (an exact softmax over kernels);
    * gen-2: the visible *coarse* (``4*ks``/``4*st``) logits (the "LSE approximation"; not normalised
      over ``j``). A row with no visible coarse kernel has ``lse = -inf`` and so ``+inf`` on its visible
-     fine kernels (the official kernel divides by a zero sum); such rows (``p < 4*ks - 1``) only touch
-     forced blocks. No NaN is ever produced (field fault B23).
+     fine kernels (the official kernel divides by a zero sum); with the official geometry such rows
+     (``p < 4*ks - 1``) only touch forced blocks. No NaN is ever produced (field fault B23).
 
    The scores of the ``G`` query heads of a KV group are summed in float32 ->
    ``S[b, h, t, j]``, then cast to ``score_dtype`` (float32 by default; ``bfloat16`` reproduces the
@@ -26,6 +26,12 @@ pipeline is:
    * gen-2: ``+inf`` for ``b < init_blocks`` or ``q_blk - L <= b <= q_blk``;
    * gen-1: ``+inf`` for ``b < init_blocks``, else ``-inf`` for ``q_blk - L < b <= q_blk`` (those blocks
      come from the stage-2 window).
+
+   Other blocks keep their pooled score clamped to the largest finite value of ``score_dtype``, so a
+   forced block wins every tie: a ``+inf`` pooled score (step 1's rows without a coarse kernel, reachable
+   outside the official geometry, e.g. small blocks with ``dense_len`` below the coarse kernel) would
+   otherwise tie with the forced ``+inf`` and the lower-index rule could push a forced block (even the
+   query's own) out of the top-k, where the official kernel's tie order is unspecified.
 3. **Top-k** (§5.4) over the ``NB = ceil(kv_len / Bk)`` blocks with ``K = min(K_cfg, NB)`` (gen-2
    ``K_cfg = topk + L``, gen-1 ``K_cfg = topk``); ties go to the lower block index (``lax.top_k``).
    A pick is invalid if (gen-2) ``b > q_blk`` / (gen-1) ``b >= q_blk``, or if its pooled score is
@@ -269,6 +275,7 @@ def pool_block_scores(scores: jax.Array, *, q_positions: jax.Array, num_blocks: 
     qb = _floordiv(q_positions.astype(jnp.int32), p.block_size)[:, None, :, None]
     init = blk < p.init_blocks
     inf = jnp.array(jnp.inf, scores.dtype)
+    pooled = jnp.minimum(pooled, jnp.array(jnp.finfo(scores.dtype).max, scores.dtype))  # forced blocks win ties
     if p.variant == "gen2":
         forced = init | ((blk >= qb - p.local_blocks) & (blk <= qb))
         return jnp.where(forced, inf, pooled)

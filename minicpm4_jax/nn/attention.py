@@ -1,7 +1,8 @@
 """The one attention entry point of the model.
 
 Two config switches choose what runs: ``model.attention`` (the algorithm: ``dense`` | ``infllmv2``)
-and ``model.attention_impl`` (the implementation: ``xla`` | ``pallas`` | ``auto``). Every decoder
+and ``model.attention_impl`` (the implementation: ``xla`` | ``pallas`` | ``auto``, :mod:`minicpm4_jax.ops.dispatch`;
+InfLLM v2 stage 2 has Pallas kernels, dense attention runs XLA). Every decoder
 layer calls :func:`attend`; no attention code is duplicated per layer.
 """
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.dispatch import resolve_impl
 
 __all__ = ["attend"]
 
@@ -58,13 +60,10 @@ def attend(
         )
     if cfg.attention == "infllmv2":
         sc = cfg.sparse_config
-        if cfg.attention_impl in ("xla", "auto"):
-            return infllmv2_attention(
-                q, k, v, q_positions=q_positions, kv_positions=kv_positions, sparse_cfg=sc, kv_valid=kv_valid,
-                q_sel=q_nope if sc.use_nope else None, k_sel=k_nope if sc.use_nope else None,
-                kernel_offby1_quirk=sc.kernel_offby1_quirk, return_stats=return_stats,
-            )
-        raise ConfigError(
-            f"model.attention_impl={cfg.attention_impl!r} has no InfLLM v2 kernel in this version; use 'xla' or 'auto'"
+        return infllmv2_attention(
+            q, k, v, q_positions=q_positions, kv_positions=kv_positions, sparse_cfg=sc, kv_valid=kv_valid,
+            q_sel=q_nope if sc.use_nope else None, k_sel=k_nope if sc.use_nope else None,
+            kernel_offby1_quirk=sc.kernel_offby1_quirk, return_stats=return_stats,
+            impl=resolve_impl(cfg.attention_impl),
         )
     raise ConfigError(f"model.attention={cfg.attention!r}; use 'dense' or 'infllmv2'")

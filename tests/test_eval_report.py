@@ -1,0 +1,97 @@
+"""``minicpm4 eval report`` (issue 6): PNG plots from RULER and benchmark results files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from minicpm4_jax.config import ConfigError
+from minicpm4_jax.eval.report import add_arguments, render_report, run
+from minicpm4_jax.eval.results import write_results
+from minicpm4_jax.eval.ruler.scoring import summarize
+from minicpm4_jax.eval.ruler.tasks import TASK_NAMES
+
+pytest.importorskip("matplotlib")
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _ruler(out: Path, attention: str, offset: float, lengths=(4096, 8192, 32768)) -> Path:
+    results = {t: {n: {"score": max(0.0, 100.0 - i * 3 - j * 10 - offset), "nulls": "0/5", "n": 5}
+                   for j, n in enumerate(lengths)} for i, t in enumerate(TASK_NAMES)}
+    del results["qa_2"][8192]  # a missing cell is drawn as '-'
+    model = {"name": "tiny", "checkpoint_hash": "abc123" * 10, "attention": "infllmv2" if attention == "sparse"
+             else "dense"}
+    res, _ = write_results(out, kind="ruler", config={"attention": attention}, model_info=model, datasets={},
+                           items=[], scores=summarize(results))
+    return res
+
+
+def _bench(out: Path, attention: str, offset: float) -> Path:
+    tasks = {name: {"score": s - offset, "metric": m, "n": 20} for name, s, m in
+             [("mmlu", 31.5, "acc"), ("gsm8k", 4.0, "exact_match"), ("humaneval", 0.0, "pass@1"),
+              ("bbh", 22.2, "exact_match"), ("ceval", 27.0, "acc")]}
+    res, _ = write_results(out, kind="bench", config={"attention": attention},
+                           model_info={"name": "tiny", "checkpoint_hash": "abc123" * 10}, datasets={}, items=[],
+                           scores={"tasks": tasks})
+    return res
+
+
+def _valid_png(p: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    data = p.read_bytes()
+    assert data[:8] == _PNG, p
+    with Image.open(p) as im:
+        im.verify()
+    with Image.open(p) as im:
+        assert im.format == "PNG" and im.width > 200 and im.height > 150
+        return im.size
+
+
+def test_report_renders_all_plots(tmp_path):
+    _ruler(tmp_path / "dense", "dense", 0.0)
+    _ruler(tmp_path / "sparse", "sparse", 4.0)
+    _bench(tmp_path / "dense", "dense", 0.0)
+    _bench(tmp_path / "sparse", "sparse", 1.5)
+    made = render_report([tmp_path / "dense", tmp_path / "sparse"], tmp_path / "report")
+    names = sorted(p.name for p in made)
+    assert names == sorted([
+        "ruler_heatmap_tiny_dense_abc123ab.png", "ruler_heatmap_tiny_sparse_abc123ab.png",
+        "ruler_score_vs_length.png", "ruler_sparse_vs_dense_tiny_dense_abc123ab.png",
+        "bench_tiny_dense_abc123ab.png", "bench_tiny_sparse_abc123ab.png",
+        "bench_sparse_vs_dense_tiny_dense_abc123ab.png"])
+    sizes = {p.name: _valid_png(p) for p in made}
+    # the side-by-side figure is wider than a single heatmap
+    assert sizes["ruler_sparse_vs_dense_tiny_dense_abc123ab.png"][0] > sizes["ruler_heatmap_tiny_dense_abc123ab.png"][0]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert all(n in md for n in names) and "4K: " in md
+
+
+def test_report_single_result_no_comparison_and_cli(tmp_path):
+    res = _ruler(tmp_path / "one", "dense", 0.0)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([str(res), "--out", str(tmp_path / "r"), "--dpi", "60"])) == 0
+    pngs = sorted(p.name for p in (tmp_path / "r").glob("*.png"))
+    assert pngs == ["ruler_heatmap_tiny_dense_abc123ab.png", "ruler_score_vs_length.png"]
+    for p in (tmp_path / "r").glob("*.png"):
+        _valid_png(p)
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        render_report([tmp_path / "missing.json"], tmp_path / "o")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no \\*_results.json"):
+        render_report([tmp_path / "empty"], tmp_path / "o")
+    (tmp_path / "bad_results.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ConfigError, match="not a minicpm4 results file"):
+        render_report([tmp_path / "bad_results.json"], tmp_path / "o")
+    other, _ = write_results(tmp_path / "x", kind="lm_eval", config={}, model_info={}, datasets={}, items=[],
+                             scores={})
+    with pytest.raises(ConfigError, match="no ruler or bench results"):
+        render_report([other], tmp_path / "o")
