@@ -31,6 +31,7 @@ __all__ = [
     "DataConfig",
     "MeshConfig",
     "CheckpointConfig",
+    "DistributedConfig",
     "QATConfig",
     "TrainConfig",
     "load_config",
@@ -369,6 +370,39 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host start-up: when and how ``jax.distributed.initialize`` runs (``train/distributed.py``).
+
+    ``mode``:
+
+    * ``off`` (default): one process; ``jax.distributed.initialize`` is not called.
+    * ``auto``: ``jax.distributed.initialize()`` detects the cluster (Cloud TPU, SLURM, Open MPI,
+      Kubernetes/GKE JobSet, or ``mpi4py`` with ``cluster_detection_method: mpi4py``); the fields
+      below that are set override what it detects.
+    * ``explicit``: ``coordinator_address`` (``host:port`` of process 0; falls back to the
+      ``JAX_COORDINATOR_ADDRESS`` environment variable), ``num_processes`` and ``process_id`` (give
+      each process its own, e.g. ``distributed.process_id=$RANK`` on the command line).
+
+    ``local_device_ids``: the accelerators this process uses (``null``: all it sees).
+    ``initialization_timeout``: seconds to wait for all processes to connect.
+
+    It runs at the start of ``run_training``, before any device is touched. All processes then run
+    the same program: each reads only its rows of every global batch, process 0 alone prints, writes
+    TensorBoard, ``config.json``, ``tokenizer/`` and ``summary.json``; checkpoints are written by all
+    (orbax) into one folder that every process must see (a shared file system or a bucket). These
+    fields never change the math, so a ``--resume`` may change them (another process layout).
+    """
+
+    mode: str = "off"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    cluster_detection_method: str | None = None
+    initialization_timeout: int = 300
+
+
+@dataclass(frozen=True)
 class QATConfig:
     """Ternary quantization-aware training, BitCPM4 (paper §3.3; spec ``export.md`` §5).
 
@@ -421,6 +455,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     steps: int = 1000
     seed: int = 0
     log_every: int = 10
@@ -796,12 +831,49 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"mesh sizes {sizes} invalid: positive sizes, at most one -1")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.save_every < 1:
         raise ConfigError("checkpoint.keep and checkpoint.save_every must be >= 1")
+    validate_distributed(cfg.distributed)
     if cfg.sample_temperature < 0 or not 0.0 < cfg.sample_top_p <= 1.0:
         raise ConfigError(f"sample_temperature={cfg.sample_temperature} must be >= 0 (0 = greedy) and "
                           f"sample_top_p={cfg.sample_top_p} in (0, 1]")
     if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:
         raise ConfigError("log_every, eval_every and eval_batches must be >= 1")
     validate_qat(cfg)
+
+
+#: ``distributed.mode`` values (``cluster_detection_method`` is checked against the installed jax at start-up).
+DISTRIBUTED_MODES = ("off", "auto", "explicit")
+
+
+def validate_distributed(d: DistributedConfig) -> None:
+    """Check the ``distributed`` section. Raises :class:`ConfigError` (one line naming the value and the fix)."""
+    if d.mode not in DISTRIBUTED_MODES:
+        raise ConfigError(f"distributed.mode={d.mode!r}; use 'off' (one process), 'auto' (let JAX detect Cloud TPU / "
+                          "SLURM / Open MPI / Kubernetes) or 'explicit' (coordinator_address, num_processes, process_id)")
+    if d.num_processes is not None and d.num_processes < 1:
+        raise ConfigError(f"distributed.num_processes={d.num_processes} must be >= 1 (the number of processes of the job)")
+    if d.process_id is not None and (d.process_id < 0 or (d.num_processes is not None and d.process_id >= d.num_processes)):
+        raise ConfigError(f"distributed.process_id={d.process_id} must be in [0, distributed.num_processes="
+                          f"{d.num_processes}); give each process its own id, 0 on the coordinator")
+    if d.coordinator_address is not None and (":" not in d.coordinator_address
+                                              or not d.coordinator_address.rsplit(":", 1)[1].isdigit()):
+        raise ConfigError(f"distributed.coordinator_address={d.coordinator_address!r} must be host:port of process 0 "
+                          "(e.g. 10.0.0.1:1234)")
+    if d.initialization_timeout < 1:
+        raise ConfigError(f"distributed.initialization_timeout={d.initialization_timeout} must be >= 1 (seconds)")
+    if d.local_device_ids is not None and (not d.local_device_ids or any(i < 0 for i in d.local_device_ids)):
+        raise ConfigError(f"distributed.local_device_ids={list(d.local_device_ids)} must list device ids >= 0 "
+                          "(or be null: all devices this process sees)")
+    if d.mode == "off":
+        set_ = [n for n in ("coordinator_address", "num_processes", "process_id", "local_device_ids",
+                            "cluster_detection_method") if getattr(d, n) is not None]
+        if set_:
+            raise ConfigError(f"distributed.{set_[0]} is set but distributed.mode='off' ignores it; set "
+                              "distributed.mode=explicit (or auto) to run several processes, or remove it")
+    if d.mode == "explicit":
+        missing = [n for n in ("num_processes", "process_id") if getattr(d, n) is None]
+        if missing:
+            raise ConfigError(f"distributed.mode='explicit' needs distributed.{missing[0]}; give num_processes and a "
+                              "per-process process_id (0 on the coordinator), or use mode=auto on a detected cluster")
 
 
 def _decay_len(o: OptimizerConfig, steps: int) -> int:

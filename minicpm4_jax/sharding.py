@@ -18,7 +18,13 @@ A dimension whose size is not divisible by the product of its mesh axes is *repl
 failing (e.g. MiniCPM4's 2 KV heads on ``tensor=4``); batches, on the other hand, must divide
 ``data * fsdp`` (:func:`check_batch_size`).
 
-Not here yet (later slices of issue 5): vocabulary padding, multi-host, activation constraints,
+Multi-host (``train/distributed.py`` starts the processes): every process builds the same global
+mesh over ``jax.devices()``; :func:`process_batch_rows` says which rows of a global batch the
+process's devices hold under the batch sharding, the data pipeline reads only those rows, and
+:func:`make_global_batch` assembles the global ``jax.Array`` with
+``jax.make_array_from_process_local_data`` (one process: the same call on the whole batch).
+
+Not here yet (later slices of issue 5): vocabulary padding, activation constraints,
 ``shard_map`` for the sparse kernels.
 """
 
@@ -34,7 +40,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from minicpm4_jax.config import ConfigError, MeshConfig
 
 __all__ = ["MESH_AXES", "LOGICAL_RULES", "BATCH_AXES", "resolve_mesh_shape", "make_mesh", "logical_to_spec",
-           "param_shardings", "state_shardings", "batch_sharding", "replicated", "check_batch_size"]
+           "param_shardings", "state_shardings", "batch_sharding", "replicated", "check_batch_size",
+           "process_batch_rows", "make_global_batch"]
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 
@@ -189,3 +196,39 @@ def check_batch_size(batch_size: int, mesh: Mesh) -> None:
     if batch_size % n:
         raise ConfigError(f"data.batch_size={batch_size} is not divisible by mesh data*fsdp={n}; "
                           f"use a multiple of {n}")
+
+
+def process_batch_rows(sharding: NamedSharding, batch_size: int) -> list[int]:
+    """The rows of a global ``[batch_size, ...]`` batch that this process's devices hold, ascending.
+
+    With the batch split over ``(data, fsdp)`` these are ``batch_size / process_count`` rows per
+    process (a contiguous block when the mesh keeps each process's devices together, as
+    ``jax.make_mesh`` does); a process whose devices replicate the batch axis holds all rows. This is
+    what the data pipeline of this process must read, in this order, for :func:`make_global_batch`.
+    """
+    index_map = sharding.addressable_devices_indices_map((batch_size, 1))
+    rows: set[int] = set()
+    for idx in index_map.values():
+        sl = idx[0] if idx else slice(None)
+        rows.update(range(*sl.indices(batch_size)))
+    return sorted(rows)
+
+
+def make_global_batch(local: Any, sharding: NamedSharding, global_shape: Sequence[int]) -> jax.Array:
+    """The global batch ``jax.Array`` from this process's rows (``local``: the rows of
+    :func:`process_batch_rows` in that order, or the whole batch) via ``jax.make_array_from_process_local_data``.
+
+    Raises:
+        ValueError: ``local`` has neither this process's row count nor the global row count.
+    """
+    import numpy as np
+
+    local = np.asarray(local)
+    global_shape = tuple(int(d) for d in global_shape)
+    rows = process_batch_rows(sharding, global_shape[0])
+    if local.shape[0] == global_shape[0] and len(rows) != global_shape[0]:
+        local = local[np.asarray(rows)]  # the whole batch was given: keep this process's rows
+    if local.shape[0] != len(rows) or tuple(local.shape[1:]) != global_shape[1:]:
+        raise ValueError(f"process {jax.process_index()} holds rows {rows[:4]}... ({len(rows)} rows) of the global "
+                         f"batch {global_shape}, but its local batch has shape {local.shape}")
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)

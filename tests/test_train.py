@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import COLLECTIVE_TIMEOUT_FLAGS
 
 from minicpm4_jax.config import ConfigError, load_config
 from minicpm4_jax.train import loop as loop_mod
@@ -322,7 +323,7 @@ def test_unwritable_or_full_output_dir(corpus, cache_dir, tmp_path, monkeypatch)
 def _cli(*args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    env["XLA_FLAGS"] = ""
+    env["XLA_FLAGS"] = COLLECTIVE_TIMEOUT_FLAGS
     return subprocess.run([PY, "-m", "minicpm4_jax.cli", *args], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=kw.get("timeout", 240))
 
@@ -348,7 +349,7 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     ov = tiny_overrides(corpus, cache_dir, out, steps=100000, log_every=1, eval_every=100000,
                         **{"optimizer.decay_steps": 10, "checkpoint.save_every": 100000,
                            "model.rope_scaling": "null", "max_train_minutes": "null"})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     p = subprocess.Popen([PY, "-m", "minicpm4_jax.cli", "train", "--no-progress", *ov], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)

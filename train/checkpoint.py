@@ -5,7 +5,18 @@ One checkpoint step directory holds three items (an ``ocp.args.Composite``):
 * ``state``: ``{"step", "params", "opt_state"}`` of the :class:`~minicpm4_jax.train.step.TrainState`
   (``ocp.args.StandardSave``; restored into abstract targets from ``jax.eval_shape``);
 * ``config``: the whole :class:`~minicpm4_jax.config.TrainConfig` as JSON (``config_to_dict``);
-* ``data``: the grain iterator state (``grain.checkpoint.CheckpointSave``), when an iterator is given.
+* ``data``: the grain iterator state (``grain.checkpoint.CheckpointSave``), when an iterator is given:
+  one ``process_<i>-of-<n>.json`` per process. The state counts *global* batches
+  (:func:`~minicpm4_jax.train.data.train_iterator`), so it is the same on every process and restores
+  on any process count (:meth:`Checkpointer.restore` reads this process's file, or any when the
+  process count changed, after checking they agree).
+
+Sharded saves and restores: every process writes its shards (orbax, asynchronously: the training
+continues while the arrays are written; :meth:`Checkpointer.wait` / the next save await it).
+:meth:`Checkpointer.restore` takes an abstract target whose ``jax.ShapeDtypeStruct`` leaves carry the
+*current* shardings (:func:`sharded_abstract_state`), so a checkpoint saved on one mesh restores onto
+another mesh, device count or process count, each device reading only its slices; the stored
+sharding is never replayed.
 
 Crash safety: orbax writes each step into a temporary directory and renames it into place only
 after every item is written (and only then deletes checkpoints beyond ``keep``), so a kill during
@@ -22,6 +33,7 @@ data order).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +41,7 @@ import jax
 
 from minicpm4_jax.config import ConfigError, TrainConfig, config_from_dict, config_to_dict, diff_configs
 
-__all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of",
+__all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of", "sharded_abstract_state",
            "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "params_all_finite",
            "resume_differences", "restore_data_iterator"]
 
@@ -38,6 +50,11 @@ RESUME_MAY_CHANGE = frozenset({
     "log_every", "eval_every", "eval_batches", "tensorboard", "max_train_minutes", "sample_prompt",
     "sample_tokens", "sample_temperature", "sample_top_p", "checkpoint.save_every", "checkpoint.keep",
     "checkpoint.async_save", "checkpoint.directory", "out_dir", "data.cache_dir",
+    # the process layout and the mesh: a checkpoint restores onto any mesh / device / process count
+    # (same math; float sums may then differ in the last bits, so bitwise equality holds only for the same mesh)
+    "mesh.data", "mesh.fsdp", "mesh.tensor", "distributed.mode", "distributed.coordinator_address",
+    "distributed.num_processes", "distributed.process_id", "distributed.local_device_ids",
+    "distributed.cluster_detection_method", "distributed.initialization_timeout",
 })
 
 
@@ -98,6 +115,47 @@ def _with_default_sharding(tree: Any) -> Any:
         return x
 
     return jax.tree.map(fix, tree)
+
+
+def sharded_abstract_state(cfg: TrainConfig, mesh: Any) -> Any:
+    """The :class:`~minicpm4_jax.train.step.TrainState` of ``jax.ShapeDtypeStruct`` s with their shardings
+    on ``mesh`` (the logical-axis rules): the restore target for a run on that mesh."""
+    from minicpm4_jax.train.step import abstract_train_state, train_state_shardings
+
+    from flax import nnx
+
+    def one(a: Any, s: Any) -> Any:
+        if isinstance(a, nnx.Variable):
+            value = a.get_value()
+            if not jax.tree.leaves(value):  # e.g. optax.MaskedNode: the moments of another μP group
+                return a
+            return a.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=s.get_value()))
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree.map(one, abstract_train_state(cfg), train_state_shardings(cfg, mesh), is_leaf=is_var)
+
+
+def _read_data_state(data_dir: Path) -> Any:
+    """The iterator state of this process from a checkpoint's ``data`` folder (see the module docs).
+
+    Raises:
+        ConfigError: no state file, or the processes' states differ and this process's file is absent.
+    """
+    import json
+
+    own = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    if own.exists():
+        return json.loads(own.read_text())
+    files = sorted(data_dir.glob("process_*-of-*.json"))
+    if not files:
+        raise ConfigError(f"checkpoint data folder {data_dir} holds no iterator state; re-save the checkpoint")
+    states = [json.loads(f.read_text()) for f in files]
+    if any(st != states[0] for st in states[1:]):
+        raise ConfigError(f"checkpoint data folder {data_dir} holds different iterator states for its "
+                          f"{len(files)} processes, so it cannot be resumed on {jax.process_count()} processes; "
+                          f"resume with the saved process count ({files[0].name.split('-of-')[1][:-5]})")
+    return states[0]
 
 
 def _state_dict(state: Any) -> dict[str, Any]:
@@ -222,9 +280,11 @@ class Checkpointer:
         """Raise :class:`ConfigError` unless the current config may resume checkpoint ``step``.
 
         Every field must equal the checkpoint's except :data:`RESUME_MAY_CHANGE` (logging, eval,
-        sampling, checkpoint frequency/location, time limit, out_dir, data cache): a different model,
-        optimizer, data, ``steps``, ``seed`` or mesh would silently change the math, the LR schedule
-        or the token stream.
+        sampling, checkpoint frequency/location, time limit, out_dir, data cache, mesh sizes and the
+        ``distributed`` process layout): a different model, optimizer, data, ``steps`` or ``seed``
+        would silently change the math, the LR schedule or the token stream. A different mesh or
+        process count computes the same math (the restore reshards, the data order does not depend
+        on the process count); its float sums may differ in the last bits.
 
         Returns:
             The tolerated differences, ``"name: checkpoint value != current value"``.
@@ -243,7 +303,8 @@ class Checkpointer:
                 msg = f"{where} was written for a different run config: " + "; ".join(other)
             raise ConfigError(
                 f"--resume: {msg} (checkpoint value != current value); a resumed run must keep the model, "
-                "optimizer, data, steps, seed and mesh of its checkpoint: start a new out_dir to change them"
+                "optimizer, data, steps and seed of its checkpoint (the mesh and process layout may change): "
+                "start a new out_dir to change them"
             )
         return allowed
 
@@ -252,10 +313,13 @@ class Checkpointer:
         """Restore checkpoint ``step`` (default: the latest) into ``abstract_state``'s structure.
 
         Args:
-            abstract_state: a ``TrainState`` of ``jax.ShapeDtypeStruct`` (see
-                :func:`~minicpm4_jax.train.step.abstract_train_state`).
+            abstract_state: a ``TrainState`` of ``jax.ShapeDtypeStruct``; leaves with a ``sharding``
+                (:func:`sharded_abstract_state`) are restored with exactly that sharding, whatever mesh
+                the checkpoint was saved on; leaves without one go to the first local device.
             step: which checkpoint; ``None`` for the latest.
-            data_iterator: a grain ``DatasetIterator`` whose state is set in place, if given.
+            data_iterator: a grain ``DatasetIterator`` whose state is set in place, if given (this
+                process's saved state, or the common state of all processes when the process count
+                changed).
             check: run :meth:`check_compatible` first (skip only when the caller already did).
 
         Returns:
@@ -272,12 +336,12 @@ class Checkpointer:
         if check:
             self.check_compatible(step)
         target = _with_default_sharding(_state_dict(abstract_state))
-        items: dict[str, Any] = {"state": ocp.args.StandardRestore(target)}
-        if data_iterator is not None:
-            import grain
-
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        out = self.manager.restore(step, args=ocp.args.Composite(**items))
+        data_state = None
+        if data_iterator is not None and (self.directory / str(step) / "data").is_dir():
+            data_state = _read_data_state(self.directory / str(step) / "data")
+        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        if data_state is not None:
+            data_iterator.set_state(data_state)
         s = out["state"]
         state = type(abstract_state)(step=s["step"], params=s["params"], opt_state=s["opt_state"])
         return step, state
@@ -445,26 +509,31 @@ def restore_data_iterator(checkpoint_dir: str | Path, step: int, data_iterator: 
         ``False`` when that step holds no data-iterator item (e.g. an ``import hf`` checkpoint),
         ``True`` after restoring it.
     """
-    import grain
-    import orbax.checkpoint as ocp
-
     directory = find_checkpoint_dir(checkpoint_dir, step_option=None)
-    if not (directory / str(int(step)) / "data").exists():
+    data_dir = directory / str(int(step)) / "data"
+    if not data_dir.exists():
         return False
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
-    try:
-        mngr.restore(int(step), args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator)))
-    finally:
-        mngr.close()
+    data_iterator.set_state(_read_data_state(data_dir))  # any process count (see the module docs)
     return True
 
 
 def params_all_finite(params: Any) -> bool:
-    """Whether every parameter value is finite (checked before a checkpoint is written)."""
-    return bool(jax.device_get(_all_finite(params)))
+    """Whether every parameter value is finite (checked before a checkpoint is written).
+
+    The answer is replicated on the parameters' mesh, so every process reads the same value.
+    """
+    mesh = next((x.sharding.mesh for x in jax.tree.leaves(params)
+                 if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)), None)
+    return bool(jax.device_get(_all_finite_on(mesh)(params)))
 
 
-@jax.jit
+@functools.lru_cache(maxsize=8)
+def _all_finite_on(mesh: Any) -> Any:
+    if mesh is None:
+        return jax.jit(_all_finite)
+    return jax.jit(_all_finite, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def _all_finite(tree: Any) -> jax.Array:
     import jax.numpy as jnp
 

@@ -33,7 +33,8 @@ inside the interpreter's folders is refused.
 
 Serving: :func:`train_iterator` is a grain ``MapDataset`` pipeline over non-overlapping windows of
 ``seq_len + 1`` tokens (stride ``seq_len``), shuffled per epoch with the seed, repeated, sliced per
-process and batched; :func:`val_batches` is the first validation windows in order.
+process (each process reads only its rows of every global batch); :func:`val_batches` is the
+first validation windows in order.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -660,32 +661,76 @@ class _Windows:
         return {"input_ids": np.asarray(self._tokens[s : s + self._seq_len + 1], dtype=np.int32)}
 
 
+_ROW_BATCHES: Any = None
+
+
+def _row_batches_class() -> Any:
+    """The grain ``MapDataset`` of :func:`train_iterator`'s local batches (grain imported lazily)."""
+    global _ROW_BATCHES
+    if _ROW_BATCHES is None:
+        import grain
+
+        class RowBatches(grain.MapDataset):
+            """Element ``k``: rows ``rows`` of global batch ``k`` (parent elements ``k*B + r``), stacked.
+
+            Reads only those windows; the element index is the global batch index, so the iterator
+            state (``next_index``) means the same on every process and for every process count.
+            """
+
+            def __init__(self, parent: Any, batch_size: int, rows: tuple[int, ...]):
+                super().__init__(parent)
+                self._batch_size = batch_size
+                self._rows = rows
+                self._length = len(parent) // batch_size
+
+            def __len__(self) -> int:
+                return self._length
+
+            def __str__(self) -> str:
+                return f"RowBatches(batch_size={self._batch_size}, rows={len(self._rows)})"
+
+            def __getitem__(self, index: Any) -> Any:
+                if isinstance(index, slice):
+                    return self.slice(index)
+                base = (int(index) % self._length) * self._batch_size
+                items = [self._parent[base + r] for r in self._rows]
+                with self._stats.record_self_time():
+                    return {"input_ids": np.stack([x["input_ids"] for x in items])}
+
+        _ROW_BATCHES = RowBatches
+    return _ROW_BATCHES
+
+
 def train_iterator(
     data: PreparedData,
     cfg: DataConfig,
     *,
     process_index: int = 0,
     process_count: int = 1,
+    rows: Sequence[int] | None = None,
     num_epochs: int | None = None,
 ):
     """The training batches of this process, as a checkpointable grain ``DatasetIterator``.
 
     Pipeline: ``MapDataset.source(windows).seed(cfg.seed).shuffle().repeat(num_epochs)`` (a different
-    permutation each epoch; ``None`` repeats forever) ``[process_index::process_count]``
-    ``.batch(cfg.batch_size // process_count, drop_remainder=True).to_iter_dataset()``. Windows are
-    non-overlapping ``seq_len + 1`` token slices at stride ``seq_len`` (the train step shifts).
+    permutation each epoch; ``None`` repeats forever), cut into **global** batches of
+    ``cfg.batch_size`` consecutive windows; this process reads only its rows of each global batch
+    (``.to_iter_dataset()`` with a thread prefetch). Windows are non-overlapping ``seq_len + 1`` token
+    slices at stride ``seq_len`` (the train step shifts).
 
-    ``cfg.batch_size`` is the **global** batch: each process yields ``batch_size // process_count``
-    rows, and the rows of global batch ``k`` across processes are exactly the rows of batch ``k`` of
-    a single-process run (the processes interleave one global order), so the data order does not
-    depend on the process count. Shards are disjoint within every epoch.
+    Which rows: ``rows`` (ascending indices into the global batch; the training loop passes
+    :func:`minicpm4_jax.sharding.process_batch_rows` of the batch sharding, i.e. the rows this
+    process's devices hold), else the contiguous block ``process_index`` of ``process_count`` equal
+    blocks. So global batch ``k`` is the same ``cfg.batch_size`` windows, in the same order, whatever
+    the process count, and the processes' rows are disjoint. The iterator state counts global
+    batches, so a checkpoint's data state restores on any process count.
 
-    Each element: ``{"input_ids": np.ndarray int32 [batch_size // process_count, seq_len + 1]}``.
+    Each element: ``{"input_ids": np.ndarray int32 [len(rows), seq_len + 1]}``.
     ``get_state()``/``set_state()`` work and the iterator checkpoints with orbax via
     ``grain.checkpoint.CheckpointSave``/``CheckpointRestore``.
 
     Raises:
-        ConfigError: bad ``process_index``/``process_count``, ``batch_size`` not divisible by
+        ConfigError: bad ``process_index``/``process_count``/``rows``, ``batch_size`` not divisible by
             ``process_count``, or a train split shorter than one window.
     """
     import grain
@@ -697,6 +742,13 @@ def train_iterator(
             f"data.batch_size={cfg.batch_size} is not divisible by process_count={process_count}; "
             "use a multiple of the process count"
         )
+    if rows is None:
+        n = cfg.batch_size // process_count
+        rows = range(process_index * n, (process_index + 1) * n)
+    rows = tuple(int(r) for r in rows)
+    if not rows or any(not 0 <= r < cfg.batch_size for r in rows) or list(rows) != sorted(set(rows)):
+        raise ConfigError(f"rows {list(rows)[:8]} must be distinct ascending indices in [0, data.batch_size="
+                          f"{cfg.batch_size})")
     src = _Windows(data.train_tokens, cfg.seq_len)
     if len(src) == 0:
         raise ConfigError(
@@ -704,9 +756,7 @@ def train_iterator(
             "add text or lower data.seq_len"
         )
     ds = grain.MapDataset.source(src).seed(cfg.seed).shuffle().repeat(num_epochs)
-    if process_count > 1:
-        ds = ds[process_index::process_count]
-    ds = ds.batch(cfg.batch_size // process_count, drop_remainder=True)
+    ds = _row_batches_class()(ds, cfg.batch_size, rows)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
     return iter(it)
 

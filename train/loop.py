@@ -16,8 +16,12 @@ Stopping:
 * ``steps`` reached (the normal end) or ``max_train_minutes`` elapsed (at a step boundary; the
   run is then not step-for-step reproducible by a resumed run, which only holds for step-count
   runs);
-* SIGTERM / SIGINT: a flag checked once per step; the state at the current step is checkpointed
-  and :func:`run_training` returns with ``stop_reason = "signal"`` (a second SIGINT aborts);
+* SIGTERM / SIGINT (and, with ``distributed.mode`` on, JAX's preemption notice): checked once per
+  step; the state at the current step is checkpointed and :func:`run_training` returns with
+  ``stop_reason = "signal"`` (a second SIGINT aborts). With several processes all of them stop
+  and save at the same step (:class:`~minicpm4_jax.train.distributed.StopWatch`); the CLI then
+  exits with 128 + the signal number (143 for SIGTERM) after one line
+  ``SIGTERM received: saving a checkpoint at step N and exiting``;
 * a non-finite loss or gradient norm: :class:`TrainingDiverged` names the step and which value was
   non-finite; nothing after the last good checkpoint is saved (parameters are also checked finite
   before every save);
@@ -29,6 +33,17 @@ log lines are excluded (:class:`_Throughput`).
 
 A resumed run restores params, optimizer state, step and the grain iterator state, so N steps in
 one go and N/2 + restart + N/2 give bitwise identical parameters (same compiled step, same data).
+The restore reads each array straight into its sharding on the current mesh (abstract sharded
+targets), so a run may resume on another mesh, device count or process count (then equal up to
+float summation order).
+
+Multi-host (``cfg.distributed``, :mod:`minicpm4_jax.train.distributed`): ``jax.distributed.initialize``
+runs first; each process reads only its rows of every global batch
+(:func:`~minicpm4_jax.sharding.process_batch_rows`) and the global batch is assembled with
+``jax.make_array_from_process_local_data``; process 0 alone prints, shows the progress bar and
+writes TensorBoard, ``config.json``, ``tokenizer/`` and ``summary.json``; every process takes part
+in the (orbax) checkpoint writes and saves its data-iterator state. The generated sample at the end
+is skipped with several processes (the parameters span hosts).
 
 Ternary QAT (``cfg.qat``, BitCPM4 paper §3.3; helpers in :mod:`minicpm4_jax.train.qat`): with
 ``qat.init_from`` the run starts from that checkpoint's latent weights (checked before anything is
@@ -43,10 +58,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,10 +73,11 @@ import numpy as np
 from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
-                                           checkpoint_write_error, params_all_finite)
+                                           checkpoint_write_error, params_all_finite, sharded_abstract_state)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
-from minicpm4_jax.sharding import batch_sharding, check_batch_size, make_mesh
-from minicpm4_jax.train.step import (TrainState, abstract_train_state, init_model, init_train_state,
+from minicpm4_jax.sharding import (batch_sharding, check_batch_size, make_global_batch, make_mesh,
+                                   process_batch_rows, replicated)
+from minicpm4_jax.train.step import (TrainState, init_model, init_train_state,
                                      make_eval_step, make_train_step, print_memory_analysis,
                                      train_state_shardings)
 
@@ -143,7 +159,9 @@ def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None
     """
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_probe"
+        import socket
+
+        probe = path / f".write_probe.{socket.gethostname()}.{os.getpid()}"  # processes may share the folder
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
@@ -156,31 +174,6 @@ def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None
             f"{what} {str(path)!r} has {free / 2**20:.0f} MiB free but this run needs about "
             f"{need_bytes / 2**20:.0f} MiB (checkpoints + logs); free some disk or choose another {what}"
         )
-
-
-class _StopFlag:
-    """SIGTERM/SIGINT set a flag that the loop checks once per step; a second SIGINT aborts."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
 
 
 def _fmt_rate(x: float) -> str:
@@ -222,6 +215,9 @@ def run_training(
         CheckpointWriteError: a checkpoint write failed (e.g. disk full); earlier checkpoints are intact.
     """
     t_start = time.perf_counter()
+    from minicpm4_jax.train import distributed as dist
+
+    dist.initialize(cfg.distributed, log=log)  # before any device use
     is_main = jax.process_index() == 0
     say = log if is_main else (lambda _m: None)
     out_dir = Path(cfg.out_dir).expanduser().resolve()
@@ -232,7 +228,7 @@ def run_training(
 
     ckpt = Checkpointer(cfg, ckpt_dir)
     writer: MetricsWriter | None = None
-    stop = _StopFlag()
+    stop = dist.StopWatch()
     failed = False
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
@@ -269,15 +265,19 @@ def run_training(
 
         if mesh.size > 1:
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
+        batch_sh = batch_sharding(mesh)
+        # this process reads only the rows of each global batch that its devices hold
         it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
-                                     process_count=jax.process_count())
+                                     process_count=jax.process_count(),
+                                     rows=process_batch_rows(batch_sh, cfg.data.batch_size))
         if resume:
-            start, state = ckpt.restore(abstract_train_state(cfg), step=latest, data_iterator=it, check=False)
+            # abstract targets carry the current mesh's shardings: each array is read straight into its
+            # shards (any saved mesh / device / process count), no full copy on one device
+            start, state = ckpt.restore(sharded_abstract_state(cfg, mesh), step=latest, data_iterator=it, check=False)
             start = int(start)
             from flax import nnx
 
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
-            state = jax.device_put(state, train_state_shardings(cfg, mesh))
             say(f"resumed from {ckpt_dir}/{start}")
         else:
             start = 0
@@ -305,13 +305,16 @@ def run_training(
             """The weights of the model at ``step_no``: fake-quantized once QAT has started."""
             return ternarize(params, cfg.model, qat_spec) if is_ternary(step_no) else params
 
-        val = data_api.val_batches(data, cfg.data, cfg.eval_batches)
+        n_split = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+        # every process holds the (small) validation batches; as global arrays split like training batches
+        val = [make_global_batch(vb, batch_sh if vb.shape[0] % n_split == 0 else replicated(mesh), vb.shape)
+               for vb in data_api.val_batches(data, cfg.data, cfg.eval_batches)]
         train_step = make_train_step(cfg, graphdef, mesh)
-        batch_sh = batch_sharding(mesh)
-        eval_step = make_eval_step(graphdef)
+        eval_step = jax.jit(make_eval_step(graphdef), out_shardings=replicated(mesh))
         b, t = cfg.data.batch_size, cfg.data.seq_len
-        global_batch = b  # the iterator yields the global batch on one process (sharding issue extends this)
-        sample_batch = np.zeros((b, t + 1), np.int32)
+        global_batch = b  # data.batch_size is the global batch; each process feeds its rows of it
+        # abstract, with its sharding: lowering a numpy batch would fail with several processes
+        sample_batch = jax.ShapeDtypeStruct((b, t + 1), np.int32, sharding=batch_sh)
         n_params = cfg.model.num_params()
         say(f"model: {n_params / 1e6:.2f}M params, {cfg.model.flops_per_token(t) / 1e6:.1f} MFLOP/token (train); "
             f"batch {global_batch} x {t} tokens; {cfg.steps} steps")
@@ -380,14 +383,21 @@ def run_training(
         meter = _Throughput(global_batch * t)
         window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
         tps_all: list[float] = []
+        multi = jax.process_count() > 1
         while step < cfg.steps:
-            if stop.signum is not None:
+            if stop.should_stop(step):  # every process, every step: the same answer everywhere
                 stop_reason = "signal"
                 break
-            if deadline is not None and time.monotonic() > deadline:
-                stop_reason = "time"
-                break
-            batch = jax.device_put(np.asarray(next(it)["input_ids"]), batch_sh)
+            if deadline is not None and (not multi or step % cfg.log_every == 0):
+                late = time.monotonic() > deadline
+                if multi:  # process 0's clock decides for all
+                    from jax.experimental import multihost_utils
+
+                    late = bool(multihost_utils.broadcast_one_to_all(np.bool_(late)))
+                if late:
+                    stop_reason = "time"
+                    break
+            batch = make_global_batch(next(it)["input_ids"], batch_sh, (b, t + 1))
             if step_hook is not None:
                 state = step_hook(step, state)
             state, metrics = step_fn(state, batch)
@@ -462,12 +472,13 @@ def run_training(
 
         if stop_reason == "signal":
             name = signal.Signals(stop.signum).name
-            say(f"{name} received: saving a checkpoint at step {step} and exiting")
+            say(f"{name} received: saving a checkpoint at step {step} and exiting"
+                + (f" (all {jax.process_count()} processes stop at this step)" if multi else ""))
             if step not in ckpt.all_steps():
                 save(step)
             wait_ckpt()
             summary = {"step": step, "stop_reason": "signal", "signal": name, "checkpoint_dir": str(ckpt_dir),
-                       "checkpoint_step": ckpt.latest_step()}
+                       "checkpoint_step": ckpt.latest_step(), "history": history}
             return summary
         if stop_reason == "time":
             say(f"max_train_minutes={cfg.max_train_minutes} reached at step {step}; finishing")
@@ -515,7 +526,9 @@ def run_training(
             say(f"  {name:<34s} {v:8.4f}")
 
         sample = ""
-        if cfg.sample_prompt and cfg.sample_tokens > 0:
+        if cfg.sample_prompt and cfg.sample_tokens > 0 and multi:
+            say("sample: skipped (the parameters span several processes)")
+        elif cfg.sample_prompt and cfg.sample_tokens > 0:
             from flax import nnx
 
             from minicpm4_jax.generate import generate

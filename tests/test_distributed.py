@@ -1,0 +1,239 @@
+"""Multi-host training (issue 5): ``jax.distributed`` from the config, per-process data, agreed preemption stop.
+
+The real test starts two CPU processes on localhost (``jax.distributed.initialize`` with a free port,
+4 fake CPU devices each, gloo collectives) that train the tiny model on the ``(2, 2, 2)`` mesh; one
+of them gets SIGTERM, both must save at the same step and exit 143; two fresh processes resume.
+Their per-step losses and final parameters must equal a single process on 8 devices with the same
+global batch (the in-process reference; ``conftest.py`` gives this process 8 CPU devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import COLLECTIVE_TIMEOUT_FLAGS
+
+from minicpm4_jax.config import ConfigError, DistributedConfig, load_config
+from minicpm4_jax.sharding import batch_sharding, make_global_batch, make_mesh, process_batch_rows
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+# One training process: run_training with the JSON args; writes its losses to <out>.<pid>.json.
+_WORKER = r'''
+import json, os, signal, sys, time
+args = json.loads(sys.argv[1])
+from minicpm4_jax.config import load_config
+from minicpm4_jax.train.loop import run_training
+ov = list(args["overrides"])
+if args.get("nproc", 1) > 1:
+    ov += ["distributed.mode=explicit", f"distributed.coordinator_address=localhost:{args['port']}",
+           f"distributed.num_processes={args['nproc']}", f"distributed.process_id={args['pid']}"]
+cfg = load_config(None, ov)
+def hook(step, state):
+    time.sleep(args.get("sleep", 0.0))
+    if step == args.get("term_at") and args.get("term_pid") == args.get("pid", 0):
+        os.kill(os.getpid(), signal.SIGTERM)   # the notice reaches this process only
+    return state
+s = run_training(cfg, resume=args.get("resume", False), log=print, progress=False, step_hook=hook)
+with open(args["out"] + f".{args.get('pid', 0)}.json", "w") as f:
+    json.dump({"step": s["step"], "stop_reason": s["stop_reason"], "checkpoint_step": s.get("checkpoint_step"),
+               "losses": {h["step"]: h["loss"] for h in s.get("history", [])}}, f)
+sys.exit(128 + signal.SIGTERM if s["stop_reason"] == "signal" else 0)
+'''
+
+
+def corpus_docs(seed: int = 0, n_docs: int = 60) -> list[str]:
+    """Small structured 'source code' documents (as in ``test_train.py``)."""
+    rng = np.random.default_rng(seed)
+    names = ["alpha", "beta", "gamma", "delta", "value", "items", "result", "count", "index", "total"]
+    docs = []
+    for d in range(n_docs):
+        lines = [f"# module {d}", "import os", ""]
+        for _ in range(int(rng.integers(3, 7))):
+            a, b = rng.choice(names, 2, replace=False)
+            lines += [f"def {a}_{b}({a}, {b}):", f"    return {a} + {b} * {int(rng.integers(2, 9))}", ""]
+        docs.append("\n".join(lines))
+    return docs
+
+
+def tiny_overrides(corpus: Path, cache: Path, out: Path, **kw) -> list[str]:
+    ov = {
+        "model.vocab_size": 512, "model.hidden_size": 64, "model.intermediate_size": 128,
+        "model.num_hidden_layers": 2, "model.num_attention_heads": 4, "model.num_key_value_heads": 2,
+        "model.max_position_embeddings": 128, "model.dim_model_base": 16, "model.rope_scaling": "null",
+        "model.mtp": "false", "data.sources": f"[{corpus}]", "data.tokenizer_vocab_size": 384, "data.seq_len": 32,
+        "data.batch_size": 8, "data.val_fraction": 0.1, "data.cache_dir": str(cache), "steps": 12,
+        "optimizer.warmup_steps": 2, "optimizer.decay_steps": 2, "optimizer.learning_rate": 0.02,
+        "optimizer.eps": 1e-5, "log_every": 1, "eval_every": 1000, "eval_batches": 1,
+        "checkpoint.save_every": 1000, "sample_tokens": 0, "tensorboard": "false", "max_train_minutes": "null",
+        "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "out_dir": str(out),
+    }
+    ov.update(kw)
+    return [f"{k}={v}" for k, v in ov.items()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for i, doc in enumerate(corpus_docs()):
+        (d / f"doc{i:03d}.txt").write_text(doc)
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: dict, n: int, devices_each: int, timeout: float = 300.0) -> list[tuple[int, str]]:
+    """Run ``n`` worker processes (one coordinator port) to the end: ``[(returncode, output)]``."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_each),
+           "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS, "PYTHONUNBUFFERED": "1"}
+    port = _free_port()
+    procs = [subprocess.Popen([PY, "-c", _WORKER, json.dumps({**args, "nproc": n, "pid": p, "port": port})],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+             for p in range(n)]
+    out = []
+    t_end = time.monotonic() + timeout
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=max(1.0, t_end - time.monotonic()))
+            out.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def _params(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# -------------------------------------------------------------------------------------------------
+# config and start-up
+# -------------------------------------------------------------------------------------------------
+
+
+def test_distributed_config_errors_are_one_line():
+    cases = {
+        "distributed.mode=foo": "distributed.mode='foo'",
+        "distributed.process_id=1": "mode='off' ignores it",
+        "distributed.mode=explicit": "needs distributed.num_processes",
+    }
+    for ov, want in cases.items():
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [ov])
+        assert want in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"process_id=2 must be in \[0, distributed.num_processes=2\)"):
+        load_config(None, ["distributed.mode=explicit", "distributed.num_processes=2", "distributed.process_id=2"])
+    with pytest.raises(ConfigError, match="must be host:port"):
+        load_config(None, ["distributed.mode=explicit", "distributed.num_processes=2", "distributed.process_id=0",
+                           "distributed.coordinator_address=localhost"])
+    from minicpm4_jax.train import distributed as dist
+
+    jax.devices()  # this process has used its devices: too late to start the runtime
+    assert dist.initialize(DistributedConfig()) is False
+    with pytest.raises(ConfigError, match="must run before any device is used"):
+        dist.initialize(DistributedConfig(mode="explicit", coordinator_address="localhost:1", num_processes=2,
+                                          process_id=0))
+
+
+def test_process_rows_and_global_batch_on_meshes():
+    """One process holds all rows; the global array equals the numpy batch on every mesh."""
+    batch = np.arange(8 * 5, dtype=np.int32).reshape(8, 5)
+    for sizes in [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 4, 2)]:
+        mesh = make_mesh(load_config(None, [f"mesh.data={sizes[0]}", f"mesh.fsdp={sizes[1]}",
+                                            f"mesh.tensor={sizes[2]}"]).mesh)
+        sh = batch_sharding(mesh)
+        assert process_batch_rows(sh, 8) == list(range(8))
+        g = make_global_batch(batch, sh, batch.shape)
+        assert g.sharding == sh and np.array_equal(np.asarray(g), batch)
+    with pytest.raises(ValueError, match="local batch has shape"):
+        make_global_batch(batch[:3], sh, batch.shape)
+
+
+# -------------------------------------------------------------------------------------------------
+# two real processes
+# -------------------------------------------------------------------------------------------------
+
+
+def test_two_processes_match_one_process_preempt_and_resume(corpus, tmp_path):
+    from minicpm4_jax.train.checkpoint import Checkpointer, sharded_abstract_state
+    from minicpm4_jax.train.loop import run_training
+
+    cache = tmp_path / "cache"
+    # reference: one process, 8 devices, same mesh and global batch, uninterrupted (also warms the data cache)
+    ref_cfg = load_config(None, tiny_overrides(corpus, cache, tmp_path / "ref"))
+    ref = run_training(ref_cfg, log=lambda _m: None, progress=False)
+    ref_losses = {h["step"]: h["loss"] for h in ref["history"]}
+    assert sorted(ref_losses) == list(range(1, 13))
+
+    # two processes x 4 devices; SIGTERM reaches process 1 only, during step 2
+    mp_out = tmp_path / "mp"
+    args = {"overrides": tiny_overrides(corpus, cache, mp_out), "out": str(tmp_path / "a"), "sleep": 0.1,
+            "term_at": 1, "term_pid": 1}
+    res = _launch(args, 2, 4)
+    logs = "\n".join(t for _, t in res)
+    assert [rc for rc, _ in res] == [143, 143], logs[-3000:]
+    a = [json.loads((tmp_path / f"a.{p}.json").read_text()) for p in range(2)]
+    stop = a[0]["step"]
+    assert a[1]["step"] == stop and 2 <= stop < 12 and a[0]["checkpoint_step"] == stop, a
+    assert "SIGTERM received: saving a checkpoint at step" in res[0][1] and "all 2 processes" in res[0][1]
+    assert "SIGTERM received" not in res[1][1]  # process 0 alone prints
+    data_dir = mp_out / "checkpoints" / str(stop) / "data"
+    assert sorted(f.name for f in data_dir.glob("process_*")) == ["process_0-of-2.json", "process_1-of-2.json"]
+    assert (mp_out / "config.json").is_file() and not (mp_out / "summary.json").exists()
+    # per-process data: the processes' rows of global batch k are batch k of one process, in order;
+    # the 2-process iterator state (a global batch count) restores in one process
+    from minicpm4_jax.train import data as data_api
+    from minicpm4_jax.train.checkpoint import restore_data_iterator
+
+    data = data_api.prepare_data(ref_cfg.data, log=lambda _m: None)
+    one = data_api.train_iterator(data, ref_cfg.data)
+    parts = [data_api.train_iterator(data, ref_cfg.data, process_index=i, process_count=2) for i in range(2)]
+    for _ in range(stop):
+        b = [next(x)["input_ids"] for x in parts]
+        assert np.array_equal(np.concatenate(b), next(one)["input_ids"]) and b[0].shape[0] == 4
+    states = {(data_dir / f"process_{i}-of-2.json").read_text() for i in range(2)}
+    assert len(states) == 1 and json.loads(states.pop()) == one.get_state()
+    fresh = data_api.train_iterator(data, ref_cfg.data)
+    assert restore_data_iterator(mp_out, stop, fresh)
+    assert np.array_equal(next(fresh)["input_ids"], next(one)["input_ids"])
+
+    # two fresh processes resume from exactly that step
+    res = _launch({**args, "out": str(tmp_path / "b"), "resume": True, "sleep": 0.0, "term_at": None}, 2, 4)
+    assert [rc for rc, _ in res] == [0, 0], "\n".join(t for _, t in res)[-3000:]
+    assert f"resumed from {mp_out / 'checkpoints'}/{stop}" in res[0][1]
+    b = [json.loads((tmp_path / f"b.{p}.json").read_text()) for p in range(2)]
+    got = {**{int(k): v for k, v in a[0]["losses"].items()}, **{int(k): v for k, v in b[0]["losses"].items()}}
+    assert sorted(got) == list(range(1, 13)) and b[1]["losses"] == b[0]["losses"]
+    diff = max(abs(got[k] - ref_losses[k]) for k in got)
+    assert diff <= 1e-5, (diff, got, ref_losses)
+
+    # the 2-process checkpoint restores in this single process (8 devices) and equals the reference
+    mesh = make_mesh(ref_cfg.mesh)
+    want, have = {}, {}
+    for name, d in (("ref", tmp_path / "ref"), ("mp", mp_out)):
+        ck = Checkpointer(load_config(None, tiny_overrides(corpus, cache, d)))
+        try:
+            step, st = ck.restore(sharded_abstract_state(ref_cfg, mesh), check=False)
+        finally:
+            ck.close()
+        assert step == 12
+        (want if name == "ref" else have).update(_params(st.params))
+    assert want.keys() == have.keys()
+    pdiff = max(float(np.max(np.abs(want[k] - have[k]))) for k in want)
+    assert pdiff <= 1e-5, pdiff
+    print(f"2 processes vs 1: max |loss diff| {diff:.2e} over 12 steps (stop at {stop}), max |param diff| {pdiff:.2e}")

@@ -1,0 +1,181 @@
+"""Multi-host start-up and agreement: ``jax.distributed.initialize`` from the config, the agreed stop step.
+
+* :func:`initialize` runs ``jax.distributed.initialize`` as ``cfg.distributed`` says (``off`` /
+  ``auto`` / ``explicit``, see :class:`~minicpm4_jax.config.DistributedConfig`); it must run before
+  any device is touched, and :func:`~minicpm4_jax.train.loop.run_training` calls it first.
+* :class:`StopWatch` decides, at each step boundary, whether to stop and save, such that **all
+  processes stop at the same step**:
+
+  - one process without the JAX distributed runtime: SIGTERM / SIGINT set a Python flag;
+  - with the runtime (``distributed.mode`` not ``off``): SIGTERM is the preemption notice that JAX's
+    preemption service listens for (its C++ notifier owns the SIGTERM handler; Cloud TPU maintenance
+    events, GKE, SLURM and most schedulers deliver the notice as SIGTERM). When any process gets it,
+    the coordination service agrees on a step (the largest step any process has reached, plus one)
+    and ``jax.experimental.multihost_utils.reached_preemption_sync_point(step)`` returns True at
+    that same step on every process. SIGINT is forwarded to that notifier (``kill -TERM`` of the own
+    process), so Ctrl-C also stops all processes at one step. Without the preemption service
+    (``jax_enable_preemption_service=False``) the processes all-gather their Python stop flag at every
+    step instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any, Callable
+
+import jax
+
+from minicpm4_jax.config import ConfigError, DistributedConfig
+
+__all__ = ["initialize", "is_distributed", "StopWatch"]
+
+
+def _cluster_methods() -> list[str] | None:
+    try:
+        from jax._src.clusters import ClusterEnv
+
+        return sorted({c.name for c in ClusterEnv._cluster_types if getattr(c, "name", "")} | {"deactivate"})
+    except Exception:  # noqa: BLE001 - private API; skip the check when it moves
+        return None
+
+
+def is_distributed() -> bool:
+    """Whether the JAX distributed runtime is up in this process."""
+    return bool(jax.distributed.is_initialized())
+
+
+def _backends_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def initialize(cfg: DistributedConfig, log: Callable[[str], None] = print) -> bool:
+    """Start the JAX distributed runtime as ``cfg`` says; a no-op for ``mode: off`` or when already started.
+
+    Returns:
+        Whether the runtime is up (``False`` for ``mode: off``).
+
+    Raises:
+        ConfigError: a device was already used in this process (JAX cannot start the runtime then),
+            ``auto`` found no cluster, ``explicit`` lacks the coordinator address, an unknown
+            ``cluster_detection_method``, or the coordinator could not be reached in time.
+    """
+    if cfg.mode == "off":
+        return is_distributed()
+    if is_distributed():
+        return True
+    if _backends_initialized():
+        raise ConfigError(f"distributed.mode={cfg.mode!r}: jax.distributed.initialize must run before any device is "
+                          "used, but this process already used JAX devices; start training in a fresh process")
+    methods = _cluster_methods()
+    if cfg.cluster_detection_method is not None and methods is not None and cfg.cluster_detection_method not in methods:
+        raise ConfigError(f"distributed.cluster_detection_method={cfg.cluster_detection_method!r}; this jax knows "
+                          f"{methods} (or null: try them all)")
+    kw: dict[str, Any] = {"initialization_timeout": cfg.initialization_timeout}
+    for name in ("coordinator_address", "num_processes", "process_id", "cluster_detection_method"):
+        if getattr(cfg, name) is not None:
+            kw[name] = getattr(cfg, name)
+    if cfg.local_device_ids is not None:
+        kw["local_device_ids"] = list(cfg.local_device_ids)
+    if cfg.mode == "explicit":
+        if cfg.coordinator_address is None and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+            raise ConfigError("distributed.mode='explicit' needs distributed.coordinator_address (host:port of "
+                              "process 0) or the JAX_COORDINATOR_ADDRESS environment variable")
+        if cfg.local_device_ids is None:
+            kw["cluster_detection_method"] = "deactivate"  # everything is given: do not probe the cluster
+    try:
+        jax.distributed.initialize(**kw)
+    except ValueError as e:
+        if cfg.mode == "auto":
+            raise ConfigError(f"distributed.mode='auto' found no cluster to join ({str(e).strip()}); use "
+                              "mode=explicit with coordinator_address, num_processes and process_id, or mode=off "
+                              "for one process") from None
+        raise ConfigError(f"distributed.mode={cfg.mode!r}: {str(e).strip()}; fix the distributed section") from None
+    except Exception as e:  # noqa: BLE001 - e.g. a coordinator that never answers (DEADLINE_EXCEEDED)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"distributed: joining the coordinator {kw.get('coordinator_address', '(detected)')} as "
+                          f"process {kw.get('process_id', '(detected)')} failed within "
+                          f"{cfg.initialization_timeout}s ({type(e).__name__}: {first[:200]}); start all "
+                          "distributed.num_processes processes with the same coordinator_address") from None
+    if jax.process_index() == 0:
+        log(f"distributed: {jax.process_count()} processes, {jax.device_count()} devices "
+            f"({jax.local_device_count()} on this process)")
+    return True
+
+
+def _preemption_service() -> bool:
+    """Whether ``reached_preemption_sync_point`` works here (runtime up with its preemption sync manager)."""
+    try:
+        from jax._src import distributed as _d
+
+        return _d.global_state.client is not None and _d.global_state.preemption_sync_manager is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class StopWatch:
+    """When to stop for a signal / preemption notice; the same step on every process (module docs).
+
+    :meth:`install` sets the handlers (main thread only), :meth:`should_stop` is called with the
+    number of completed updates at every step boundary of every process, :meth:`restore` puts the
+    old handlers back. ``signum`` is the signal that triggered the stop (SIGTERM for a notice that
+    reached another process).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+        self.sync_point = _preemption_service()
+        self.multi = jax.process_count() > 1
+
+    @property
+    def mode(self) -> str:
+        """``preemption-service`` | ``allgather`` | ``local``: how the stop step is agreed."""
+        return "preemption-service" if self.sync_point else ("allgather" if self.multi else "local")
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        sigs = (signal.SIGINT,) if self.sync_point else (signal.SIGTERM, signal.SIGINT)
+        for sig in sigs:
+            self._old[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        if self.sync_point:  # hand Ctrl-C to JAX's notifier so all processes agree on the step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to save and stop now, at ``step`` completed updates (call once per step on every process)."""
+        if self.sync_point:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(int(step)):
+                if self.signum is None:
+                    self.signum = int(signal.SIGTERM)
+                return True
+            return False
+        if not self.multi:
+            return self.signum is not None
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        hit = [int(f) for f in np.ravel(flags) if int(f)]
+        if hit and self.signum is None:
+            self.signum = hit[0]
+        return bool(hit)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
