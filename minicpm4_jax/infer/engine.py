@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minicpm4_jax.config import ConfigError, ModelConfig
+from minicpm4_jax.config import ConfigError, ModelConfig, validate_model
 from minicpm4_jax.infer.cache import KVCache, LayerCache, cache_capacity, init_cache, update_compressed, write_tokens
 from minicpm4_jax.infer.sampling import SamplingParams, row_keys, sample_tokens
 from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention, stage2_forced_split
@@ -45,6 +45,8 @@ from minicpm4_jax.nn.model import head_logits
 from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
+from minicpm4_jax.ops.dispatch import pallas_target, resolve_impl
+from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas
 
 __all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention"]
 
@@ -208,6 +210,14 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
     b, t, nq, d = q.shape
     cap = lc.k.shape[2]
     one = jnp.float32(1.0)
+    impl = resolve_impl(cfg.attention_impl)
+    if impl == "pallas":
+        backend, interpret = pallas_target()
+        blk = cfg.sparse_config.block_size if cfg.attention == "infllmv2" else 64
+        dense_decode = partial(dense_decode_attention_pallas, block_size=blk, backend=backend, interpret=interpret)
+        sparse_decode = partial(sparse_decode_attention_pallas, backend=backend, interpret=interpret)
+    else:
+        dense_decode, sparse_decode = dense_decode_attention, sparse_decode_attention
     if mode == "prefill":
         kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         kt, vt = lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3)
@@ -216,11 +226,12 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
         sc = cfg.sparse_config
         out, stats = infllmv2_attention(
             q, kt, vt, q_positions=positions, kv_positions=kvp, sparse_cfg=sc, kv_len=dispatch_len,
-            q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True)
+            q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True,
+            impl=impl)
         return out, stats["attended_fraction"]
     # decode modes: every query row dispatches on its own length (position + 1), as token-by-token decoding does
     if mode == "dense":
-        return dense_decode_attention(q, lc.k, lc.v, q_positions=positions), one
+        return dense_decode(q, lc.k, lc.v, q_positions=positions), one
     sc = cfg.sparse_config
     active = positions >= 0  # [b, t]
     dl = sc.dense_len
@@ -231,14 +242,14 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
     window = params.local_blocks if params.variant == "gen1" else 0
     q_sel = q_nope if sc.use_nope else q
     sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
-                                   kv_len=jnp.max(positions, axis=1) + 1, q_tile=t)
+                                   kv_len=jnp.max(positions, axis=1) + 1, q_tile=t, impl=impl)
     idx = sel.topk_idx[..., :k_used]  # [b, kv, t, K]
     init, win, width = stage2_forced_split(params, k_used)
-    out = sparse_decode_attention(q, lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, positions),
-                                  block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
+    out = sparse_decode(q, lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, positions),
+                        block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
     keys = attended_keys(idx, positions, block_size=sc.block_size, window_blocks=window).astype(jnp.float32)
     if mode == "mixed":
-        dense = dense_decode_attention(q, lc.k, lc.v, q_positions=jnp.where(use_dense, positions, -1))
+        dense = dense_decode(q, lc.k, lc.v, q_positions=jnp.where(use_dense, positions, -1))
         out = jnp.where(use_dense[:, :, None, None], dense, out)
     per_row = jnp.where(use_dense[:, None, :], 1.0,
                         keys / jnp.maximum(positions + 1, 1).astype(jnp.float32)[:, None, :])  # [b, kv, t]
@@ -311,16 +322,14 @@ class InferenceEngine:
             chunk rounded up to 16).
 
     Raises:
-        ConfigError: ``attention_impl='pallas'`` (no decode kernel in this version), the prefill-parity
-            ``kernel_offby1_quirk`` (it describes one single-pass official prefill, not a cache), or a bad
-            ``prefill_chunk``.
+        ConfigError: an invalid model config (``validate_model``, e.g. Pallas with dense attention), the
+            prefill-parity ``kernel_offby1_quirk`` (it describes one single-pass official prefill, not a
+            cache), or a bad ``prefill_chunk``.
     """
 
     def __init__(self, model: Any, *, prefill_chunk: int = 512):
         cfg: ModelConfig = model.cfg
-        if cfg.attention_impl not in ("xla", "auto"):
-            raise ConfigError(f"model.attention_impl={cfg.attention_impl!r} has no decode kernel in this version; "
-                              "use 'xla' or 'auto'")
+        validate_model(cfg)  # e.g. attention_impl='pallas' with dense attention, before any work
         if cfg.attention == "infllmv2" and cfg.sparse_config.kernel_offby1_quirk:
             raise ConfigError("sparse_config.kernel_offby1_quirk=true reproduces one official single-pass prefill "
                               "and cannot be cached; generate with model.sparse_config.kernel_offby1_quirk=false")

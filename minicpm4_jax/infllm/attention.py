@@ -89,9 +89,10 @@ def infllmv2_attention(
         select_q_tile, attn_q_tile, gather_tile: query tile sizes of selection, of stage 2's dense forced
             part and of its gathered top-k part (:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
-        impl: ``"xla"`` (stage 2 = :func:`infllmv2_stage2`) or ``"pallas"`` (stage 2 =
-            :func:`~minicpm4_jax.ops.pallas.sparse_attention.block_sparse_attention` on the backend of
-            :func:`~minicpm4_jax.ops.dispatch.pallas_target`); selection and the dense fallback are XLA either way.
+        impl: ``"xla"`` (the references) or ``"pallas"`` (stage-1 scoring by
+            :func:`~minicpm4_jax.ops.pallas.stage1.stage1_scores_pallas`, stage 2 by
+            :func:`~minicpm4_jax.ops.pallas.sparse_attention.block_sparse_attention`, on the backend of
+            :func:`~minicpm4_jax.ops.dispatch.pallas_target`); pooling, top-k and the dense fallback are XLA.
         return_selection: also return the :class:`Selection` (``None`` when the dense path is static).
         return_stats: also return ``{"attended_fraction": float32 scalar}``, the mean over (sequence,
             KV head, query) of attended visible keys / causal keys (:func:`attended_keys`; 1 on the dense
@@ -109,6 +110,8 @@ def infllmv2_attention(
     Raises:
         ValueError: ``use_nope`` without ``q_sel``/``k_sel``, bad config, or mismatched shapes.
     """
+    if impl not in ("xla", "pallas"):
+        raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
     params = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk, score_dtype=score_dtype)
     b, t, nq, d = q.shape
     s = k.shape[1]
@@ -126,10 +129,10 @@ def infllmv2_attention(
         ck1, ck2 = (None if c is None else jax.lax.stop_gradient(c) for c in compressed)
         sel = select_blocks_compressed(jax.lax.stop_gradient(q_sel), ck1, ck2, q_positions=q_positions,
                                        params=params, num_blocks=-(-s // params.block_size), kv_len=kv_len,
-                                       scale=scale, q_tile=select_q_tile)
+                                       scale=scale, q_tile=select_q_tile, impl=impl)
     else:
         sel = select_blocks(jax.lax.stop_gradient(q_sel), jax.lax.stop_gradient(k_sel), q_positions=q_positions,
-                            params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile)
+                            params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile, impl=impl)
     k_used = min(params.topk_cfg, -(-s // params.block_size))
     if impl == "pallas":
         from minicpm4_jax.ops.dispatch import pallas_target
@@ -142,14 +145,12 @@ def infllmv2_attention(
                                      kv_positions=kv_positions, block_size=params.block_size, window_blocks=window,
                                      init_blocks=init, kv_valid=kv_valid, scale=scale, backend=backend,
                                      interpret=interpret)
-    elif impl == "xla":
+    else:
         init, window, width = stage2_forced_split(params, k_used)
         out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions,
                               kv_positions=kv_positions, block_size=params.block_size, window_blocks=window,
                               init_blocks=init, gather_width=width, kv_valid=kv_valid, scale=scale,
                               q_tile=attn_q_tile, gather_tile=gather_tile, remat=remat)
-    else:
-        raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
     if dl > 0:
         use_dense = kv_len < dl  # [b]
         kd, vd = k[:, :dl], v[:, :dl]

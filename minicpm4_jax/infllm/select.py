@@ -317,6 +317,19 @@ def _compressed(k_sel: jax.Array, params: SelectParams):
     return ck1, ck2
 
 
+def _stage1(impl: str, q, ck1, ck2, **kw) -> jax.Array:
+    """:func:`stage1_scores` (``impl="xla"``) or its Pallas kernel (``"pallas"``, :mod:`minicpm4_jax.ops.dispatch`)."""
+    if impl == "xla":
+        return stage1_scores(q, ck1, ck2, **kw)
+    if impl != "pallas":
+        raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
+    from minicpm4_jax.ops.dispatch import pallas_target
+    from minicpm4_jax.ops.pallas.stage1 import stage1_scores_pallas
+
+    backend, interpret = pallas_target()
+    return stage1_scores_pallas(q, ck1, ck2, backend=backend, interpret=interpret, **kw)
+
+
 def _default_kv_len(q_positions: jax.Array) -> jax.Array:
     return (jnp.max(q_positions, axis=1) + 1).astype(jnp.int32)
 
@@ -346,7 +359,8 @@ def selection_scores(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, para
 
 
 def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params: SelectParams,
-                  kv_len: jax.Array | None = None, scale: float | None = None, q_tile: int = 128) -> Selection:
+                  kv_len: jax.Array | None = None, scale: float | None = None, q_tile: int = 128,
+                  impl: str = "xla") -> Selection:
     """Stage 1 + pooling + top-k fused per query tile (the memory-bounded production path).
 
     Never materialises more than one tile's ``[batch, num_heads, q_tile, Nc1]`` scores: the tiles run
@@ -363,6 +377,8 @@ def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params:
         kv_len: int ``[batch]`` keys per sequence, default ``max(q_positions) + 1`` (quirk only).
         scale: stage-1 logit scale, default ``head_dim ** -0.5``.
         q_tile: query rows per tile (clamped to T; T is padded with position ``-1`` rows).
+        impl: stage-1 scoring by the XLA reference (``"xla"``) or the Pallas kernel (``"pallas"``, which keeps
+            the per-head scores out of HBM; pooling and top-k stay XLA).
 
     Returns:
         :class:`Selection` (``topk_idx`` int32 ``[batch, num_kv_heads, T, topk_cfg]``, ``counts``).
@@ -370,12 +386,12 @@ def select_blocks(q: jax.Array, k: jax.Array, *, q_positions: jax.Array, params:
     ck1, ck2 = _compressed(k, params)
     nb = -(-k.shape[1] // params.block_size)
     return select_blocks_compressed(q, ck1, ck2, q_positions=q_positions, params=params, num_blocks=nb,
-                                    kv_len=kv_len, scale=scale, q_tile=q_tile)
+                                    kv_len=kv_len, scale=scale, q_tile=q_tile, impl=impl)
 
 
 def select_blocks_compressed(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_positions: jax.Array,
                              params: SelectParams, num_blocks: int, kv_len: jax.Array | None = None,
-                             scale: float | None = None, q_tile: int = 128) -> Selection:
+                             scale: float | None = None, q_tile: int = 128, impl: str = "xla") -> Selection:
     """:func:`select_blocks` from already compressed keys (a KV cache's incremental ``ck1``/``ck2``).
 
     Args:
@@ -386,7 +402,7 @@ def select_blocks_compressed(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None
         q_positions: int ``[batch, T]`` absolute positions (``-1`` = padding row).
         params: :class:`SelectParams`.
         num_blocks: static ``NB`` of the kv axis (``ceil(kv_axis / block_size)``).
-        kv_len, scale, q_tile: as in :func:`select_blocks`.
+        kv_len, scale, q_tile, impl: as in :func:`select_blocks`.
 
     Returns:
         :class:`Selection` (``topk_idx`` int32 ``[batch, num_kv_heads, T, topk_cfg]``, ``counts``).
@@ -400,8 +416,7 @@ def select_blocks_compressed(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None
 
     def one(args):
         q_t, pos_t = args
-        s = stage1_scores(q_t, ck1, ck2, q_positions=pos_t, kv_len=kv_len, params=params, scale=scale,
-                          num_q=t)
+        s = _stage1(impl, q_t, ck1, ck2, q_positions=pos_t, kv_len=kv_len, params=params, scale=scale, num_q=t)
         bs = pool_block_scores(s, q_positions=pos_t, num_blocks=nb, params=params)
         return topk_blocks(bs, q_positions=pos_t, params=params)
 
