@@ -239,7 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--code-temperature", type=float, default=None,
                         help="sampling temperature for code when --pass-k-samples > 1 (default 0.8)")
     parser.add_argument("--seed", type=int, default=1234, help="few-shot sampling and generation seed")
-    parser.add_argument("--out-dir", default=None, help="write the JSON + Markdown results here")
+    parser.add_argument("--out", "--out-dir", dest="out_dir", default=None,
+                        help="write the JSON + Markdown results here")
+    parser.add_argument("--no-progress", action="store_true", help="do not show progress bars")
     att = parser.add_mutually_exclusive_group()
     att.add_argument("--sparse", dest="attention", action="store_const", const="sparse",
                      help="InfLLM v2 sparse attention (default: the checkpoint's setting)")
@@ -291,7 +293,8 @@ def run(args: argparse.Namespace) -> int:
         from minicpm4_jax.eval.model import EvalModel
 
         model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
-                                          batch_size=args.batch_size, prefill_chunk=args.prefill_chunk)
+                                          batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
+                                          progress=not args.no_progress)
         if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
             raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
         limits = SandboxLimits(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
