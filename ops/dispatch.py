@@ -18,7 +18,7 @@ import jax
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["pallas_target", "resolve_impl"]
+__all__ = ["on_mesh", "pallas_target", "resolve_impl"]
 
 
 def resolve_impl(attention_impl: str) -> str:
@@ -51,3 +51,46 @@ def pallas_target() -> tuple[str, bool]:
         return "tpu", True
     raise ConfigError(f"model.attention_impl='pallas' has no kernels for the {platform!r} backend; "
                       "use attention_impl='xla'")
+
+
+def on_mesh(fn, args: tuple, layouts: tuple[str | None, ...], out_layout: str):
+    """Call a single-device function (a ``pallas_call``) on every device's shard of the current mesh.
+
+    Without a mesh in context (``jax.set_mesh``; the train step sets one) or on one device this is
+    ``fn(*args)``. Otherwise ``fn`` runs under ``jax.shard_map`` with the batch split over the mesh's ``data``
+    and ``fsdp`` axes and heads over ``tensor`` (spec ``jax_stack.md`` §2.4: a ``pallas_call`` is a
+    single-device program). Query and KV heads split contiguously, so each query head's KV head lies on
+    the same device. An axis whose size a mesh axis does not divide stays whole (replicated: correct, only
+    redundant).
+
+    Args:
+        fn: ``fn(*args) -> array``.
+        args: arrays (``None`` entries are passed through unsharded).
+        layouts: one string per argument, one character per dimension: ``b`` batch, ``h`` heads, ``.``
+            unsharded (e.g. ``"b.h."`` for ``[batch, T, heads, head_dim]``); ignored for ``None`` args.
+        out_layout: the output's layout string.
+    """
+    import math
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn(*args)
+    sizes = dict(mesh.shape)
+    batch_axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+    n_batch = math.prod(sizes[a] for a in batch_axes)
+    t = sizes.get("tensor", 1)
+    live = [(a, lay) for a, lay in zip(args, layouts) if a is not None]
+    b_ok = bool(batch_axes) and all(a.shape[lay.index("b")] % n_batch == 0 for a, lay in live if "b" in lay)
+    h_ok = t > 1 and all(a.shape[lay.index("h")] % t == 0 for a, lay in live if "h" in lay)
+    axis = {"b": batch_axes if b_ok else None, "h": "tensor" if h_ok else None, ".": None}
+    spec = lambda lay: jax.sharding.PartitionSpec(*(axis[c] for c in lay))  # noqa: E731
+    idx = [i for i, a in enumerate(args) if a is not None]
+
+    def body(*shards):
+        full = list(args)
+        for i, x in zip(idx, shards):
+            full[i] = x
+        return fn(*full)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(spec(layouts[i]) for i in idx),
+                         out_specs=spec(out_layout), check_vma=False)(*(args[i] for i in idx))

@@ -135,16 +135,21 @@ def infllmv2_attention(
                             params=params, kv_len=kv_len, scale=scale, q_tile=select_q_tile, impl=impl)
     k_used = min(params.topk_cfg, -(-s // params.block_size))
     if impl == "pallas":
-        from minicpm4_jax.ops.dispatch import pallas_target
+        from minicpm4_jax.ops.dispatch import on_mesh, pallas_target
         from minicpm4_jax.ops.pallas.sparse_attention import block_sparse_attention
 
         backend, interpret = pallas_target()
         # the same forced blocks as the reference (stage2_forced_split): its attended set, exactly
         init, window, _ = stage2_forced_split(params, k_used)
-        out = block_sparse_attention(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions,
-                                     kv_positions=kv_positions, block_size=params.block_size, window_blocks=window,
-                                     init_blocks=init, kv_valid=kv_valid, scale=scale, backend=backend,
-                                     interpret=interpret)
+
+        def kernel(q_, k_, v_, idx_, qpos_, kvpos_, valid_):
+            return block_sparse_attention(q_, k_, v_, idx_, q_positions=qpos_, kv_positions=kvpos_,
+                                          block_size=params.block_size, window_blocks=window, init_blocks=init,
+                                          kv_valid=valid_, scale=scale, backend=backend, interpret=interpret)
+
+        # a pallas_call is a single-device program: under a mesh each device runs its shard (on_mesh)
+        out = on_mesh(kernel, (q, k, v, sel.topk_idx[..., :k_used], q_positions, kv_positions, kv_valid),
+                      ("b.h.", "b.h.", "b.h.", "bh..", "b.", "b.", "b."), "b.h.")
     else:
         init, window, width = stage2_forced_split(params, k_used)
         out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions,

@@ -323,11 +323,17 @@ def _stage1(impl: str, q, ck1, ck2, **kw) -> jax.Array:
         return stage1_scores(q, ck1, ck2, **kw)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
-    from minicpm4_jax.ops.dispatch import pallas_target
+    from minicpm4_jax.ops.dispatch import on_mesh, pallas_target
     from minicpm4_jax.ops.pallas.stage1 import stage1_scores_pallas
 
     backend, interpret = pallas_target()
-    return stage1_scores_pallas(q, ck1, ck2, backend=backend, interpret=interpret, **kw)
+    qpos, kv_len = kw.pop("q_positions"), kw.pop("kv_len")
+
+    def kernel(q_, ck1_, ck2_, qpos_, kv_len_):
+        return stage1_scores_pallas(q_, ck1_, ck2_, q_positions=qpos_, kv_len=kv_len_, backend=backend,
+                                    interpret=interpret, **kw)
+
+    return on_mesh(kernel, (q, ck1, ck2, qpos, kv_len), ("b.h.", "b.h.", "b.h.", "b.", "b"), "bh..")
 
 
 def _default_kv_len(q_positions: jax.Array) -> jax.Array:

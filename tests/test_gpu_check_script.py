@@ -1,0 +1,52 @@
+"""``scripts/gpu_check.sh`` (issue 4, "On a GPU") works: its CPU dry run (interpret=True, tiny sizes) passes.
+
+Runs the whole driver (every step under its timeout, per-part JSON, summary) with ``--quick`` and the shortest
+lengths; checks the summary and that each benchmark row carries its timings and ratios. It checks the script,
+not the kernels' speed (that needs the GPU run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable,
+               GPU_CHECK_JAX_CACHE=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache")))
+    env.pop("OUT", None)
+    cmd = ["bash", "scripts/gpu_check.sh", "--dry-run", "--quick", "--out", str(out), "--",
+           "--lengths", "128", "--bwd-lengths", "128", "--decode-lengths", "256"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overall"] == "PASS" and summary["failures"] == 0 and not summary["not_run"]
+    assert [s[0] for s in summary["steps"]] == ["env", "correctness", "decode", "prefill", "prefill-bwd"]
+    parts = summary["parts"]
+    assert set(parts) == {"env", "correctness", "decode", "prefill", "prefill-bwd"}
+    assert all(p["complete"] and p["dry_run"] for p in parts.values())
+    assert len(parts["correctness"]["checks"]) == 3  # quick dry run: stage 2, decode, stage 1
+    (pre,), (bwd,), (dec,) = (parts[p]["bench"] for p in ("prefill", "prefill-bwd", "decode"))
+    for r in (pre, bwd):
+        assert r["sparse_stage2_ms"] > 0 and r["dense_ms"] > 0 and r["speedup_kernel"] > 0
+        assert 0 < r["attended_fraction"] <= 1 and r["tile_blocks_mean"] > 0
+    assert pre["select_xla_ms"] > 0 and pre["speedup_end_to_end"] > 0
+    assert dec["sparse_full_ms"] > 0 and dec["dense_pallas_ms"] > 0 and dec["speedup_full_vs_dense"] > 0
+    assert "OVERALL PASS" in (out / "summary.txt").read_text()
+
+
+def test_refuses_to_run_without_gpu(tmp_path):
+    """Without ``--cpu-dry-run`` on a CPU-only host the script fails loudly instead of timing the interpreter."""
+    res = subprocess.run([sys.executable, "scripts/gpu_kernel_check.py", "--part", "decode", "--out", str(tmp_path)],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "FAIL no GPU" in res.stdout
