@@ -6,6 +6,9 @@ import pytest
 from minicpm4_jax.config import ConfigError
 from minicpm4_jax.train.mup import coord_check, coord_check_config
 
+# one xdist worker computes the module's shared (expensive) fixture once (scripts/run_tests.sh: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("mup_coord_check")
+
 WIDTHS = (64, 128, 256, 512)
 SMALL = dict(seq_len=32, batch_size=4)
 

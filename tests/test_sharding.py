@@ -35,6 +35,9 @@ from minicpm4_jax.config import ConfigError, MeshConfig, load_config
 from minicpm4_jax.sharding import batch_sharding, logical_to_spec, make_mesh
 from minicpm4_jax.train.step import init_train_state, make_train_step
 
+# one xdist worker computes the module's shared (expensive) fixture once (scripts/run_tests.sh: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("sharding_mesh8")
+
 assert jax.device_count() == 8, jax.devices()
 meshes = json.loads(sys.argv[1])
 cfg = load_config("cpu_tiny", [
@@ -106,7 +109,7 @@ def mesh_results() -> dict:
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
     r = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(MESHES)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"worker failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return json.loads(lines[-1][len("RESULT "):])
