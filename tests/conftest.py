@@ -10,11 +10,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Multi-device CPU programs (the tests' subprocesses inherit this) run one thread per fake device; on a
-# loaded 2-core machine (two xdist workers, each maybe running several devices) a thread can reach a
-# collective more than XLA's default 40 s after its peers, and XLA then aborts the process. Wait longer.
+# loaded 2-core machine a thread can reach a collective more than XLA's default 40 s after its peers, and XLA
+# then aborts the process. Wait longer, but not forever: a real deadlock still fails within minutes.
 #: XLA flags for subprocesses that set their own device count (give them this instead of an empty XLA_FLAGS).
-COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=900"
-                            " --xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+COLLECTIVE_TIMEOUT_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=240"
+                            " --xla_cpu_collective_call_warn_stuck_timeout_seconds=60")
 os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"] + " " + COLLECTIVE_TIMEOUT_FLAGS
 _REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".cache" / "jax_compilation"))

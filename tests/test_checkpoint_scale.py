@@ -30,6 +30,10 @@ from minicpm4_jax.train.checkpoint import Checkpointer, sharded_abstract_state
 from minicpm4_jax.train.loop import run_training
 from test_distributed import corpus_docs, tiny_overrides  # the same tiny model and corpus
 
+# multi-device programs (fake CPU devices, one thread each) run one module at a time, on one xdist worker
+# (scripts/run_tests.sh: --dist loadgroup), never beside another multi-device module
+pytestmark = pytest.mark.xdist_group("multidevice")
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 

@@ -25,6 +25,10 @@ from conftest import COLLECTIVE_TIMEOUT_FLAGS
 from minicpm4_jax.config import ConfigError, DistributedConfig, load_config
 from minicpm4_jax.sharding import batch_sharding, make_global_batch, make_mesh, process_batch_rows
 
+# multi-device programs (fake CPU devices, one thread each) run one module at a time, on one xdist worker
+# (scripts/run_tests.sh: --dist loadgroup), never beside another multi-device module
+pytestmark = pytest.mark.xdist_group("multidevice")
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 

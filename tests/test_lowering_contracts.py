@@ -20,15 +20,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# multi-device programs (fake CPU devices, one thread each) run one module at a time, on one xdist worker
+# (scripts/run_tests.sh: --dist loadgroup), never beside another multi-device module
+pytestmark = pytest.mark.xdist_group("multidevice")
+
 _WORKER = r'''
 import dataclasses, json, sys
 import jax, jax.numpy as jnp
 from minicpm4_jax.config import MeshConfig, load_config
 from minicpm4_jax.sharding import batch_sharding, make_mesh
 from minicpm4_jax.train.step import _graphdef, abstract_train_state, make_train_step, train_state_shardings
-
-# one xdist worker computes the module's shared (expensive) fixture once (scripts/run_tests.sh: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("lowering_contracts")
 
 assert jax.device_count() == 1024, jax.device_count()
 BASE = ["model.attention=infllmv2", "model.sparse_config={variant: gen2}", "model.mtp=true"]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from minicpm4_jax.config import load_config
+from minicpm4_jax.sharding import batch_sharding, make_mesh
 from minicpm4_jax.train.step import init_train_state, make_train_step
 
 OVR = ["model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
@@ -23,13 +24,15 @@ OVR = ["model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=
        "optimizer.eps=1e-5"]
 
 
-def _train(impl: str, batches):
-    cfg = load_config("cpu_tiny", OVR + [f"model.attention_impl={impl}"])
-    graphdef, state = init_train_state(cfg, 0)
-    step = make_train_step(cfg, graphdef)
+def _train(impl: str, batches, mesh_sizes=(1, 1, 1)):
+    cfg = load_config("cpu_tiny", OVR + [f"model.attention_impl={impl}",
+                                         "mesh={data: %d, fsdp: %d, tensor: %d}" % mesh_sizes])
+    mesh = make_mesh(cfg.mesh, jax.devices()[:int(np.prod(mesh_sizes))])
+    graphdef, state = init_train_state(cfg, 0, mesh)
+    step = make_train_step(cfg, graphdef, mesh)
     losses, fracs = [], []
     for b in batches:
-        state, m = step(state, b)
+        state, m = step(state, jax.device_put(b, batch_sharding(mesh)))
         losses.append(float(m["loss"]))
         fracs.append(float(m["attended_fraction"]))
     return losses, fracs, jax.device_get(state.params)
@@ -38,13 +41,19 @@ def _train(impl: str, batches):
 @pytest.mark.slow
 def test_pallas_training_matches_reference():
     rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 128, (2, 97)).astype(np.int32) for _ in range(3)]
+    batches = [rng.integers(0, 128, (4, 97)).astype(np.int32) for _ in range(3)]
     ref_losses, ref_fracs, ref_params = _train("xla", batches)
     pl_losses, pl_fracs, pl_params = _train("pallas", batches)
     assert max(ref_fracs) < 0.95  # sparse for real
     assert pl_fracs == ref_fracs
     np.testing.assert_allclose(pl_losses, ref_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(pl_params), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # sharded over a (2, 2, 2) mesh the kernels run per device (shard_map): the same training
+    mesh_losses, mesh_fracs, mesh_params = _train("pallas", batches, (2, 2, 2))
+    np.testing.assert_allclose(mesh_losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(mesh_fracs, ref_fracs, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(mesh_params), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 

@@ -27,6 +27,10 @@ MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2), (1, 2, 4)]  # (1, 2, 4): 2
 # whose float32 sum order differs between meshes, moves its parameter by up to ~lr*1e-3 (measured
 # 2.5e-5 at lr=1e-2 even on pure data parallel). A larger eps removes that amplification so the
 # <=1e-5 check measures the sharding, not Adam's conditioning (measured ~7e-7).
+# multi-device programs (fake CPU devices, one thread each) run one module at a time, on one xdist worker
+# (scripts/run_tests.sh: --dist loadgroup), never beside another multi-device module
+pytestmark = pytest.mark.xdist_group("multidevice")
+
 _WORKER = r'''
 import dataclasses, json, math, sys
 import jax, numpy as np
@@ -34,9 +38,6 @@ from flax import nnx
 from minicpm4_jax.config import ConfigError, MeshConfig, load_config
 from minicpm4_jax.sharding import batch_sharding, logical_to_spec, make_mesh
 from minicpm4_jax.train.step import init_train_state, make_train_step
-
-# one xdist worker computes the module's shared (expensive) fixture once (scripts/run_tests.sh: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("sharding_mesh8")
 
 assert jax.device_count() == 8, jax.devices()
 meshes = json.loads(sys.argv[1])

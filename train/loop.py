@@ -310,7 +310,9 @@ def run_training(
         val = [make_global_batch(vb, batch_sh if vb.shape[0] % n_split == 0 else replicated(mesh), vb.shape)
                for vb in data_api.val_batches(data, cfg.data, cfg.eval_batches)]
         train_step = make_train_step(cfg, graphdef, mesh)
-        eval_step = jax.jit(make_eval_step(graphdef), out_shardings=replicated(mesh))
+        # batch-sharded activations (train/step.py activation_sharding) when every validation batch is split
+        eval_mesh = mesh if all(vb.shape[0] % n_split == 0 for vb in val) else None
+        eval_step = jax.jit(make_eval_step(graphdef, eval_mesh), out_shardings=replicated(mesh))
         b, t = cfg.data.batch_size, cfg.data.seq_len
         global_batch = b  # data.batch_size is the global batch; each process feeds its rows of it
         # abstract, with its sharding: lowering a numpy batch would fail with several processes
