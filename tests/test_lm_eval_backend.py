@@ -263,7 +263,7 @@ def test_backend_over_a_real_tiny_model_equals_a_full_forward():
     import jax
     from flax import nnx
 
-    em_mod = pytest.importorskip("minicpm4_jax.eval.model")
+    import minicpm4_jax.eval.model as em_mod
     from minicpm4_jax.config import ModelConfig
     from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
     from minicpm4_jax.nn import MiniCPM4
