@@ -40,3 +40,17 @@ def shared_path(*parts: str) -> Path:
 @pytest.fixture
 def repo_root() -> Path:
     return _REPO
+
+
+def lower_for(f, args, platform: str) -> str:
+    """StableHLO text of ``jax.jit(f)`` lowered on this CPU host for ``platform`` (``"tpu"`` or ``"cuda"``).
+
+    Cross-lowering (spec ``jax_stack.md`` §2.3) runs the Pallas -> Mosaic TPU / Triton lowering, so an illegal
+    block shape fails here; CUDA needs an abstract GPU device in context.
+    """
+    if platform == "tpu":
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
+from conftest import lower_for
 
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
 from minicpm4_jax.ops.pallas.decode import (decode_block_lists, dense_decode_attention_pallas,
@@ -110,15 +110,6 @@ def test_tpu_interpret_mode_race_detection():
         pltpu.reset_tpu_interpret_mode_state()
 
 
-def _lower(f, args, platform):
-    if platform == "tpu":
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("t", [None, 4])
 def test_cross_lowering_8b_layout(backend, t):
@@ -139,8 +130,8 @@ def test_cross_lowering_8b_layout(backend, t):
         return dense_decode_attention_pallas(q, kc, vc, q_positions=pos, block_size=64, backend=backend)
 
     marker = "tpu_custom_call" if backend == "tpu" else "triton"
-    assert marker in _lower(sparse, args, backend)
-    assert marker in _lower(dense, args, backend)
+    assert marker in lower_for(sparse, args, backend)
+    assert marker in lower_for(dense, args, backend)
 
 
 def test_cross_lowering_triton_rejects_illegal_block():
@@ -152,7 +143,7 @@ def test_cross_lowering_triton_rejects_illegal_block():
                               interpret=False)(x)
 
     with pytest.raises(Exception, match="power of 2"):
-        _lower(f, (jax.ShapeDtypeStruct((24, 128), jnp.float32),), "triton")
+        lower_for(f, (jax.ShapeDtypeStruct((24, 128), jnp.float32),), "triton")
 
 
 def test_bad_inputs_raise():

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
+from conftest import lower_for
 
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.compress import compress_keys
@@ -46,7 +46,7 @@ def _ref(q, ck1, ck2, **kw):
     return jax.jit(lambda a, b, c: stage1_scores(a, b, c, **kw))(q, ck1, ck2)
 
 
-def _check(out, ref, tol):
+def assert_scores_match(out, ref, tol):
     o, r = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not np.isnan(o).any()
@@ -69,7 +69,7 @@ def test_stage1_matches_reference(backend, variant, g, d, t, quirk):
     f = jax.jit(lambda *a: stage1_scores_pallas(*a, q_positions=pos, kv_len=kv_len, params=p, num_q=num_q,
                                                 backend=backend, interpret=True))
     out = f(q, ck1, ck2)
-    _check(out, ref, 1e-5)
+    assert_scores_match(out, ref, 1e-5)
     if variant == "gen2" and t > 1:
         assert np.isposinf(np.asarray(out)).any()  # early rows: no visible coarse kernel
     if t > 1:
@@ -83,7 +83,7 @@ def test_stage1_bf16_smoke(backend):
     ref = _ref(q, ck1, ck2, q_positions=pos, kv_len=kv_len, params=p)
     out = jax.jit(lambda *a: stage1_scores_pallas(*a, q_positions=pos, kv_len=kv_len, params=p, backend=backend,
                                                   interpret=True))(q, ck1, ck2)
-    _check(out, ref, 2e-2)
+    assert_scores_match(out, ref, 2e-2)
 
 
 def test_stage1_small_chunks_and_tiles():
@@ -92,7 +92,7 @@ def test_stage1_small_chunks_and_tiles():
     ref = _ref(q, ck1, ck2, q_positions=pos, kv_len=kv_len, params=p)
     out = jax.jit(lambda *a: stage1_scores_pallas(*a, q_positions=pos, kv_len=kv_len, params=p, backend="triton",
                                                   interpret=True, q_tile=4, kernel_chunk=16))(q, ck1, ck2)
-    _check(out, ref, 1e-5)
+    assert_scores_match(out, ref, 1e-5)
 
 
 def test_tpu_interpret_mode_race_detection():
@@ -105,19 +105,10 @@ def test_tpu_interpret_mode_race_detection():
         params = pltpu.InterpretParams(detect_races=True)
         out = jax.jit(lambda *a: stage1_scores_pallas(*a, q_positions=pos, kv_len=kv_len, params=p, backend="tpu",
                                                       q_tile=2, interpret=params))(q, ck1, ck2)
-        _check(out, ref, 1e-5)
+        assert_scores_match(out, ref, 1e-5)
         assert ipc.races is not None and not ipc.races.races_found
     finally:
         pltpu.reset_tpu_interpret_mode_state()
-
-
-def _lower(f, args, platform):
-    if platform == "tpu":
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-    mesh = AbstractMesh((), (), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", platform="gpu",
-                                                               num_cores=132))
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -134,7 +125,7 @@ def test_cross_lowering_8b_layout(backend, variant):
         def f(q, c1, c2, pos, kl):
             return stage1_scores_pallas(q, c1, c2, q_positions=pos, kv_len=kl, params=p, backend=backend)
 
-        assert ("tpu_custom_call" if backend == "tpu" else "triton") in _lower(f, args, backend)
+        assert ("tpu_custom_call" if backend == "tpu" else "triton") in lower_for(f, args, backend)
 
 
 def test_bad_inputs_raise():
