@@ -1,4 +1,4 @@
-"""The ``minicpm4`` command line: ``train``, ``generate``, ``import hf`` and ``export hf|gguf``.
+"""The ``minicpm4`` command line: ``train``, ``generate``, ``import hf`` and ``export hf|gguf|eagle``.
 
 Errors in the user's input (:class:`~minicpm4_jax.config.ConfigError`) print ``error: <message>``
 on stderr and exit with status 2, without a traceback. A diverged run or a failed checkpoint write
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
-    """``minicpm4 import hf`` and ``minicpm4 export hf|gguf`` (checkpoint interchange, minicpm4_jax/convert/)."""
+    """``minicpm4 import hf`` and ``minicpm4 export hf|gguf|eagle`` (checkpoint interchange, minicpm4_jax/convert/)."""
     imp = sub.add_parser(
         "import", help="import an official MiniCPM4 Hugging Face checkpoint",
         description="Import a checkpoint from another format into a run folder of this project.")
@@ -120,9 +120,12 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     ih.add_argument("--no-tokenizer", action="store_true",
                     help="import the weights without a tokenizer (default: DIR must hold tokenizer.model or "
                          "tokenizer.json); recorded in the manifest")
+    ih.add_argument("--eagle", default=None, metavar="EAGLE_DIR",
+                    help="also import this EAGLE draft folder (e.g. openbmb/MiniCPM4-8B-Eagle-FRSpec, or one written "
+                         "by `minicpm4 export eagle`) as the model's MTP module, for generate --spec-decode")
 
     exp = sub.add_parser(
-        "export", help="export a trained checkpoint to Hugging Face or GGUF",
+        "export", help="export a trained checkpoint to Hugging Face, GGUF or an EAGLE draft folder",
         description="Export a checkpoint (a run's out_dir or its checkpoints folder) to another runtime's format.")
     esub = exp.add_subparsers(dest="target_format", metavar="FORMAT", required=True)
 
@@ -151,7 +154,7 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                     "safetensors with an index, tokenizer files, generation_config.json and minicpm4_manifest.json. "
                     "A ternary (QAT) checkpoint is written fake-quantized, each weight q*scale (the BitCPM4 release "
                     "convention; --dtype bfloat16 as released). "
-                    "(The MTP draft export is not available: the model has no MTP module yet.)")
+                    "The MTP draft head is not part of this folder: write it with `minicpm4 export eagle`.")
     common(eh)
     eh.add_argument("--layout", default="minicpm", metavar="{minicpm,llama}",
                     help="minicpm (official, default) or llama (μP folded)")
@@ -174,13 +177,28 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     eg.add_argument("--outtype", default="f16", metavar="{f32,f16,bf16,q8_0,tq1_0,tq2_0}",
                     help="tensor type of the weight matrices (norms and rope factors stay f32; with tq1_0/tq2_0 "
                          "the embedding and head stay f16; default f16)")
+    ee = esub.add_parser(
+        "eagle", help="the MTP module as an EAGLE draft folder (CPM.cu --draft-model-path)",
+        description="Write the checkpoint's MTP module as a MiniCPM4 EAGLE-1 draft folder, laid out like "
+                    "openbmb/MiniCPM4-8B-Eagle-FRSpec: config.json (the base model's μP scalars, num_hidden_layers 1, "
+                    "head_dim) and model.safetensors with fc.weight [H, 2H] (embedding half first), input_norm1/2 and "
+                    "layers.0.*; embed_tokens and lm_head are shared with the base model (export it with "
+                    "`minicpm4 export hf --layout minicpm`). Pair it with an FR-Spec file from "
+                    "scripts/build_fr_spec.py for CPM.cu's --frspec-path.")
+    ee.add_argument("--checkpoint", required=True, metavar="DIR",
+                    help="a training run's out_dir (trained with model.mtp=true) or its checkpoints folder")
+    ee.add_argument("--out", required=True, metavar="OUT", help="output folder (absent or empty, outside the run)")
+    ee.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
+    ee.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    ee.add_argument("--dtype", default="float32", metavar="{float32,bfloat16,float16}",
+                    help="stored dtype (default float32, lossless; bfloat16 as the official release)")
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
     from minicpm4_jax.convert.hf_import import import_hf
 
     res = import_hf(args.dir, args.out, force=args.force, no_tokenizer=args.no_tokenizer,
-                    log=lambda m: print(m, file=sys.stderr))
+                    log=lambda m: print(m, file=sys.stderr), eagle=args.eagle)
     print(f"imported {args.dir} -> {res.path} ({res.cfg.num_params():,} parameters)")
     return 0
 
@@ -193,6 +211,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         res = export_hf(args.checkpoint, args.out, layout=args.layout, dtype=args.dtype, step=args.step,
                         tokenizer=args.tokenizer, force=args.force, max_shard_size=args.max_shard_size, log=log,
                         no_tokenizer=args.no_tokenizer, allow_dense=args.allow_dense)
+    elif args.target_format == "eagle":
+        from minicpm4_jax.convert.eagle import export_eagle
+
+        res = export_eagle(args.checkpoint, args.out, dtype=args.dtype, step=args.step, force=args.force)
     else:
         from minicpm4_jax.convert.gguf_export import export_gguf
 

@@ -36,6 +36,20 @@ Subcommands:
     Run llama.cpp's own ``convert_hf_to_gguf.py`` (from ``CONVERTER_DIR``, as fetched by
     ``scripts/fetch_llamacpp_converter.sh``; it needs torch) on an official-layout folder.
 
+``eagle-logits --base DIR --base-config FILE --eagle DIR --inputs NPZ --out NPZ``
+    Run an EAGLE draft folder the way CPM.cu loads and runs it (``cpmcu/speculative/eagle.py``,
+    ``src/model/minicpm4/minicpm4_eagle.cuh``; CPM.cu itself needs CUDA): the checkpoint file by CPM.cu's
+    discovery rule (one ``*.safetensors.index.json``, else exactly one ``*.safetensors``/``*.bin``/``*.pt``),
+    ``embed_tokens`` skipped, ``fc.weight`` split into its embedding half ``fc1`` (columns ``[:H]``) and hidden
+    half ``fc2``, ``input_norm1/2``, ``layers.N.*`` (any other name is an error, as in CPM.cu), and the config
+    check CPM.cu asserts (``scale_emb``/``scale_depth``/``dim_model_base`` present in both configs and equal;
+    ``--base-config`` is the base model's official ``config.json``). The base model is the μP-folded Llama
+    folder ``--base`` in stock ``LlamaForCausalLM``: it gives the final-norm hidden states ``h``, the scaled
+    embedding and the (÷ width) head. Draft: ``u = fc1(RMSNorm1(e_{i+1})) + fc2(RMSNorm2(h_i))``, one stock
+    ``LlamaDecoderLayer`` with the draft weights and CPM.cu's residual scale
+    ``scale_depth/sqrt(L_base + 1)`` on both branches, the base model's rotary table at positions ``i``, no
+    final norm, then the base head. Writes ``draft_logits_<key>`` ``[batch, seq-1, vocab]`` per input.
+
 ``fr-spec-pt --ids-txt FILE --out FILE.pt``
     Write an FR-Spec ranking (one id per line) as the official ``freq_{V}.pt`` (``torch.save`` of a plain
     list), load it back with ``torch.load(weights_only=True)`` as CPM.cu does, and print JSON (count,
@@ -210,6 +224,100 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpmcu_checkpoint_files(path: Path) -> list[Path]:
+    """CPM.cu's ``LLM._load_from_ckpt`` file discovery (an index, else exactly one weights file)."""
+    for suffix in ("bin.index.json", "safetensors.index.json"):
+        found = sorted(path.glob(f"*.{suffix}"))
+        if len(found) > 1:
+            raise SystemExit(f"error: multiple files with suffix {suffix} in {path} (CPM.cu refuses this)")
+        if found:
+            return [path / f for f in sorted(set(json.loads(found[0].read_text())["weight_map"].values()))]
+    for suffix in ("bin", "safetensors", "pt"):
+        found = sorted(path.glob(f"*.{suffix}"))
+        if len(found) > 1:
+            raise SystemExit(f"error: multiple files with suffix {suffix} in {path} (CPM.cu refuses this)")
+        if found:
+            return found
+    raise SystemExit(f"error: no supported checkpoint file in {path} (CPM.cu needs an index, .bin, .safetensors or .pt)")
+
+
+def cmd_eagle_logits(args: argparse.Namespace) -> int:
+    import math
+
+    from safetensors.torch import load_file
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    torch.manual_seed(0)
+    eagle_dir, base_dir = Path(args.eagle), Path(args.base)
+    base = _load_llama(base_dir).eval()
+    bcfg = json.loads(Path(args.base_config).read_text())
+    ecfg = json.loads((eagle_dir / "config.json").read_text())
+    for attr in ("scale_depth", "dim_model_base", "scale_emb"):  # CPM.cu's assertions
+        if (attr in bcfg) != (attr in ecfg):
+            raise SystemExit(f"error: {attr} presence mismatch between base and eagle config")
+        if attr in bcfg and bcfg[attr] != ecfg[attr]:
+            raise SystemExit(f"error: {attr} in base config and eagle config should be the same")
+    residual = bcfg["scale_depth"] / math.sqrt(bcfg["num_hidden_layers"] + 1)
+    n_layers = int(ecfg.get("num_hidden_layers", 1))
+    head_dim = ecfg.get("head_dim", ecfg["hidden_size"] // ecfg["num_attention_heads"])
+    hidden = ecfg["hidden_size"]
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in _cpmcu_checkpoint_files(eagle_dir):
+        ckpt = torch.load(f, map_location="cpu") if f.suffix in (".bin", ".pt") else load_file(str(f))
+        for name, p in ckpt.items():  # LLM_with_eagle._load + MiniCPM4EagleImpl::load_to_storage
+            if "embed_tokens" in name or name == "token_id_remap":
+                continue
+            if "fc" in name and name.split(".")[0] == "fc":
+                if not name.endswith("weight"):
+                    raise SystemExit(f"error: {name}: only an unquantized fc.weight is handled here")
+                weights["fc1.weight"] = p[..., : p.shape[-1] // 2].float()
+                weights["fc2.weight"] = p[..., p.shape[-1] // 2:].float()
+            elif name.startswith(("input_norm1", "input_norm2")) or name.split(".")[0] == "layers":
+                weights[name] = p.float()
+            else:
+                raise SystemExit(f"error: Unsupported name (layer_idx not found): eagle.{name}")
+
+    lcfg = base.config.__class__.from_dict({**base.config.to_dict(), "num_hidden_layers": n_layers,
+                                            "head_dim": head_dim})
+    lcfg._attn_implementation = "eager"
+    layers = []
+    for i in range(n_layers):
+        layer = LlamaDecoderLayer(lcfg, layer_idx=i).float().eval()
+        sd = {k[len(f"layers.{i}."):]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
+        sd = {k: (v * residual if k in ("self_attn.o_proj.weight", "mlp.down_proj.weight") else v) for k, v in sd.items()}
+        missing, unexpected = layer.load_state_dict(sd, strict=False)
+        missing = [m for m in missing if "rotary" not in m]
+        if missing or unexpected:
+            raise SystemExit(f"error: eagle layer {i}: missing {missing}, unexpected {unexpected}")
+        layers.append(layer)
+    eps = float(ecfg.get("rms_norm_eps", bcfg["rms_norm_eps"]))
+    norm1, norm2 = LlamaRMSNorm(hidden, eps=eps), LlamaRMSNorm(hidden, eps=eps)
+    norm1.weight.data.copy_(weights["input_norm1.weight"])
+    norm2.weight.data.copy_(weights["input_norm2.weight"])
+
+    inputs = np.load(args.inputs)
+    out: dict[str, np.ndarray] = {}
+    with torch.no_grad():
+        for key in inputs.files:
+            ids = torch.from_numpy(np.asarray(inputs[key], dtype=np.int64))
+            b, t = ids.shape
+            h = base.model(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]  # final-norm output, h_i
+            e = base.model.embed_tokens(ids)[:, 1:]  # folded: embed x scale_emb, of x_{i+1}
+            u = norm1(e) @ weights["fc1.weight"].T + norm2(h) @ weights["fc2.weight"].T
+            pos = torch.arange(t - 1).unsqueeze(0).expand(b, -1)
+            cos_sin = base.model.rotary_emb(u, pos)
+            mask = torch.full((t - 1, t - 1), float("-inf")).triu(1)[None, None].expand(b, 1, -1, -1)
+            x = u
+            for layer in layers:
+                r = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+                x = r[0] if isinstance(r, tuple) else r
+            out[f"draft_logits_{key}"] = base.lm_head(x).to(torch.float32).numpy()  # folded head: ÷ width inside
+    np.savez(args.out, **out)
+    print(json.dumps({"residual_scale": residual, "draft_layers": n_layers, "tensors": sorted(weights)}))
+    return 0
+
+
 def cmd_convert_gguf(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -272,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     cg.add_argument("outfile", help="the .gguf to write")
     cg.add_argument("--outtype", default="f32", help="f32 | f16 | bf16 | q8_0")
     cg.set_defaults(func=cmd_convert_gguf)
+    eg = sub.add_parser("eagle-logits", help="run an EAGLE draft folder as CPM.cu loads it (torch transcription)")
+    eg.add_argument("--base", required=True, help="the base model as a μP-folded Llama folder")
+    eg.add_argument("--base-config", required=True, help="the base model's official config.json (μP scalars)")
+    eg.add_argument("--eagle", required=True, help="the EAGLE draft folder")
+    eg.add_argument("--inputs", required=True, help="npz of int token arrays [batch, seq]")
+    eg.add_argument("--out", required=True, help="npz to write (draft_logits_<key>)")
+    eg.set_defaults(func=cmd_eagle_logits)
     fr = sub.add_parser("fr-spec-pt", help="write an FR-Spec ranking as the official torch-saved freq_*.pt")
     fr.add_argument("--ids-txt", required=True, help="the ranking in the project's plain format (one id per line)")
     fr.add_argument("--out", required=True, help="the .pt file to write")

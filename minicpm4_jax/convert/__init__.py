@@ -4,6 +4,7 @@
 * ``official``: the official ``MiniCPMForCausalLM`` layout (same names, unfolded; shapes, config).
 * ``hf_import`` / ``hf_export``: ``minicpm4 import hf`` and ``minicpm4 export hf --layout minicpm|llama``.
 * ``gguf_export``: ``minicpm4 export gguf`` (llama.cpp ``minicpm`` architecture, F32/F16/BF16/Q8_0).
+* ``eagle``: ``minicpm4 export eagle`` / ``import hf --eagle`` (the MTP module as an EAGLE-1 draft folder).
 * ``io``: atomic output folders, disk-space checks, manifests, (sharded) safetensors.
 """
 

@@ -237,7 +237,8 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
                        tokenizer: str | Path | None = None, no_tokenizer: bool = False,
                        paths: SourcePaths | None = None,
                        check_config: Callable[[ModelConfig], Any] | None = None,
-                       check_train: Callable[[TrainConfig, int], Any] | None = None) -> ExportSource:
+                       check_train: Callable[[TrainConfig, int], Any] | None = None,
+                       include_mtp: bool = False) -> ExportSource:
     """Read a training run's (or an import's) checkpoint for export.
 
     A ternary QAT checkpoint (``minicpm4_jax.quant.checkpoint_is_ternary``) comes back
@@ -251,6 +252,8 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
         paths: the already resolved :func:`resolve_export_source` (then ``step``/``tokenizer`` are ignored).
         check_config: called with the stored model config before any parameter is read.
         check_train: called with the stored run config and the step before any parameter is read.
+        include_mtp: keep the MTP draft parameters (``mtp/...``; ``export eagle``); by default they are
+            dropped, because the official releases ship the draft head as a separate folder.
 
     Raises:
         ConfigError/ConvertError: no checkpoint there, no such step, no tokenizer, a corrupt step, or
@@ -270,7 +273,7 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
 
     train_cfg, model = load_params_for_inference(paths.checkpoint_dir, paths.step, check_config=check)
     # the base model only: an MTP draft head (model.mtp) ships separately in the official releases (spec §7)
-    params = {k: v for k, v in flat_params(model).items() if not k.startswith("mtp/")}
+    params = {k: v for k, v in flat_params(model).items() if include_mtp or not k.startswith("mtp/")}
     params, model_cfg = drop_vocab_padding(params, train_cfg.model)
     ternary = ternary_spec(train_cfg.qat) if checkpoint_is_ternary(train_cfg, paths.step) else None
     prov = {
@@ -490,8 +493,8 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
             "allow_dense": bool(allow_dense and sparse and layout == "llama"),
             "no_tokenizer": tok_dir is None,
             "tokenizer_files": tok_files,
-            "mtp_draft": ("not exported: the MTP draft head stays in the run's checkpoint (the official EAGLE "
-                          "draft heads ship as separate repositories)") if getattr(cfg, "mtp", False)
+            "mtp_draft": ("not in this folder: the official EAGLE draft heads ship as separate folders; write it "
+                          "with `minicpm4 export eagle`") if getattr(cfg, "mtp", False)
                          else "not exported: this model has no MTP module",
             "warnings": warnings,
             "shards": len(plan),

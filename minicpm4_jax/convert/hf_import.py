@@ -198,7 +198,8 @@ def _finite_reader(source: SafetensorsSource) -> Callable[[str], np.ndarray]:
 
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
               shardings: Callable[[str, tuple[int, ...]], Any] | None = None,
-              log: Callable[[str], Any] | None = None, no_tokenizer: bool = False) -> ImportResult:
+              log: Callable[[str], Any] | None = None, no_tokenizer: bool = False,
+              eagle: str | Path | None = None) -> ImportResult:
     """Import the official-layout folder ``src`` as a checkpoint of this project in ``out``.
 
     Args:
@@ -212,6 +213,9 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         shardings: ``(param path, shape) -> jax.sharding.Sharding`` placing each parameter (e.g.
             a ``NamedSharding`` on the target mesh); default: the first local device.
         log: called with each warning line.
+        eagle: an EAGLE draft folder for this base model (``openbmb/MiniCPM4-8B-Eagle-FRSpec`` or one written
+            by ``minicpm4 export eagle``, see ``convert/eagle.py``): imported as the MTP module
+            (``model.mtp=true``), so ``generate --spec-decode`` drafts with it.
 
     Returns:
         :class:`ImportResult`; ``params`` are float32 ``[L, ...]``-stacked ``jax.Array`` (an ``nnx.State``).
@@ -235,6 +239,16 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     _raw, cfg, warnings = read_hf_config(folder)
     source = SafetensorsSource(folder)
     warnings += check_hf_tensors(source, cfg)
+    read_draft = None
+    eagle_folder = None
+    if eagle is not None:
+        from minicpm4_jax.convert.eagle import read_eagle
+
+        eagle_folder = Path(eagle).expanduser().resolve()
+        refuse_output_over_source(out_abs, [("EAGLE draft folder", eagle_folder)])
+        read_draft, eagle_warnings = read_eagle(eagle_folder, cfg)
+        warnings += eagle_warnings
+        cfg = dataclasses.replace(cfg, mtp=True)
     tok_files = [n for n in _TOKENIZER_FILES if (folder / n).is_file()]
     has_tok = "tokenizer.model" in tok_files or "tokenizer.json" in tok_files
     if no_tokenizer:
@@ -278,6 +292,10 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
                 if isinstance(v, dict):
                     res[k] = fill(v, path)
                     continue
+                if path.startswith("mtp/"):
+                    arr = read_draft(path, tuple(v.shape))
+                    res[k] = jax.device_put(arr, place(path, tuple(v.shape)))
+                    continue
                 row = rows[path]
                 reader = layer_slice_reader(cfg, row, get, np.float32)
                 res[k] = jax.make_array_from_callback(tuple(v.shape), place(path, tuple(v.shape)), reader)
@@ -319,6 +337,10 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             "dtype": "float32",
             "tokenizer_files": tok_files,
             "no_tokenizer": bool(no_tokenizer),
+            "eagle_draft": ({"folder": str(eagle_folder),
+                             "files": {p.name: file_sha256(p) for p in sorted(eagle_folder.glob("*.safetensors"))
+                                       + sorted(eagle_folder.glob("config.json"))}}
+                            if eagle_folder is not None else None),
             "warnings": warnings,
         }
         write_manifest(stage, manifest, hash_files=False)

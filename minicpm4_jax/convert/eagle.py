@@ -1,0 +1,309 @@
+"""The MTP module as an EAGLE draft folder: ``minicpm4 export eagle`` and ``minicpm4 import hf --eagle``.
+
+The released MiniCPM4 speculative heads (``openbmb/MiniCPM4-8B-Eagle-FRSpec``, spec ``minicpm4_model.md``
+§7, ``export.md`` §3 "EAGLE/MTP draft") are separate Hugging Face folders that CPM.cu loads next to the
+base model with ``--draft-model-path``. Our :class:`~minicpm4_jax.nn.mtp.MTPHead` has exactly their
+structure, so it exports as one:
+
+* ``config.json``: the base model's official config with ``num_hidden_layers = 1`` (CPM.cu's
+  ``EagleConfig`` reads it as the number of draft layers) and ``head_dim`` always written (CPM.cu reads
+  ``head_dim`` from the draft config); ``scale_emb``, ``scale_depth`` and ``dim_model_base`` equal to the
+  base model's (CPM.cu asserts presence and equality); ``mup_denominator = L_base + 1`` so that readers
+  using vLLM's rule (residual × scale_depth/√mup_denominator) get the same residual scale as CPM.cu's
+  scale_depth/√(L_base + 1); no ``sparse_config`` (the draft layer attends densely).
+* ``model.safetensors`` (one file: CPM.cu's loader takes exactly one ``*.safetensors`` or an index):
+
+  ===============================  =============  ====================================================
+  name                             torch shape    ours
+  ===============================  =============  ====================================================
+  ``fc.weight``                    ``[H, 2H]``    ``mtp/fc`` ``[2H, H]`` transposed; columns ``[:H]``
+                                                  act on the normalised embedding (CPM.cu's ``fc1``),
+                                                  ``[H:]`` on the normalised hidden state (``fc2``)
+  ``input_norm1.weight``           ``[H]``        ``mtp/input_norm1`` (embedding side)
+  ``input_norm2.weight``           ``[H]``        ``mtp/input_norm2`` (hidden-state side)
+  ``layers.0.<decoder name>``      as the base    ``mtp/layer/<param>`` (the names of the base layers
+                                                  without the ``model.`` prefix)
+  ===============================  =============  ====================================================
+
+  No ``embed_tokens`` / ``lm_head``: the draft shares the base model's (CPM.cu skips ``embed_tokens`` in a
+  draft folder and uses the base ``lm_head``, restricted to the FR-Spec rows when ``--frspec-path`` is given).
+
+Every transform is a pure relayout, so a float32 export and its import are bit-identical.
+
+Not written: vLLM's layout of the same head (``model.fc.weight``, ``model.eagle_layers.N.*``, repository
+``openbmb/MiniCPM4-8B-Eagle-vLLM``), EAGLE-3 heads (``d2t``, ``midlayer.*``), and a quantized draft
+(``fc.qweight``/``fc.scales``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.convert.io import (
+    ConvertError,
+    SafetensorsSource,
+    check_disk_space,
+    check_output_target,
+    refuse_output_over_source,
+    staged_output,
+    write_manifest,
+    write_safetensors_shards,
+)
+from minicpm4_jax.convert.llama_fold import LLAMA_PARAM_MAP
+from minicpm4_jax.convert.official import _hf_to_ours, _ours_to_hf, official_config
+
+__all__ = [
+    "EAGLE_FORMAT",
+    "eagle_tensor_map",
+    "eagle_param_shapes",
+    "eagle_config",
+    "iter_eagle_tensors",
+    "write_eagle",
+    "export_eagle",
+    "read_eagle",
+]
+
+#: manifest ``format`` of an exported draft folder
+EAGLE_FORMAT = "eagle-minicpm4"
+
+#: the μP scalars CPM.cu requires to be present in the draft config and equal to the base model's
+_SHARED_SCALARS = ("scale_emb", "scale_depth", "dim_model_base")
+#: structural keys the draft layer must share with the base model (our MTP layer is a base decoder layer)
+_SHARED_SHAPES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def eagle_tensor_map() -> list[tuple[str, str, str]]:
+    """``[(draft tensor name, our '/'-path, transform kind)]`` in file order (module docstring table)."""
+    out = [("fc.weight", "mtp/fc", "in_out"),
+           ("input_norm1.weight", "mtp/input_norm1", "norm"),
+           ("input_norm2.weight", "mtp/input_norm2", "norm")]
+    for row in LLAMA_PARAM_MAP:
+        if row.per_layer:
+            sub = row.hf.removeprefix("model.layers.{i}.")
+            out.append((f"layers.0.{sub}", "mtp/layer/" + row.ours.removeprefix("layers/"), row.kind))
+    return out
+
+
+def _heads(ours: str, cfg: ModelConfig) -> int:
+    return cfg.num_attention_heads if ours.endswith(("q_proj", "o_proj")) else cfg.num_key_value_heads
+
+
+def eagle_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{draft tensor name: torch shape [out, in]}`` for the base config ``cfg``."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    qd = cfg.num_attention_heads * cfg.resolved_head_dim
+    kd = cfg.num_key_value_heads * cfg.resolved_head_dim
+    per = {"input_layernorm": (h,), "self_attn.q_proj": (qd, h), "self_attn.k_proj": (kd, h),
+           "self_attn.v_proj": (kd, h), "self_attn.o_proj": (h, qd), "post_attention_layernorm": (h,),
+           "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+    out: dict[str, tuple[int, ...]] = {"fc.weight": (h, 2 * h), "input_norm1.weight": (h,), "input_norm2.weight": (h,)}
+    out.update({f"layers.0.{k}.weight": s for k, s in per.items()})
+    return out
+
+
+def eagle_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any]:
+    """The draft folder's ``config.json`` for the base model config ``cfg`` (module docstring)."""
+    out = official_config(dataclasses.replace(cfg, attention="dense", sparse_config=None), dtype_name)
+    out.pop("architectures", None)
+    out["num_hidden_layers"] = 1
+    out["head_dim"] = cfg.resolved_head_dim
+    out["mup_denominator"] = cfg.num_hidden_layers + 1
+    out["base_num_hidden_layers"] = cfg.num_hidden_layers
+    out["residual_scale"] = cfg.scale_depth / math.sqrt(cfg.num_hidden_layers + 1)
+    return out
+
+
+def iter_eagle_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(draft tensor name, C-contiguous array)`` in :func:`eagle_tensor_map` order.
+
+    Args:
+        flat: our parameters (``'/'``-keyed; must hold the ``mtp/...`` ones).
+        cfg: the base model config.
+        dtype: numpy dtype of the output; ``None`` keeps the parameter dtype.
+
+    Raises:
+        ConvertError: the parameters have no MTP module.
+    """
+    missing = [ours for _, ours, _ in eagle_tensor_map() if ours not in flat]
+    if missing:
+        raise ConvertError(f"the checkpoint has no MTP module (missing {missing[0]}); train with model.mtp=true to "
+                           "get a draft head to export")
+    for name, ours, kind in eagle_tensor_map():
+        a = _ours_to_hf(kind, np.asarray(flat[ours]))
+        if dtype is not None:
+            a = a.astype(dtype)
+        yield name, np.ascontiguousarray(a)
+
+
+def write_eagle(params: Mapping[str, Any], cfg: ModelConfig, out: str | Path, *, dtype: str = "float32",
+                force: bool = False, provenance: Mapping[str, Any] | None = None) -> Any:
+    """Write the MTP module of ``params`` as an EAGLE draft folder ``out`` (module docstring).
+
+    Args:
+        params: our flat parameters (``'/'``-keyed, float32) including ``mtp/...``.
+        cfg: the base model config (``num_hidden_layers`` is the base model's).
+        out: output folder (absent or empty unless ``force``); appears only when complete.
+        dtype: stored dtype, ``float32`` | ``bfloat16`` | ``float16``.
+        force: replace a non-empty ``out``.
+        provenance: recorded in the manifest.
+
+    Returns:
+        ``hf_export.ExportResult``.
+
+    Raises:
+        ConvertError: no MTP module, unknown dtype, a non-empty ``out`` without ``force``.
+    """
+    from minicpm4_jax.convert.hf_export import ExportResult, np_dtype
+
+    npdt = np_dtype(dtype)
+    check_output_target(Path(out), force)
+    names = [n for n, _, _ in eagle_tensor_map()]
+    tensors = iter_eagle_tensors(params, cfg, npdt)
+    first = next(tensors)  # raises before anything is written when there is no MTP module
+    shapes = eagle_param_shapes(cfg)
+    nbytes = sum(int(np.prod(s)) for s in shapes.values()) * npdt.itemsize
+    hf_cfg = eagle_config(cfg, dtype)
+    with staged_output(out, force=force, needed_bytes=nbytes + (1 << 20)) as stage:
+        files = [p.name for p in write_safetensors_shards(stage, _chain(first, tensors), [names])]
+        (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        files.append("config.json")
+        manifest = {
+            "format": EAGLE_FORMAT,
+            "dtype": dtype,
+            "source": dict(provenance or {}),
+            "base_model": {"num_hidden_layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size,
+                           "hidden_size": cfg.hidden_size},
+            "residual_scale": f"scale_depth/sqrt(base num_hidden_layers + 1) = {hf_cfg['residual_scale']!r}",
+            "shared_with_base": "embed_tokens and lm_head (not stored)",
+            "consumers": "CPM.cu --draft-model-path (with the base model exported by `minicpm4 export hf --layout "
+                         "minicpm`); this project's `minicpm4 import hf --eagle`",
+        }
+        write_manifest(stage, manifest)
+    return ExportResult(path=Path(out).expanduser().absolute(), files=files, warnings=[], manifest=manifest)
+
+
+def _chain(first: tuple[str, np.ndarray], rest: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    yield first
+    yield from rest
+
+
+def export_eagle(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", step: int | None = None,
+                 force: bool = False) -> Any:
+    """``minicpm4 export eagle``: the MTP module of a run's checkpoint as an EAGLE draft folder.
+
+    Every check that reads no parameter runs first (dtype, checkpoint and step, ``out`` not over the
+    run, ``out`` empty, the stored config has ``mtp``, disk space); then the parameters are read.
+
+    Raises:
+        ConvertError: a bad argument, a model without an MTP module, or any of the above.
+    """
+    from minicpm4_jax.convert.hf_export import load_export_source, np_dtype, resolve_export_source
+
+    npdt = np_dtype(dtype)
+    paths = resolve_export_source(checkpoint, step=step, no_tokenizer=True)
+    out_abs = Path(out).expanduser().absolute()
+    refuse_output_over_source(out_abs, paths.protected())
+    check_output_target(out_abs, force)
+
+    def check(cfg: ModelConfig) -> None:
+        if not cfg.mtp:
+            raise ConvertError(f"the checkpoint in {paths.checkpoint_dir} has no MTP module (model.mtp is false); "
+                               "there is no draft head to export: train with model.mtp=true")
+        n = sum(int(np.prod(s)) for s in eagle_param_shapes(cfg).values())
+        check_disk_space(out_abs.parent, n * npdt.itemsize)
+
+    src = load_export_source(checkpoint, paths=paths, check_config=check, include_mtp=True)
+    prov = {k: v for k, v in src.provenance.items() if k != "params_sha256"}
+    return write_eagle(src.params, src.cfg, out_abs, dtype=dtype, force=force, provenance=prov)
+
+
+def read_eagle(folder: str | Path, cfg: ModelConfig) -> tuple[Callable[[str, tuple[int, ...]], np.ndarray], list[str]]:
+    """Open an EAGLE draft folder for the base model ``cfg`` and check it fits our MTP module.
+
+    Checks (CPM.cu's rules plus what our MTP layer needs): ``config.json`` present with
+    ``num_hidden_layers`` 1; ``scale_emb``/``scale_depth``/``dim_model_base`` present and equal to the base
+    model's; the layer shapes (hidden/intermediate size, heads, KV heads, head_dim) equal to the base's;
+    every tensor of :func:`eagle_param_shapes` present with its shape; no unknown tensor (``embed_tokens``
+    and ``token_id_remap`` are ignored, as CPM.cu does).
+
+    Returns:
+        ``(read, warnings)``: ``read(our '/'-path, shape)`` -> float32 array of that MTP parameter.
+
+    Raises:
+        ConvertError: a missing folder/config/tensor, a mismatched scalar or shape, an unknown tensor,
+            a quantized or multi-layer draft, a non-finite value (when read).
+    """
+    folder = Path(folder).expanduser().resolve()
+    if not folder.is_dir():
+        raise ConvertError(f"--eagle {folder} is not a folder; give the EAGLE draft folder (config.json + "
+                           "model.safetensors)")
+    cpath = folder / "config.json"
+    if not cpath.is_file():
+        raise ConvertError(f"--eagle {folder} has no config.json; it is not an EAGLE draft folder")
+    try:
+        ecfg = json.loads(cpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{cpath} is not valid JSON ({e}); re-download or re-export the draft") from None
+    warnings: list[str] = []
+    if int(ecfg.get("num_hidden_layers", 1)) != 1:
+        raise ConvertError(f"{cpath}: num_hidden_layers {ecfg['num_hidden_layers']} draft layers; our MTP module has "
+                           "one (use a one-layer EAGLE-1 head such as MiniCPM4-8B-Eagle-FRSpec)")
+    if "quantization_config" in ecfg:
+        raise ConvertError(f"{cpath} describes a quantized draft ({ecfg['quantization_config'].get('quant_method', '?')});"
+                           " only unquantized drafts import (use MiniCPM4-8B-Eagle-FRSpec, not the -QAT variant)")
+    base = cfg.to_hf_config()
+    base["head_dim"] = cfg.resolved_head_dim
+    for key in _SHARED_SCALARS:
+        if key not in ecfg:
+            raise ConvertError(f"{cpath} has no {key}; CPM.cu requires the draft's {key} to equal the base model's "
+                               f"({base[key]}): this draft does not belong to a MiniCPM4 model")
+        if float(ecfg[key]) != float(base[key]):
+            raise ConvertError(f"{cpath}: {key} {ecfg[key]} differs from the base model's {base[key]}; the draft "
+                               "belongs to another base model")
+    ecfg.setdefault("head_dim", ecfg.get("hidden_size", 0) // max(1, ecfg.get("num_attention_heads", 1)))
+    for key in _SHARED_SHAPES:
+        if int(ecfg.get(key, -1)) != int(base[key]):
+            raise ConvertError(f"{cpath}: {key} {ecfg.get(key)} differs from the base model's {base[key]}; our MTP "
+                               "layer is a base decoder layer, so the draft must match it")
+    if "rms_norm_eps" in ecfg and float(ecfg["rms_norm_eps"]) != float(cfg.rms_norm_eps):
+        warnings.append(f"{cpath}: rms_norm_eps {ecfg['rms_norm_eps']} differs from the base model's "
+                        f"{cfg.rms_norm_eps}; the draft runs with the base value")
+    if "base_num_hidden_layers" in ecfg and int(ecfg["base_num_hidden_layers"]) != cfg.num_hidden_layers:
+        raise ConvertError(f"{cpath}: exported for a base model of {ecfg['base_num_hidden_layers']} layers, this one "
+                           f"has {cfg.num_hidden_layers}; the residual scale would differ")
+    src = SafetensorsSource(folder)
+    shapes = eagle_param_shapes(cfg)
+    names = set(src.entries)
+    unknown = sorted(n for n in names - set(shapes) if "embed_tokens" not in n and n != "token_id_remap")
+    if unknown:
+        hint = (" (vLLM's layout: model.fc / model.eagle_layers; rename to fc / layers)"
+                if any(n.startswith("model.") for n in unknown) else "")
+        raise ConvertError(f"{folder}: tensor {unknown[0]!r} is not part of an EAGLE-1 MiniCPM4 draft{hint}")
+    for name, shape in shapes.items():
+        if name not in names:
+            raise ConvertError(f"{folder}: tensor {name!r} is missing; the draft folder is incomplete")
+        got = tuple(src.entries[name].shape)
+        if got != shape:
+            raise ConvertError(f"{folder}: tensor {name!r} has shape {list(got)}, the base model needs {list(shape)}")
+    by_ours = {ours: (name, kind) for name, ours, kind in eagle_tensor_map()}
+    d = cfg.resolved_head_dim
+
+    def read(path: str, shape: tuple[int, ...]) -> np.ndarray:
+        name, kind = by_ours[path]
+        w = np.asarray(src.get(name), dtype=np.float32)
+        if not np.isfinite(w).all():
+            raise ConvertError(f"{folder}: tensor {name!r} holds non-finite values; the draft is corrupt")
+        a = np.ascontiguousarray(_hf_to_ours(kind, w, _heads(path, cfg), d))
+        if a.shape != tuple(shape):  # pragma: no cover - guarded by the shape checks above
+            raise ConvertError(f"{folder}: tensor {name!r} maps to {a.shape}, expected {shape}")
+        return a
+
+    return read, warnings
