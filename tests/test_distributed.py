@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -39,7 +40,9 @@ args = json.loads(sys.argv[1])
 from minicpm4_jax.config import load_config
 from minicpm4_jax.train.loop import run_training
 ov = list(args["overrides"])
-if args.get("nproc", 1) > 1:
+if args.get("auto"):
+    ov += ["distributed.mode=auto"]   # everything from the (SLURM) environment
+elif args.get("nproc", 1) > 1:
     ov += ["distributed.mode=explicit", f"distributed.coordinator_address=localhost:{args['port']}",
            f"distributed.num_processes={args['nproc']}", f"distributed.process_id={args['pid']}"]
 cfg = load_config(None, ov)
@@ -100,13 +103,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args: dict, n: int, devices_each: int, timeout: float = 300.0) -> list[tuple[int, str]]:
-    """Run ``n`` worker processes (one coordinator port) to the end: ``[(returncode, output)]``."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_each),
-           "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS, "PYTHONUNBUFFERED": "1"}
+def _slurm_env(n: int) -> Callable[[int], dict[str, str]]:
+    """The variables ``srun`` gives task ``p`` of an ``n``-task job step on this host (JAX's SLURM cluster
+    detection reads them; the coordinator port is derived from the job id, so pick one that maps to a free port)."""
+    for _ in range(50):
+        port = _free_port()
+        if port >= 65536 - 2**12:
+            break
+    else:  # the OS hands out ports below JAX's range: probe the range directly
+        port = next(p for p in range(65535, 65536 - 2**12, -1) if _port_is_free(p))
+    job_id = 4096 * 123 + (port - (65536 - 2**12))  # JAX: port = job_id % 4096 + 61440
+    return lambda p: {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": str(n),
+                      "SLURM_PROCID": str(p), "SLURM_LOCALID": str(p), "SLURM_STEP_NUM_NODES": "1"}
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+        return True
+
+
+def _launch(args: dict, n: int, devices_each: int, timeout: float = 300.0,
+            env_for: Callable[[int], dict[str, str]] | None = None) -> list[tuple[int, str]]:
+    """Run ``n`` worker processes (one coordinator port) to the end: ``[(returncode, output)]``.
+
+    ``env_for(p)``: extra environment of process ``p`` (e.g. :func:`_slurm_env`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_each),
+                "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS, "PYTHONUNBUFFERED": "1"})
     port = _free_port()
     procs = [subprocess.Popen([PY, "-c", _WORKER, json.dumps({**args, "nproc": n, "pid": p, "port": port})],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**env, **(env_for(p) if env_for else {})}, cwd=REPO)
              for p in range(n)]
     out = []
     t_end = time.monotonic() + timeout
@@ -241,3 +272,48 @@ def test_two_processes_match_one_process_preempt_and_resume(corpus, tmp_path):
     pdiff = max(float(np.max(np.abs(want[k] - have[k]))) for k in want)
     assert pdiff <= 1e-5, pdiff
     print(f"2 processes vs 1: max |loss diff| {diff:.2e} over 12 steps (stop at {stop}), max |param diff| {pdiff:.2e}")
+
+
+def test_auto_mode_on_slurm_with_qat_and_mtp_matches_one_process(corpus, tmp_path):
+    """``distributed.mode=auto`` as under ``srun``: two processes find the coordinator, their count and their
+    ids in the SLURM environment alone (JAX's cluster detection), and train with the MTP head and ternary QAT
+    switched on half-way (token_share 0.5: the switch, the re-warmup and the fake-quantized forward all run
+    sharded over the processes). Losses and parameters equal one process on 8 devices."""
+    from minicpm4_jax.train.checkpoint import Checkpointer, sharded_abstract_state
+    from minicpm4_jax.train.loop import run_training
+
+    cache = tmp_path / "cache"
+    extra = {"model.mtp": "true", "qat.enabled": "true", "qat.token_share": 0.5, "qat.warmup_steps": 2,
+             "steps": 8}
+    ref_cfg = load_config(None, tiny_overrides(corpus, cache, tmp_path / "ref", **extra))
+    ref = run_training(ref_cfg, log=lambda _m: None, progress=False)
+    ref_losses = {h["step"]: h["loss"] for h in ref["history"]}
+    assert sorted(ref_losses) == list(range(1, 9))
+
+    out = tmp_path / "auto"
+    args = {"overrides": tiny_overrides(corpus, cache, out, **extra), "out": str(tmp_path / "a"), "auto": True}
+    res = _launch(args, 2, 4, env_for=_slurm_env(2))
+    logs = "\n".join(t for _, t in res)
+    assert [rc for rc, _ in res] == [0, 0], logs[-3000:]
+    assert "distributed: 2 processes, 8 devices (4 on this process)" in res[0][1], res[0][1][-2000:]
+    assert "qat" in res[0][1].lower()
+    a = [json.loads((tmp_path / f"a.{p}.json").read_text()) for p in range(2)]
+    got = {int(k): v for k, v in a[0]["losses"].items()}
+    assert sorted(got) == list(range(1, 9)) and a[1]["losses"] == a[0]["losses"]
+    diff = max(abs(got[k] - ref_losses[k]) for k in got)
+    assert diff <= 1e-5, (diff, got, ref_losses)
+
+    mesh = make_mesh(ref_cfg.mesh)
+    want, have = {}, {}
+    for d, into in ((tmp_path / "ref", want), (out, have)):
+        ck = Checkpointer(load_config(None, tiny_overrides(corpus, cache, d, **extra)))
+        try:
+            step, st = ck.restore(sharded_abstract_state(ref_cfg, mesh), check=False)
+        finally:
+            ck.close()
+        assert step == 8
+        into.update(_params(st.params))
+    assert want.keys() == have.keys() and any("mtp" in k for k in want)
+    pdiff = max(float(np.max(np.abs(want[k] - have[k]))) for k in want)
+    assert pdiff <= 1e-5, pdiff
+    print(f"auto (SLURM) 2 processes + MTP + QAT vs 1: max |loss diff| {diff:.2e}, max |param diff| {pdiff:.2e}")
