@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import COLLECTIVE_TIMEOUT_FLAGS
+from conftest import COLLECTIVE_TIMEOUT_FLAGS, subprocess_env
 
 from minicpm4_jax.config import ConfigError, DistributedConfig, load_config
 from minicpm4_jax.sharding import batch_sharding, make_global_batch, make_mesh, process_batch_rows
@@ -131,7 +131,7 @@ def _launch(args: dict, n: int, devices_each: int, timeout: float = 300.0,
     """Run ``n`` worker processes (one coordinator port) to the end: ``[(returncode, output)]``.
 
     ``env_for(p)``: extra environment of process ``p`` (e.g. :func:`_slurm_env`)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("SLURM_")}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_each),
                 "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS, "PYTHONUNBUFFERED": "1"})
     port = _free_port()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 from jax.sharding import PartitionSpec as P
 
 from minicpm4_jax.config import ConfigError, MeshConfig
@@ -107,8 +108,8 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def mesh_results() -> dict:
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    env = subprocess_env(JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
+                         XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
     r = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(MESHES)], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env
 
 # multi-device programs (fake CPU devices, one thread each) run one module at a time, on one xdist worker
 # (scripts/run_tests.sh: --dist loadgroup), never beside another multi-device module
@@ -64,7 +65,7 @@ print("JSON" + json.dumps({"single_2": analyse((1, 1, 1), 2), "single_16": analy
 
 @pytest.fixture(scope="module")
 def analyses():
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
+    env = subprocess_env(JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _WORKER], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
