@@ -161,11 +161,31 @@ def test_read_eagle_refuses_drafts_that_do_not_fit(tmp_path):
         "shape": (variant("shape", edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:, :8]})),
                   "fc.weight"),
     }
+    int32 = variant("int32", edit_tensors=lambda t: t.update(
+        {"input_norm1.weight": t["input_norm1.weight"].astype(np.int32)}))
+    cases["int32"] = (int32, "I32")  # would otherwise import as truncated weights
+    for name, edit, needle in [
+        ("cfg_list", None, "not an object"),
+        ("nhl_str", lambda c: c.update(num_hidden_layers="one"), "num_hidden_layers"),
+        ("scale_null", lambda c: c.update(scale_emb=None), "scale_emb"),
+        ("quant_str", lambda c: c.update(quantization_config="gptq"), "quantized"),
+        ("vocab", lambda c: c.update(vocab_size=c["vocab_size"] * 2), "vocab_size"),
+        ("act", lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+        ("base", lambda c: c.update(num_hidden_layers=3, architectures=["MiniCPMForCausalLM"]), "base model"),
+    ]:
+        d = variant(name, edit_cfg=edit)
+        if name == "cfg_list":
+            (d / "config.json").write_text("[1, 2]")
+        cases[name] = (d, needle)
     for name, (folder, needle) in cases.items():
         with pytest.raises(ConvertError) as e:
             read_eagle(folder, cfg)
         msg = str(e.value)
         assert "\n" not in msg and needle in msg, (name, msg)
+    # a draft for a base of another depth (no private key to say so): a warning naming mup_denominator
+    _, warns = read_eagle(variant("depth", edit_cfg=lambda c: (c.pop("base_num_hidden_layers"),
+                                                               c.update(mup_denominator=7))), cfg)
+    assert len(warns) == 1 and "mup_denominator 7" in warns[0], warns
     # an embed_tokens copy in the folder is ignored, as CPM.cu does
     ok = variant("embed", edit_tensors=lambda t: t.update({"embed_tokens.weight": np.zeros((4, 4), np.float32)}))
     read_eagle(ok, cfg)
@@ -176,11 +196,27 @@ def test_read_eagle_refuses_drafts_that_do_not_fit(tmp_path):
         read("mtp/fc", params["mtp/fc"].shape)
 
 
-def test_write_eagle_without_mtp_module_is_refused(tmp_path):
+def test_write_eagle_refuses_no_mtp_module_float16_overflow_and_the_current_directory(tmp_path, monkeypatch):
     cfg = tiny_cfg()
     with pytest.raises(ConvertError, match="no MTP module"):
         write_eagle(random_params(cfg, 1), cfg, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+    cfg = _mtp_cfg()
+    params = _mtp_params(cfg, 2)
+    params["mtp/fc"][0, 0] = 1e6  # above float16's largest finite value
+    with pytest.raises(ConvertError, match="overflow"):
+        write_eagle(params, cfg, tmp_path / "x", dtype="float16")
+    assert not (tmp_path / "x").exists()
+    write_eagle(params, cfg, tmp_path / "x", dtype="bfloat16")  # bfloat16 holds it
+    # `--out ""` (an unset shell variable) or the working directory itself is never replaced, even with force
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("data")
+    monkeypatch.chdir(work)
+    for out in ("", ".", str(work), str(tmp_path)):
+        with pytest.raises(ConvertError, match="current directory|empty"):
+            write_eagle(params, cfg, out, force=True)
+    assert (work / "keep.txt").read_text() == "data"
     assert eagle_config(_mtp_cfg())["num_hidden_layers"] == 1
 
 

@@ -132,7 +132,7 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
     assert main(["export", "hf", "--checkpoint", run, "--out", str(hf), "--layout", "minicpm"]) == 0
     names = set(load_file(str(next(hf.glob("*.safetensors")))))
     assert names and not any("mtp" in n or "fc" in n for n in names)
-    assert "MTP draft head stays" in json.loads((hf / "minicpm4_manifest.json").read_text())["mtp_draft"]
+    assert "minicpm4 export eagle" in json.loads((hf / "minicpm4_manifest.json").read_text())["mtp_draft"]
 
     # break-test regressions: refusals are one line on stderr, exit 2, nothing on stdout (the prompt is echoed
     # only with the first generated text)

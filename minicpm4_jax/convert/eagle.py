@@ -78,6 +78,8 @@ EAGLE_FORMAT = "eagle-minicpm4"
 _SHARED_SCALARS = ("scale_emb", "scale_depth", "dim_model_base")
 #: structural keys the draft layer must share with the base model (our MTP layer is a base decoder layer)
 _SHARED_SHAPES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+#: tensor dtypes a draft imports from (as ``import hf``)
+_DTYPES_OK = ("F32", "F16", "BF16")
 
 
 def eagle_tensor_map() -> list[tuple[str, str, str]]:
@@ -130,7 +132,7 @@ def iter_eagle_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = N
         dtype: numpy dtype of the output; ``None`` keeps the parameter dtype.
 
     Raises:
-        ConvertError: the parameters have no MTP module.
+        ConvertError: the parameters have no MTP module; a value overflows ``dtype`` (float16).
     """
     missing = [ours for _, ours, _ in eagle_tensor_map() if ours not in flat]
     if missing:
@@ -139,7 +141,11 @@ def iter_eagle_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = N
     for name, ours, kind in eagle_tensor_map():
         a = _ours_to_hf(kind, np.asarray(flat[ours]))
         if dtype is not None:
-            a = a.astype(dtype)
+            with np.errstate(over="ignore"):
+                a = a.astype(dtype)
+            if not np.isfinite(a.astype(np.float32)).all():
+                raise ConvertError(f"{name} ({ours}) does not fit {np.dtype(dtype).name}: values overflow to inf "
+                                   "(|w| above its largest finite value); export with --dtype float32 or bfloat16")
         yield name, np.ascontiguousarray(a)
 
 
@@ -228,11 +234,15 @@ def export_eagle(checkpoint: str | Path, out: str | Path, *, dtype: str = "float
 def read_eagle(folder: str | Path, cfg: ModelConfig) -> tuple[Callable[[str, tuple[int, ...]], np.ndarray], list[str]]:
     """Open an EAGLE draft folder for the base model ``cfg`` and check it fits our MTP module.
 
-    Checks (CPM.cu's rules plus what our MTP layer needs): ``config.json`` present with
-    ``num_hidden_layers`` 1; ``scale_emb``/``scale_depth``/``dim_model_base`` present and equal to the base
-    model's; the layer shapes (hidden/intermediate size, heads, KV heads, head_dim) equal to the base's;
-    every tensor of :func:`eagle_param_shapes` present with its shape; no unknown tensor (``embed_tokens``
-    and ``token_id_remap`` are ignored, as CPM.cu does).
+    Checks (CPM.cu's rules plus what our MTP layer needs): ``config.json`` a JSON object with
+    ``num_hidden_layers`` 1 and numbers where numbers belong; no ``quantization_config``;
+    ``scale_emb``/``scale_depth``/``dim_model_base`` present and equal to the base model's; the layer shapes
+    (hidden/intermediate size, heads, KV heads, head_dim), ``vocab_size`` and ``hidden_act`` (when given) equal
+    to the base's; ``base_num_hidden_layers`` (written by :func:`write_eagle`) equal to the base depth; every
+    tensor of :func:`eagle_param_shapes` present with its shape and an F32/F16/BF16 dtype; no unknown tensor
+    (``embed_tokens`` and ``token_id_remap`` are ignored, as CPM.cu does). Warnings (returned): a
+    ``mup_denominator`` other than L+1, or ``rms_norm_eps``, ``rope_theta``, ``max_position_embeddings``,
+    ``rope_scaling``, ``tie_word_embeddings`` different from the base model's.
 
     Returns:
         ``(read, warnings)``: ``read(our '/'-path, shape)`` -> float32 array of that MTP parameter.
@@ -250,35 +260,73 @@ def read_eagle(folder: str | Path, cfg: ModelConfig) -> tuple[Callable[[str, tup
         raise ConvertError(f"--eagle {folder} has no config.json; it is not an EAGLE draft folder")
     try:
         ecfg = json.loads(cpath.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConvertError(f"{cpath} is not valid JSON ({e}); re-download or re-export the draft") from None
+    if not isinstance(ecfg, dict):
+        raise ConvertError(f"{cpath} holds a JSON {type(ecfg).__name__}, not an object; it is not a model config")
+
+    def number(key: str, *, integer: bool = False, default: Any = None) -> Any:
+        v = ecfg.get(key, default)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if ok and integer:
+            ok = float(v).is_integer()
+        if not ok:
+            kind = "an integer" if integer else "a number"
+            raise ConvertError(f"{cpath}: {key} is {v!r}, not {kind}; the draft config is damaged")
+        return int(v) if integer else float(v)
+
     warnings: list[str] = []
-    if int(ecfg.get("num_hidden_layers", 1)) != 1:
-        raise ConvertError(f"{cpath}: num_hidden_layers {ecfg['num_hidden_layers']} draft layers; our MTP module has "
-                           "one (use a one-layer EAGLE-1 head such as MiniCPM4-8B-Eagle-FRSpec)")
-    if "quantization_config" in ecfg:
-        raise ConvertError(f"{cpath} describes a quantized draft ({ecfg['quantization_config'].get('quant_method', '?')});"
-                           " only unquantized drafts import (use MiniCPM4-8B-Eagle-FRSpec, not the -QAT variant)")
     base = cfg.to_hf_config()
     base["head_dim"] = cfg.resolved_head_dim
+    n_layers = number("num_hidden_layers", integer=True, default=1)
+    if n_layers != 1:
+        archs = ecfg.get("architectures")
+        if isinstance(archs, list) and archs and not any("eagle" in str(a).lower() for a in archs):
+            raise ConvertError(f"--eagle {folder} looks like a base model ({ecfg['architectures'][0]}, {n_layers} "
+                               "layers), not an EAGLE draft folder; give the draft head's folder")
+        raise ConvertError(f"{cpath}: num_hidden_layers {n_layers} draft layers; our MTP module has one (use a "
+                           "one-layer EAGLE-1 head such as MiniCPM4-8B-Eagle-FRSpec)")
+    if "quantization_config" in ecfg:
+        q = ecfg["quantization_config"]
+        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+        raise ConvertError(f"{cpath} describes a quantized draft (quantization_config {method!r}); only unquantized "
+                           "drafts import (use MiniCPM4-8B-Eagle-FRSpec, not the -QAT variant)")
     for key in _SHARED_SCALARS:
         if key not in ecfg:
             raise ConvertError(f"{cpath} has no {key}; CPM.cu requires the draft's {key} to equal the base model's "
                                f"({base[key]}): this draft does not belong to a MiniCPM4 model")
-        if float(ecfg[key]) != float(base[key]):
+        if number(key) != float(base[key]):
             raise ConvertError(f"{cpath}: {key} {ecfg[key]} differs from the base model's {base[key]}; the draft "
                                "belongs to another base model")
-    ecfg.setdefault("head_dim", ecfg.get("hidden_size", 0) // max(1, ecfg.get("num_attention_heads", 1)))
-    for key in _SHARED_SHAPES:
-        if int(ecfg.get(key, -1)) != int(base[key]):
-            raise ConvertError(f"{cpath}: {key} {ecfg.get(key)} differs from the base model's {base[key]}; our MTP "
-                               "layer is a base decoder layer, so the draft must match it")
-    if "rms_norm_eps" in ecfg and float(ecfg["rms_norm_eps"]) != float(cfg.rms_norm_eps):
-        warnings.append(f"{cpath}: rms_norm_eps {ecfg['rms_norm_eps']} differs from the base model's "
-                        f"{cfg.rms_norm_eps}; the draft runs with the base value")
-    if "base_num_hidden_layers" in ecfg and int(ecfg["base_num_hidden_layers"]) != cfg.num_hidden_layers:
+    if "head_dim" not in ecfg:
+        ecfg["head_dim"] = number("hidden_size", integer=True) // max(1, number("num_attention_heads", integer=True))
+    for key in _SHARED_SHAPES + ("vocab_size",):
+        if key == "vocab_size" and key not in ecfg:
+            continue
+        if number(key, integer=True) != int(base[key]):
+            raise ConvertError(f"{cpath}: {key} {ecfg.get(key)} differs from the base model's {base[key]}; the draft "
+                               "shares the base model's layer shapes, embedding and head, so it belongs to another "
+                               "base model")
+    if "hidden_act" in ecfg and ecfg["hidden_act"] != cfg.hidden_act:
+        raise ConvertError(f"{cpath}: hidden_act {ecfg['hidden_act']!r} differs from the base model's "
+                           f"{cfg.hidden_act!r}; our MTP layer is a base decoder layer")
+    if "base_num_hidden_layers" in ecfg and number("base_num_hidden_layers", integer=True) != cfg.num_hidden_layers:
         raise ConvertError(f"{cpath}: exported for a base model of {ecfg['base_num_hidden_layers']} layers, this one "
                            f"has {cfg.num_hidden_layers}; the residual scale would differ")
+    if "mup_denominator" in ecfg and number("mup_denominator") != cfg.num_hidden_layers + 1:
+        warnings.append(f"{cpath}: mup_denominator {ecfg['mup_denominator']} means a draft residual scale of "
+                        f"scale_depth/sqrt({ecfg['mup_denominator']}) to vLLM; this project (like CPM.cu) runs "
+                        f"scale_depth/sqrt(L+1) = scale_depth/sqrt({cfg.num_hidden_layers + 1}): the drafts differ "
+                        "from that runtime's (speculative decoding stays exact; acceptance may drop), or the draft "
+                        "belongs to a base model of another depth")
+    if "rms_norm_eps" in ecfg and number("rms_norm_eps") != float(cfg.rms_norm_eps):
+        warnings.append(f"{cpath}: rms_norm_eps {ecfg['rms_norm_eps']} differs from the base model's "
+                        f"{cfg.rms_norm_eps}; the draft runs with the base value")
+    for key in ("rope_theta", "max_position_embeddings", "rope_scaling", "tie_word_embeddings"):
+        if key in ecfg and ecfg[key] != base.get(key):
+            warnings.append(f"{cpath}: {key} {ecfg[key]!r} differs from the base model's {base.get(key)!r}; the "
+                            "draft runs with the base model's rotary table (as CPM.cu does); check that it belongs "
+                            "to this base model")
     src = SafetensorsSource(folder)
     shapes = eagle_param_shapes(cfg)
     names = set(src.entries)
@@ -293,6 +341,9 @@ def read_eagle(folder: str | Path, cfg: ModelConfig) -> tuple[Callable[[str, tup
         got = tuple(src.entries[name].shape)
         if got != shape:
             raise ConvertError(f"{folder}: tensor {name!r} has shape {list(got)}, the base model needs {list(shape)}")
+        if src.entries[name].dtype not in _DTYPES_OK:
+            raise ConvertError(f"{folder}: tensor {name!r} is {src.entries[name].dtype}; a draft imports from F32, F16 "
+                               "or BF16 (a quantized draft must be dequantized first)")
     by_ours = {ours: (name, kind) for name, ours, kind in eagle_tensor_map()}
     d = cfg.resolved_head_dim
 

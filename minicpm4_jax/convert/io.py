@@ -68,13 +68,20 @@ def _is_nonempty_dir(p: Path) -> bool:
 
 
 def check_output_target(out: Path, force: bool) -> None:
-    """Refuse an ``out`` that cannot become the output folder: a file there, a file above it (the
-    folder could not be created), a non-writable parent, or a non-empty folder unless ``force``.
+    """Refuse an ``out`` that cannot become the output folder: an empty string, the current directory or a
+    folder holding it (the output replaces the folder), a file there, a file above it (the folder could not be
+    created), a non-writable parent, or a non-empty folder unless ``force``.
 
     Raises:
         ConvertError: as above (one line naming the path and the fix).
     """
+    if str(out).strip() == "":
+        raise ConvertError("--out is empty; give the output folder (an unset shell variable?)")
     out = Path(out).expanduser().absolute()
+    cwd = Path.cwd().absolute()
+    if out == cwd or out in cwd.parents:
+        raise ConvertError(f"--out {out} is the current directory or holds it; the output replaces that folder: "
+                           "pick a new folder for --out")
     if out.exists() and not out.is_dir():
         raise ConvertError(f"--out {out} exists and is a file, not a folder; pick another --out")
     probe = out.parent
