@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_convert_common import random_params, read_json, tiny_cfg
+from test_convert_common import random_params, read_json, tiny_cfg, tiny_tokenizer_dir  # noqa: F401
 
 from minicpm4_jax.cli import main
 from minicpm4_jax.convert.gguf_export import write_gguf_dir
@@ -358,3 +358,24 @@ def test_import_refuses_non_finite_tensors(runs, tmp_path, bad, dtype):
     assert f"tensor {name!r}" in msg and ("NaN" in msg or "inf" in msg) and "\n" not in msg, msg
     assert not (tmp_path / "out").exists()
     _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["hf-minicpm", "hf-llama", "gguf-f16"])
+def test_float16_overflow_is_refused_not_written_as_inf(tmp_path, fmt, tiny_tokenizer_dir):
+    """numpy casts |w| > 65504 to inf without an error; every float16 export refuses it, naming the tensor."""
+    cfg = tiny_cfg()
+    params = random_params(cfg, seed=3)
+    params["layers/gate_proj"][1, 0, 0] = 7.0e4
+    out = tmp_path / "out"
+    with pytest.raises(ConvertError) as e:
+        if fmt == "gguf-f16":
+            write_gguf_dir(params, cfg, out, outtype="f16", tokenizer_dir=tiny_tokenizer_dir)
+        else:
+            write_hf(params, cfg, out, layout=fmt.split("-")[1], dtype="float16", no_tokenizer=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "float16" in msg and "70000" in msg, msg
+    assert ("blk.1.ffn_gate.weight" if fmt == "gguf-f16" else "model.layers.1.mlp.gate_proj.weight") in msg, msg
+    assert not out.exists()
+    _no_leftovers(tmp_path)
+    # the same weights in bfloat16 are fine
+    write_hf(params, cfg, tmp_path / "bf16", layout="minicpm", dtype="bfloat16", no_tokenizer=True)

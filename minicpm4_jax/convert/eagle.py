@@ -51,6 +51,7 @@ from minicpm4_jax.convert.io import (
     ConvertError,
     SafetensorsSource,
     check_disk_space,
+    check_float16_range,
     check_output_target,
     refuse_output_over_source,
     staged_output,
@@ -141,11 +142,9 @@ def iter_eagle_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = N
     for name, ours, kind in eagle_tensor_map():
         a = _ours_to_hf(kind, np.asarray(flat[ours]))
         if dtype is not None:
-            with np.errstate(over="ignore"):
-                a = a.astype(dtype)
-            if not np.isfinite(a.astype(np.float32)).all():
-                raise ConvertError(f"{name} ({ours}) does not fit {np.dtype(dtype).name}: values overflow to inf "
-                                   "(|w| above its largest finite value); export with --dtype float32 or bfloat16")
+            if np.dtype(dtype) == np.float16:
+                check_float16_range(a, name, "--dtype float16")
+            a = a.astype(dtype)
         yield name, np.ascontiguousarray(a)
 
 

@@ -61,6 +61,7 @@ from minicpm4_jax.convert.io import (
     MANIFEST_NAME,
     ConvertError,
     check_disk_space,
+    check_float16_range,
     check_output_target,
     refuse_output_over_source,
     staged_output,
@@ -344,6 +345,8 @@ def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Itera
             arr = permute_qk(arr, cfg.num_attention_heads)
         elif hf_name.endswith("self_attn.k_proj.weight"):
             arr = permute_qk(arr, cfg.num_key_value_heads)
+        if qtypes[names[hf_name]] == "F16":
+            check_float16_range(arr, names[hf_name], "--outtype f16")
         yield _encode(arr, qtypes[names[hf_name]])
 
 

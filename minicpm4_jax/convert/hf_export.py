@@ -44,6 +44,7 @@ from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig
 from minicpm4_jax.convert.io import (
     ConvertError,
     check_disk_space,
+    check_float16_range,
     check_output_target,
     default_file_mode,
     params_sha256,
@@ -454,6 +455,9 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         hf_cfg["torch_dtype"] = dtype
         names = list(tensors)
         shapes = {k: v.shape for k, v in tensors.items()}
+        if npdt == np.float16:
+            for k in names:
+                check_float16_range(tensors[k], k, "--dtype float16")
         tensors_iter = ((k, np.ascontiguousarray(tensors[k].astype(npdt, copy=False))) for k in names)
         folded = [f"model.embed_tokens.weight x scale_emb ({cfg.scale_emb})",
                   f"self_attn.o_proj.weight and mlp.down_proj.weight x scale_depth/sqrt(num_hidden_layers) "

@@ -42,6 +42,7 @@ __all__ = [
     "write_manifest",
     "SafetensorsSource",
     "write_safetensors_shards",
+    "check_float16_range",
     "plan_shards",
     "parse_size",
     "MANIFEST_NAME",
@@ -93,6 +94,23 @@ def check_output_target(out: Path, force: bool) -> None:
         raise ConvertError(f"--out {out} cannot be created: no write permission in {probe}; pick another --out")
     if _is_nonempty_dir(out) and not force:
         raise ConvertError(f"output folder {out} is not empty; pass --force to replace it or pick another --out")
+
+
+def check_float16_range(src: np.ndarray, name: str, option: str) -> None:
+    """Raise when a float16 cast of ``src`` would overflow (|w| > 65504 turns into inf, silently in numpy).
+
+    Args:
+        src: the tensor before the cast (any float dtype).
+        name: the tensor's name in the output format (for the message).
+        option: the option that chose float16 (``--dtype float16``, ``--outtype f16``).
+
+    Raises:
+        ConvertError: naming the tensor, its largest magnitude and the fix.
+    """
+    big = float(np.max(np.abs(src), initial=0.0)) if src.size else 0.0
+    if big > float(np.finfo(np.float16).max) and np.isfinite(big):
+        raise ConvertError(f"{name} does not fit float16 ({option}): its largest magnitude {big:.6g} is above "
+                           "65504 and would be written as inf; export as float32 or bfloat16")
 
 
 def refuse_output_over_source(out: Path, sources: Path | Iterable[tuple[str, Path]]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.convert.io import check_float16_range
 from minicpm4_jax.convert.llama_fold import LLAMA_PARAM_MAP, ParamMap
 
 __all__ = [
@@ -124,6 +125,7 @@ def iter_official_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any 
 
     Raises:
         KeyError: a parameter the layout needs is missing from ``flat``.
+        ConvertError: a tensor overflows float16 (``dtype`` float16).
     """
     by_name = {}
     for row in _rows(cfg):
@@ -131,9 +133,11 @@ def iter_official_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any 
             raise KeyError(f"parameter {row.ours!r} is missing (have {sorted(flat)})")
         by_name[row.hf] = row
 
-    def conv(row: ParamMap, w: Any) -> np.ndarray:
+    def conv(name: str, row: ParamMap, w: Any) -> np.ndarray:
         a = _ours_to_hf(row.kind, np.asarray(w))
         if dtype is not None:
+            if np.dtype(dtype) == np.float16:
+                check_float16_range(a, name, "--dtype float16")
             a = a.astype(dtype)
         return np.ascontiguousarray(a)
 
@@ -141,10 +145,10 @@ def iter_official_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any 
         if name.startswith("model.layers."):
             i = int(name.split(".")[2])
             row = by_name[name.replace(f"model.layers.{i}.", "model.layers.{i}.", 1)]
-            yield name, conv(row, flat[row.ours][i])
+            yield name, conv(name, row, flat[row.ours][i])
         else:
             row = by_name[name]
-            yield name, conv(row, flat[row.ours])
+            yield name, conv(name, row, flat[row.ours])
 
 
 def to_official(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = None) -> dict[str, np.ndarray]:
