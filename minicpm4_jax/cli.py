@@ -9,6 +9,7 @@ stopped by SIGTERM/SIGINT (after saving a checkpoint) exits with ``128 + signal 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 from typing import Sequence
@@ -199,7 +200,13 @@ def _cmd_import(args: argparse.Namespace) -> int:
 
     res = import_hf(args.dir, args.out, force=args.force, no_tokenizer=args.no_tokenizer,
                     log=lambda m: print(m, file=sys.stderr), eagle=args.eagle)
-    print(f"imported {args.dir} -> {res.path} ({res.cfg.num_params():,} parameters)")
+    draft = ""
+    if args.eagle:
+        from minicpm4_jax.convert.eagle import eagle_param_shapes
+
+        n = sum(math.prod(s) for s in eagle_param_shapes(res.cfg).values())
+        draft = f" + an EAGLE draft head of {n:,} parameters"
+    print(f"imported {args.dir} -> {res.path} ({res.cfg.num_params():,} parameters{draft})")
     return 0
 
 

@@ -236,6 +236,8 @@ def test_cli_export_eagle_then_import_next_to_the_base_and_draft(tmp_path, tiny_
     write_eagle(params, cfg, tmp_path / "draft")
     assert main(["import", "hf", str(tmp_path / "base"), "--out", str(tmp_path / "run"), "--eagle",
                  str(tmp_path / "draft")]) == 0
+    n_draft = sum(int(np.prod(s)) for s in eagle_param_shapes(cfg).values())
+    assert f"+ an EAGLE draft head of {n_draft:,} parameters" in capsys.readouterr().out
     man = read_json(tmp_path / "run" / MANIFEST_NAME)
     assert man["eagle_draft"]["folder"] == str((tmp_path / "draft").resolve())
     assert main(["export", "eagle", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "draft2")]) == 0
