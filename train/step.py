@@ -210,7 +210,7 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
         if not mtp:
             return ntp, stats
         # L = L_NTP + λ·L_MTP (spec §3.4); the reported "loss" stays the next-token loss
-        m = mtp_loss(model.mtp_logits(hidden, batch[:, 1:]), batch[:, 1:])
+        m = mtp_loss(model.mtp_logits(hidden, batch[:, 1:], activation_sharding=act_sh), batch[:, 1:])
         return ntp + cfg.mtp_loss_weight * m, {**stats, "loss": ntp, "mtp_loss": m}
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:

@@ -275,13 +275,19 @@ class MiniCPM4(nnx.Module):
         """float32 logits ``[batch, seq, vocab]`` from final-norm hidden states (÷ width_mult first)."""
         return head_logits(hidden, self.cfg, self.embed_tokens, None if self.cfg.tie_word_embeddings else self.lm_head[...])
 
-    def mtp_logits(self, hidden: jax.Array, next_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def mtp_logits(self, hidden: jax.Array, next_ids: jax.Array, positions: jax.Array | None = None,
+                   activation_sharding: jax.sharding.Sharding | None = None) -> jax.Array:
         """float32 MTP logits ``[batch, seq, vocab]``: position ``i`` predicts ``x_{i+2}`` (spec §3.4).
 
         Args:
             hidden: :meth:`hidden_states` output ``[batch, seq, hidden]``.
             next_ids: int ``[batch, seq]`` the tokens ``x_{i+1}`` (the next-token targets).
             positions: int32 ``[batch, seq]``; default ``arange(seq)``.
+            activation_sharding: under a mesh, the residual stream's sharding
+                (``train.step.activation_sharding``): the MTP module's embedding lookup is constrained to it.
+                Without it XLA gives the lookup's output the table's ``embed``-on-``fsdp`` sharding and later
+                replicates the whole ``[batch, seq, hidden]`` tensor to reshard it ("involuntary full
+                rematerialization").
 
         Raises:
             ValueError: the model was built without ``mtp``.
@@ -294,6 +300,8 @@ class MiniCPM4(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         dt = hidden.dtype
         emb = self.embed_tokens.encode(next_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
+        if activation_sharding is not None:
+            emb = jax.lax.with_sharding_constraint(emb, activation_sharding)
         return self.logits(self.mtp(hidden, emb, positions, cfg))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
