@@ -59,7 +59,7 @@ from minicpm4_jax.convert.io import (
     write_safetensors_shards,
 )
 from minicpm4_jax.convert.llama_fold import LLAMA_PARAM_MAP
-from minicpm4_jax.convert.official import _hf_to_ours, _ours_to_hf, official_config
+from minicpm4_jax.convert.official import _hf_to_ours, _ours_to_hf, official_config, official_param_shapes
 
 __all__ = [
     "EAGLE_FORMAT",
@@ -100,15 +100,11 @@ def _heads(ours: str, cfg: ModelConfig) -> int:
 
 
 def eagle_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """``{draft tensor name: torch shape [out, in]}`` for the base config ``cfg``."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    qd = cfg.num_attention_heads * cfg.resolved_head_dim
-    kd = cfg.num_key_value_heads * cfg.resolved_head_dim
-    per = {"input_layernorm": (h,), "self_attn.q_proj": (qd, h), "self_attn.k_proj": (kd, h),
-           "self_attn.v_proj": (kd, h), "self_attn.o_proj": (h, qd), "post_attention_layernorm": (h,),
-           "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}
+    """``{draft tensor name: torch shape [out, in]}`` for the base config ``cfg`` (the base layer's shapes)."""
+    h = cfg.hidden_size
     out: dict[str, tuple[int, ...]] = {"fc.weight": (h, 2 * h), "input_norm1.weight": (h,), "input_norm2.weight": (h,)}
-    out.update({f"layers.0.{k}.weight": s for k, s in per.items()})
+    prefix = "model.layers.0."
+    out.update({"layers.0." + k[len(prefix):]: s for k, s in official_param_shapes(cfg).items() if k.startswith(prefix)})
     return out
 
 
