@@ -120,6 +120,13 @@ def eagle_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, Any
     return out
 
 
+def _require_mtp(flat: Mapping[str, Any]) -> None:
+    missing = [ours for _, ours, _ in eagle_tensor_map() if ours not in flat]
+    if missing:
+        raise ConvertError(f"the checkpoint has no MTP module (missing {missing[0]}); train with model.mtp=true to "
+                           "get a draft head to export")
+
+
 def iter_eagle_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(draft tensor name, C-contiguous array)`` in :func:`eagle_tensor_map` order.
 
@@ -131,10 +138,7 @@ def iter_eagle_tensors(flat: Mapping[str, Any], cfg: ModelConfig, dtype: Any = N
     Raises:
         ConvertError: the parameters have no MTP module; a value overflows ``dtype`` (float16).
     """
-    missing = [ours for _, ours, _ in eagle_tensor_map() if ours not in flat]
-    if missing:
-        raise ConvertError(f"the checkpoint has no MTP module (missing {missing[0]}); train with model.mtp=true to "
-                           "get a draft head to export")
+    _require_mtp(flat)
     for name, ours, kind in eagle_tensor_map():
         a = _ours_to_hf(kind, np.asarray(flat[ours]))
         if dtype is not None:
@@ -166,14 +170,13 @@ def write_eagle(params: Mapping[str, Any], cfg: ModelConfig, out: str | Path, *,
 
     npdt = np_dtype(dtype)
     check_output_target(Path(out), force)
+    _require_mtp(params)  # before anything is written
     names = [n for n, _, _ in eagle_tensor_map()]
-    tensors = iter_eagle_tensors(params, cfg, npdt)
-    first = next(tensors)  # raises before anything is written when there is no MTP module
     shapes = eagle_param_shapes(cfg)
     nbytes = sum(int(np.prod(s)) for s in shapes.values()) * npdt.itemsize
     hf_cfg = eagle_config(cfg, dtype)
     with staged_output(out, force=force, needed_bytes=nbytes + (1 << 20)) as stage:
-        files = [p.name for p in write_safetensors_shards(stage, _chain(first, tensors), [names])]
+        files = [p.name for p in write_safetensors_shards(stage, iter_eagle_tensors(params, cfg, npdt), [names])]
         (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         files.append("config.json")
         manifest = {
@@ -189,11 +192,6 @@ def write_eagle(params: Mapping[str, Any], cfg: ModelConfig, out: str | Path, *,
         }
         write_manifest(stage, manifest)
     return ExportResult(path=Path(out).expanduser().absolute(), files=files, warnings=[], manifest=manifest)
-
-
-def _chain(first: tuple[str, np.ndarray], rest: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
-    yield first
-    yield from rest
 
 
 def export_eagle(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", step: int | None = None,
