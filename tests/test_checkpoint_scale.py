@@ -165,7 +165,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_resume_is_bitwise(cor
     ck_dir = out / "checkpoints"
     assert any(".orbax-checkpoint-tmp" in c.name for c in ck_dir.iterdir()), sorted(os.listdir(ck_dir))
     cfg = load_config(None, ov)
-    ck = Checkpointer(cfg)  # (its start-up removes orbax's temporary folders in the background)
+    ck = Checkpointer(cfg)  # its start-up removes the temporary folder of the killed save, before it returns
+    assert not any(".orbax-checkpoint-tmp" in c.name for c in ck_dir.iterdir()), sorted(os.listdir(ck_dir))
     assert ck.all_steps() == [4]
     ck.close()
     logs: list[str] = []

@@ -611,3 +611,26 @@ def test_divergence_message_names_the_non_finite_value():
     assert "non-finite loss (inf) at step 3" in m and "grad norm 1.5 is finite" in m
     m = loop_mod.divergence_message(2, float("nan"), float("nan"), "no checkpoint was saved")
     assert "non-finite loss (nan) and grad norm (nan) at step 2" in m
+
+
+def test_checkpointer_start_up_finishes_removing_interrupted_saves(corpus, cache_dir, tmp_path):
+    """A killed save's temporary folder is gone once a Checkpointer exists, so a second one on the same
+    directory never races the first one's background ``rmtree`` (the CI failure of stop 14: the loser's
+    first save raised FileNotFoundError)."""
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "run")
+    tmp_dir = tmp_path / "run" / "checkpoints" / "8.orbax-checkpoint-tmp"
+    for i in range(40):  # big enough that a background removal is still running when __init__ returns
+        sub = tmp_dir / "state" / f"d{i}"
+        sub.mkdir(parents=True)
+        for j in range(100):
+            (sub / f"f{j}").write_bytes(b"x")
+    first = Checkpointer(cfg)
+    assert not tmp_dir.exists()
+    first.close()
+    second = Checkpointer(cfg)
+    from minicpm4_jax.train.step import init_train_state
+
+    _, st = init_train_state(cfg, jax.random.key(0))
+    assert second.save(8, st) and (second.wait() is None)
+    assert second.all_steps() == [8]
+    second.close()

@@ -162,6 +162,20 @@ def _state_dict(state: Any) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
+def _await_tmp_cleanup(manager: Any) -> None:
+    """Finish the removal of interrupted saves' temporary folders that ``manager`` started.
+
+    orbax (0.12) removes ``*.orbax-checkpoint-tmp`` folders in a background future and awaits it only
+    at the first save; ``close`` does not. A second manager on the same directory (a resume after a
+    query, a test) then starts a second ``rmtree`` of the same folder, and the loser fails with
+    ``FileNotFoundError`` at its first save. Awaiting here makes start-up deterministic: once a
+    :class:`Checkpointer` exists, no temporary folder of an earlier process is left.
+    """
+    wait = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+    if wait is not None:
+        wait()
+
+
 class Checkpointer:
     """A run's orbax ``CheckpointManager`` (async, keep-last-``cfg.checkpoint.keep``).
 
@@ -182,6 +196,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _await_tmp_cleanup(self.manager)
         self._pending: int | None = None  # step of a started save not yet awaited
         self._last_complete: int | None = self.manager.latest_step()
 
