@@ -162,18 +162,50 @@ def _state_dict(state: Any) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
-def _await_tmp_cleanup(manager: Any) -> None:
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def _await_tmp_cleanup(manager: Any, directory: Path, *, attempts: int = 5) -> None:
     """Finish the removal of interrupted saves' temporary folders that ``manager`` started.
 
     orbax (0.12) removes ``*.orbax-checkpoint-tmp`` folders in a background future and awaits it only
     at the first save; ``close`` does not. A second manager on the same directory (a resume after a
-    query, a test) then starts a second ``rmtree`` of the same folder, and the loser fails with
+    query, a test) then started a second ``rmtree`` of the same folder, and the loser failed with
     ``FileNotFoundError`` at its first save. Awaiting here makes start-up deterministic: once a
-    :class:`Checkpointer` exists, no temporary folder of an earlier process is left.
+    :class:`Checkpointer` exists, no temporary folder of an earlier save is left.
+
+    A removal that fails (``OSError``: the folder is still being written by the threads of a failed async
+    save of this process, or another process removes it too) is retried here ``attempts`` times; a folder
+    that still cannot be removed only warns: orbax never lists a temporary folder as a checkpoint.
     """
     wait = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
-    if wait is not None:
+    if wait is None:
+        return
+    try:
         wait()
+        return
+    except OSError as e:
+        first = e
+    if jax.process_index() != 0:  # orbax removes them on the primary host only
+        return
+    import shutil
+    import time
+    import warnings
+
+    left: list[Path] = []
+    for attempt in range(attempts):
+        left = [p for p in directory.iterdir() if _TMP_MARK in p.name] if directory.is_dir() else []
+        if not left:
+            return
+        if attempt:
+            time.sleep(0.1 * attempt)
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True)
+    left = [p for p in directory.iterdir() if _TMP_MARK in p.name]
+    if left:
+        warnings.warn(f"could not remove the temporary folders of interrupted checkpoint saves "
+                      f"{[p.name for p in left]} in {directory} ({first}); they are ignored, remove them by hand",
+                      stacklevel=3)
 
 
 class Checkpointer:
@@ -196,7 +228,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
-        _await_tmp_cleanup(self.manager)
+        _await_tmp_cleanup(self.manager, self.directory)
         self._pending: int | None = None  # step of a started save not yet awaited
         self._last_complete: int | None = self.manager.latest_step()
 
