@@ -661,3 +661,94 @@ def test_checkpointer_start_up_survives_a_failed_removal(corpus, cache_dir, tmp_
     with pytest.warns(UserWarning, match=r"4\.orbax-checkpoint-tmp.*Directory not empty"):
         ck = Checkpointer(cfg)
     ck.close()
+
+
+def _train_error(ov, resume: bool = False) -> str:
+    """The one-line ConfigError (what the CLI prints after "error: ") of a refused run."""
+    with pytest.raises(ConfigError) as e:
+        run_training(load_config(None, ov), resume=resume, log=lambda _m: None, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_path, capsys):
+    """Found by a fresh-eyes test: a file added under data.sources made --resume retrain the tokenizer and
+    overwrite out_dir/tokenizer, then train on ids that meant other pieces."""
+    from minicpm4_jax.train.qat import InitSource, check_init_tokenizer
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, doc in enumerate(_corpus_text(seed=3)):
+        (docs / f"doc{i:03d}.txt").write_text(doc)
+    out = tmp_path / "run"
+    ov = tiny_overrides(docs, cache_dir, out, steps=4, **{"checkpoint.save_every": 2})
+    run_training(load_config(None, ov), log=lambda _m: None, progress=False)
+    rec = json.loads((out / "data.json").read_text())
+    assert len(rec["corpus_hash"]) == 64 and len(rec["tokenizer_hash"]) == 64
+    tok_before = (out / "tokenizer" / "tokenizer.model").read_bytes()
+    (docs / "extra.txt").write_text("\n".join(_corpus_text(seed=4, n_docs=20)))
+    err = _train_error(ov, resume=True)
+    assert "differs from the one this run was started with" in err and "data.sources changed" in err, err
+    assert (out / "tokenizer" / "tokenizer.model").read_bytes() == tok_before
+    assert Checkpointer(load_config(None, ov)).all_steps() == [2, 4]
+    # QAT from this run on the changed corpus: its retrained tokenizer is named in a warning
+    from minicpm4_jax.train import data as data_api
+
+    changed = data_api.prepare_data(load_config(None, ov).data, log=lambda _m: None).tokenizer
+    logs: list[str] = []
+    src = InitSource(directory=out / "checkpoints", step=4, cfg=load_config(None, ov))
+    assert not check_init_tokenizer(src, changed, logs.append)
+    assert len(logs) == 1 and "tokenizer differs" in logs[0] and str(out / "tokenizer") in logs[0]
+    (docs / "extra.txt").unlink()  # the original corpus again: resume runs, and the same tokenizer is accepted
+    s = run_training(load_config(None, [*ov, "steps=4"]), resume=True, log=lambda _m: None, progress=False)
+    assert s["step"] == 4
+    original = data_api.prepare_data(load_config(None, ov).data, log=lambda _m: None).tokenizer
+    assert check_init_tokenizer(src, original, logs.append) and len(logs) == 1
+
+
+def test_resume_from_a_damaged_checkpoint_is_one_line(corpus, cache_dir, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    ov = tiny_overrides(corpus, cache_dir, out, steps=4, **{"checkpoint.save_every": 2})
+    run_training(load_config(None, ov), log=lambda _m: None, progress=False)
+    step4 = out / "checkpoints" / "4"
+    backup = tmp_path / "step4"
+    shutil.copytree(step4, backup)
+    damage = {
+        "array data": lambda: shutil.rmtree(step4 / "state" / "d"),
+        "config item": lambda: shutil.rmtree(step4 / "config"),
+        "data state": lambda: next((step4 / "data").glob("*.json")).write_text("{not json"),
+    }
+    for what, do in damage.items():
+        do()
+        err = _train_error(ov, resume=True)
+        assert "checkpoint step 4" in err and "incomplete or corrupt" in err and "saved steps: 2" in err, (what, err)
+        shutil.rmtree(step4)
+        shutil.copytree(backup, step4)
+    # a step without its data-iterator state resumes, with a warning that the data order restarts
+    shutil.rmtree(step4 / "data")
+    with pytest.warns(UserWarning, match="data order restarts"):
+        s = run_training(load_config(None, ov), resume=True, log=lambda _m: None, progress=False)
+    assert s["step"] == 4
+
+
+def test_train_refuses_an_export_folder_a_file_and_a_missing_resume_folder(corpus, cache_dir, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["MiniCPMForCausalLM"], "hidden_size": 64}))
+    err = _train_error(tiny_overrides(corpus, cache_dir, hf))
+    assert "not a training config" in err
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["MiniCPMForCausalLM"]
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json"]
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "minicpm4_manifest.json").write_text("{}")
+    assert "holds an export" in _train_error(tiny_overrides(corpus, cache_dir, gguf))
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert "is a file, not a folder" in _train_error(tiny_overrides(corpus, cache_dir, f))
+    missing = tmp_path / "missing"
+    err = _train_error(tiny_overrides(corpus, cache_dir, missing), resume=True)
+    assert "does not exist" in err and not missing.exists()

@@ -162,6 +162,39 @@ def _state_dict(state: Any) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
 
 
+def short_cause(e: BaseException, limit: int = 220) -> str:
+    """The error type and the tail of its first line (orbax/tensorstore nest ``"outer: inner:
+    innermost"`` and append a long JSON spec)."""
+    text = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0].strip()
+    if len(text) > limit:
+        parts, tail = text.split(": "), ""
+        while parts and len(tail) + len(parts[-1]) + 2 <= limit:
+            tail = parts.pop() + (": " + tail if tail else "")
+        text = "..." + (tail or text[-limit:])
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _drop_closed_loop_reports() -> None:
+    """Silence the "Event loop is closed" reports of a failed restore's in-flight reads (for good).
+
+    A restore that fails on one array leaves tensorstore reads of the others in flight; as they finish
+    they post to orbax's closed event loop, and Python prints a traceback for each through
+    ``sys.unraisablehook``, after the failure was already reported as one line.
+    """
+    import sys
+
+    prev = sys.unraisablehook
+    if getattr(prev, "_drops_closed_loop", False):
+        return
+
+    def hook(u: Any) -> None:
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            prev(u)
+
+    hook._drops_closed_loop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -317,11 +350,27 @@ class Checkpointer:
             pass
 
     # ---- restore ------------------------------------------------------------------------------
+    def _corrupt(self, step: int, e: BaseException) -> ConfigError:
+        others = [s for s in self.all_steps() if s != step]
+        fix = (f"move that step folder aside to resume from the previous saved step (saved steps: "
+               f"{', '.join(map(str, others))}), or re-save it" if others else "re-save it or start a new out_dir")
+        return ConfigError(f"checkpoint step {step} in {self.directory} is incomplete or corrupt ({short_cause(e)}); "
+                           f"{fix}")
+
     def saved_config(self, step: int) -> TrainConfig:
-        """The :class:`TrainConfig` stored with checkpoint ``step``."""
+        """The :class:`TrainConfig` stored with checkpoint ``step``.
+
+        Raises:
+            ConfigError: the step's config item is missing or unreadable (one line, with the fix).
+        """
         ocp = self._ocp
-        out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-        return config_from_dict(out["config"])
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+            return config_from_dict(out["config"])
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged step
+            raise self._corrupt(step, e) from None
 
     def check_compatible(self, step: int) -> list[str]:
         """Raise :class:`ConfigError` unless the current config may resume checkpoint ``step``.
@@ -384,9 +433,23 @@ class Checkpointer:
             self.check_compatible(step)
         target = _with_default_sharding(_state_dict(abstract_state))
         data_state = None
-        if data_iterator is not None and (self.directory / str(step) / "data").is_dir():
-            data_state = _read_data_state(self.directory / str(step) / "data")
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        data_dir = self.directory / str(step) / "data"
+        if data_iterator is not None and data_dir.is_dir():
+            try:
+                data_state = _read_data_state(data_dir)
+            except ValueError as e:  # a damaged state file (JSONDecodeError)
+                raise self._corrupt(step, e) from None
+        elif data_iterator is not None:
+            import warnings
+
+            warnings.warn(f"checkpoint step {step} in {self.directory} holds no data-iterator state (no data/ "
+                          "folder): the data order restarts from the beginning, so the resumed run differs from an "
+                          "uninterrupted one", stacklevel=2)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
+            _drop_closed_loop_reports()
+            raise self._corrupt(step, e) from None
         if data_state is not None:
             data_iterator.set_state(data_state)
         s = out["state"]
@@ -459,17 +522,6 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
 
     directory = find_checkpoint_dir(checkpoint_dir, step_option=step_option)
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
-
-    def short_cause(e: BaseException, limit: int = 220) -> str:
-        """The error type and the tail of its first line (orbax/tensorstore nest ``"outer: inner:
-        innermost"`` and append a long JSON spec)."""
-        text = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0].strip()
-        if len(text) > limit:
-            parts, tail = text.split(": "), ""
-            while parts and len(tail) + len(parts[-1]) + 2 <= limit:
-                tail = parts.pop() + (": " + tail if tail else "")
-            text = "..." + (tail or text[-limit:])
-        return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
     # A restore that fails on one array leaves tensorstore reads of the others in flight; as they
     # finish they post to orbax's closed event loop, and Python prints a "RuntimeError: Event loop is

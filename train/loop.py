@@ -157,6 +157,8 @@ def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None
     Raises:
         ConfigError: not creatable / not writable / not enough free space (one line, with the fix).
     """
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {str(path)!r} exists and is a file, not a folder; choose another {what}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         import socket
@@ -174,6 +176,78 @@ def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None
             f"{what} {str(path)!r} has {free / 2**20:.0f} MiB free but this run needs about "
             f"{need_bytes / 2**20:.0f} MiB (checkpoints + logs); free some disk or choose another {what}"
         )
+
+
+def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None) -> None:
+    """Refuse an ``out_dir`` that is not (or cannot become) this kind of run folder.
+
+    A run writes ``config.json`` and ``tokenizer/`` into ``out_dir``: an export folder
+    (``minicpm4_manifest.json`` without ``checkpoints/``) or another program's ``config.json`` would lose
+    its own. An ``import hf`` folder is a run folder (checkpoints and a training config).
+
+    Raises:
+        ConfigError: ``--resume`` without the folder (nor ``ckpt_dir``); an export folder or a ``config.json`` that is not a
+            training config (one line, with the fix).
+    """
+    if resume and not out_dir.is_dir() and not (ckpt_dir is not None and ckpt_dir.is_dir()):
+        raise ConfigError(f"--resume: no checkpoint found: out_dir {str(out_dir)!r} does not exist; give the folder "
+                          "of the run to continue, or train without --resume")
+    if not out_dir.is_dir():
+        return
+    if (out_dir / "minicpm4_manifest.json").is_file() and not (out_dir / "checkpoints").is_dir():
+        raise ConfigError(f"out_dir {str(out_dir)!r} holds an export (minicpm4_manifest.json); a run would write "
+                          "its config.json and tokenizer/ into it: choose another out_dir")
+    cfg_file = out_dir / "config.json"
+    if cfg_file.is_file():
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (OSError, ValueError):
+            raw = None
+        if not (isinstance(raw, dict) and {"model", "optimizer", "data"} <= raw.keys()):
+            raise ConfigError(f"out_dir {str(out_dir)!r} holds a config.json that is not a training config (a "
+                              "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
+
+
+_DATA_RECORD = "data.json"  # the corpus and tokenizer a run was started with (checked on --resume)
+
+
+def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable[[str], Any]) -> None:
+    """On ``--resume``, refuse data that differs from what the run was started with.
+
+    The data config may not change on resume (:meth:`Checkpointer.check_compatible`), but the files
+    under ``data.sources`` may: a changed corpus means another token stream and, with
+    ``data.tokenizer=train``, a retrained tokenizer whose ids mean other pieces than the checkpoint's
+    embedding rows. Compares the hashes recorded in ``out_dir/data.json`` when the run started (runs
+    started before this record existed are not checked).
+
+    Raises:
+        ConfigError: the corpus or the tokenizer differs (one line, with the fix).
+    """
+    rec = out_dir / _DATA_RECORD
+    if not resume or not rec.is_file():
+        return
+    try:
+        saved = json.loads(rec.read_text())
+    except (OSError, ValueError):
+        say(f"resume: {rec} is unreadable; the corpus is not checked against the run's")
+        return
+    for key, what in (("tokenizer_hash", "tokenizer"), ("corpus_hash", "corpus under data.sources")):
+        old, new = saved.get(key), manifest.get(key)
+        if old and new and old != new:
+            raise ConfigError(
+                f"--resume: the {what} differs from the one this run was started with ({key} {old[:12]} != "
+                f"{new[:12]}): the files under data.sources changed. Resuming would train on other data"
+                + (" with a retrained tokenizer" if key == "tokenizer_hash" else "")
+                + "; restore those files, or start a new out_dir")
+
+
+def write_run_data(out_dir: Path, manifest: dict) -> None:
+    """Record the corpus and tokenizer hashes of a fresh run (``out_dir/data.json``)."""
+    keep = ("corpus_hash", "tokenizer_hash", "key", "num_train_tokens", "num_val_tokens", "sources")
+    rec = {k: manifest[k] for k in keep if k in manifest}
+    tmp = out_dir / f".{_DATA_RECORD}.tmp"
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, out_dir / _DATA_RECORD)
 
 
 def _fmt_rate(x: float) -> str:
@@ -209,7 +283,10 @@ def run_training(
     Raises:
         ConfigError: unwritable output directory / too little disk / data problems / checkpoints
             present without ``--resume`` / ``--resume`` without a checkpoint / ``--resume`` with a
-            config that differs from the checkpoint's outside the fields a resume may change.
+            config that differs from the checkpoint's outside the fields a resume may change /
+            ``--resume`` when the files under ``data.sources`` changed since the run started
+            (:func:`check_run_data`) / a damaged checkpoint step / an ``out_dir`` that is a file, an
+            export folder or holds another program's ``config.json`` (:func:`check_run_folder`).
             Raised before anything is written into ``out_dir``.
         TrainingDiverged: a non-finite loss or gradient norm (the step is named).
         CheckpointWriteError: a checkpoint write failed (e.g. disk full); earlier checkpoints are intact.
@@ -223,6 +300,7 @@ def run_training(
     out_dir = Path(cfg.out_dir).expanduser().resolve()
     ckpt_dir = checkpoint_dir_of(cfg)
     need = required_free_bytes(cfg)
+    check_run_folder(out_dir, resume, ckpt_dir)
     check_output_dir(out_dir, need)
     check_output_dir(ckpt_dir, need, what="checkpoint.directory")
 
@@ -259,9 +337,16 @@ def run_training(
                 f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
                 "raise model.vocab_size"
             )
+        check_run_data(out_dir, data.manifest, resume=resume, say=say)
+        if init_src is not None:
+            from minicpm4_jax.train.qat import check_init_tokenizer
+
+            check_init_tokenizer(init_src, tok, say)
         if is_main:
             tok.save(out_dir / "tokenizer")
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+            if not resume or not (out_dir / _DATA_RECORD).exists():
+                write_run_data(out_dir, data.manifest)
 
         if mesh.size > 1:
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")

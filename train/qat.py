@@ -110,6 +110,35 @@ def _data_fields(cfg: TrainConfig) -> dict[str, Any]:
     return d
 
 
+def check_init_tokenizer(src: InitSource, tok: Any, log: Callable[[str], None]) -> bool:
+    """Warn when this run's tokenizer differs from the one ``qat.init_from`` was trained with.
+
+    The init weights' embedding rows index the init run's vocabulary; a tokenizer retrained on other
+    ``data.sources`` maps the same ids to other pieces. Compares ``tok`` with the ``tokenizer/`` folder
+    next to the init run's checkpoints (a run or ``import hf`` folder); nothing is compared when that
+    folder is absent. A warning, not a refusal: a tokenizer loaded from a ``tokenizer.json`` may be
+    re-serialised differently while meaning the same.
+
+    Returns:
+        whether the tokenizers are known to be the same.
+    """
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    folder = src.directory.parent / "tokenizer"
+    if not folder.is_dir():
+        return False
+    try:
+        init_tok = load_tokenizer(folder)
+    except ConfigError:
+        return False
+    if init_tok.file_hash == tok.file_hash:
+        return True
+    log(f"warning: qat: this run's tokenizer differs from {folder}, which qat.init_from was trained with: the "
+        "init weights' embedding rows would index other pieces. Train on the init run's data.sources, or pass "
+        f"data.tokenizer={folder}")
+    return False
+
+
 def continue_data_order(cfg: TrainConfig, src: InitSource, data_iterator: Any, log: Callable[[str], None]) -> bool:
     """With ``qat.continue_data``, set ``data_iterator`` to where ``src``'s run stopped.
 
