@@ -379,3 +379,20 @@ def test_float16_overflow_is_refused_not_written_as_inf(tmp_path, fmt, tiny_toke
     _no_leftovers(tmp_path)
     # the same weights in bfloat16 are fine
     write_hf(params, cfg, tmp_path / "bf16", layout="minicpm", dtype="bfloat16", no_tokenizer=True)
+
+
+def test_force_replaces_only_an_earlier_output(runs, tmp_path, capsys, no_param_loading):
+    """Found by a fresh-eyes test: `--out exports --force` (a typo of exports/eagle) deleted every earlier export
+    and the user's files in that folder. `--force` now replaces only a folder holding minicpm4_manifest.json."""
+    exports = tmp_path / "exports"
+    (exports / "keep").mkdir(parents=True)
+    (exports / "notes.txt").write_text("important")
+    (exports / "keep" / "minicpm4_manifest.json").write_text("{}")
+    before = _tree(exports)
+    for fmt in ("hf", "gguf", "eagle"):
+        err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--out", str(exports),
+                                       "--force"])
+        assert "replaces only a folder written by minicpm4" in err and str(exports) in err, err
+    err = _one_line_error(capsys, ["import", "hf", str(runs["hf"]), "--out", str(exports), "--force"])
+    assert "replaces only a folder written by minicpm4" in err
+    assert _tree(exports) == before

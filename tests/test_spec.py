@@ -157,6 +157,11 @@ def test_bad_spec_settings():
     eng = InferenceEngine(model)
     with pytest.raises(ConfigError, match="num_draft=0"):
         SpeculativeDecoder(eng, mtp, num_draft=0)
+    # a draft longer than the position limit allows would silently never run (fresh-eyes test: --num-draft 9000)
+    limit = SMALL.max_position_embeddings
+    with pytest.raises(ConfigError, match=rf"num_draft={limit - 1} \(--num-draft\) leaves no room"):
+        SpeculativeDecoder(eng, mtp, num_draft=limit - 1)
+    SpeculativeDecoder(eng, mtp, num_draft=limit - 2)
     with pytest.raises(ConfigError, match=r"FR-Spec ids must lie in \[0, 11\)"):
         SpeculativeDecoder(eng, mtp, fr_spec_ids=np.asarray([1, 11]))
 

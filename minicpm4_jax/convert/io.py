@@ -71,7 +71,9 @@ def _is_nonempty_dir(p: Path) -> bool:
 def check_output_target(out: Path, force: bool) -> None:
     """Refuse an ``out`` that cannot become the output folder: an empty string, the current directory or a
     folder holding it (the output replaces the folder), a file there, a file above it (the folder could not be
-    created), a non-writable parent, or a non-empty folder unless ``force``.
+    created), a non-writable parent, or a non-empty folder unless ``force``; even with ``force``, a non-empty
+    folder that is not an earlier output (no ``minicpm4_manifest.json``: a typo of a parent folder would
+    otherwise delete everything in it).
 
     Raises:
         ConvertError: as above (one line naming the path and the fix).
@@ -94,6 +96,9 @@ def check_output_target(out: Path, force: bool) -> None:
         raise ConvertError(f"--out {out} cannot be created: no write permission in {probe}; pick another --out")
     if _is_nonempty_dir(out) and not force:
         raise ConvertError(f"output folder {out} is not empty; pass --force to replace it or pick another --out")
+    if _is_nonempty_dir(out) and not (out / MANIFEST_NAME).is_file():
+        raise ConvertError(f"--force replaces only a folder written by minicpm4 (one holding {MANIFEST_NAME}); {out} "
+                           "holds other files: pick another --out, or remove it yourself")
 
 
 def check_float16_range(src: np.ndarray, name: str, option: str) -> None:

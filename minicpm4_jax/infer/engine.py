@@ -102,7 +102,7 @@ def check_generation_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_n
         if n < 1:
             raise ConfigError(f"prompt {i} is empty; give some text to continue")
     if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        raise ConfigError(f"max_new_tokens={max_new_tokens} (--max-new-tokens) must be >= 1")
     total = max(prompt_lens) + max_new_tokens
     if total > cfg.max_position_embeddings:
         raise ConfigError(

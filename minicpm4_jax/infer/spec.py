@@ -279,14 +279,17 @@ class SpeculativeDecoder:
             these tokens.
 
     Raises:
-        ConfigError: ``num_draft < 1``, or a ranking with ids outside the vocabulary.
+        ConfigError: ``num_draft < 1`` or ``>= max_position_embeddings - 1``, or a ranking with ids outside the vocabulary.
     """
 
     def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
                  fr_spec_ids: np.ndarray | None = None):
         cfg = engine.cfg
         if num_draft < 1:
-            raise ConfigError(f"num_draft={num_draft} must be >= 1 (tokens drafted per round)")
+            raise ConfigError(f"num_draft={num_draft} (--num-draft) must be >= 1 (tokens drafted per round)")
+        if num_draft >= cfg.max_position_embeddings - 1:
+            raise ConfigError(f"num_draft={num_draft} (--num-draft) leaves no room for a verify chunk within "
+                              f"max_position_embeddings={cfg.max_position_embeddings}; draft a few tokens (1-8)")
         self.engine, self.cfg, self.k = engine, cfg, num_draft
         self.vocab_rows = cfg.vocab_size if fr_spec_ids is None else len(fr_spec_ids)
         head = engine.weights.lm_head
