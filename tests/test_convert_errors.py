@@ -392,7 +392,12 @@ def test_force_replaces_only_an_earlier_output(runs, tmp_path, capsys, no_param_
     for fmt in ("hf", "gguf", "eagle"):
         err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--out", str(exports),
                                        "--force"])
-        assert "replaces only a folder written by minicpm4" in err and str(exports) in err, err
+        assert "not an earlier output" in err and str(exports) in err, err
     err = _one_line_error(capsys, ["import", "hf", str(runs["hf"]), "--out", str(exports), "--force"])
-    assert "replaces only a folder written by minicpm4" in err
+    assert "not an earlier output" in err
     assert _tree(exports) == before
+    # without --force the message does not suggest the --force that would be refused
+    (tmp_path / "hidden").mkdir()
+    (tmp_path / "hidden" / ".DS_Store").write_bytes(b"")
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(runs["run"]), "--out", str(tmp_path / "hidden")])
+    assert "not an earlier output" in err and "pass --force" not in err, err

@@ -752,3 +752,22 @@ def test_train_refuses_an_export_folder_a_file_and_a_missing_resume_folder(corpu
     missing = tmp_path / "missing"
     err = _train_error(tiny_overrides(corpus, cache_dir, missing), resume=True)
     assert "does not exist" in err and not missing.exists()
+
+
+def test_qat_tokenizer_check_compares_files_of_the_same_kind(tmp_path):
+    """Fresh-eyes test: data.tokenizer=<export>/tokenizer.json, byte-identical to the init run's tokenizer.json,
+    was reported as a different tokenizer (it was compared with the init folder's tokenizer.model)."""
+    from minicpm4_jax.tokenizer import load_tokenizer, train_tokenizer
+    from minicpm4_jax.train.qat import InitSource, check_init_tokenizer
+
+    tok = train_tokenizer(_corpus_text(seed=5), 384, tmp_path / "spm", 0, log=lambda _m: None)
+    run = tmp_path / "run"
+    tok.save(run / "tokenizer")
+    (run / "checkpoints").mkdir()
+    src = InitSource(directory=run / "checkpoints", step=0, cfg=None)
+    logs: list[str] = []
+    for same in (run / "tokenizer", run / "tokenizer" / "tokenizer.json", run / "tokenizer" / "tokenizer.model"):
+        assert check_init_tokenizer(src, load_tokenizer(same), logs.append), same
+    other = train_tokenizer(_corpus_text(seed=6), 400, tmp_path / "spm2", 0, log=lambda _m: None)
+    assert not check_init_tokenizer(src, other, logs.append)
+    assert len(logs) == 1 and "tokenizer differs" in logs[0]

@@ -94,11 +94,12 @@ def check_output_target(out: Path, force: bool) -> None:
         raise ConvertError(f"--out {out} cannot be created: {probe} is a file, not a folder; pick another --out")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConvertError(f"--out {out} cannot be created: no write permission in {probe}; pick another --out")
-    if _is_nonempty_dir(out) and not force:
-        raise ConvertError(f"output folder {out} is not empty; pass --force to replace it or pick another --out")
     if _is_nonempty_dir(out) and not (out / MANIFEST_NAME).is_file():
-        raise ConvertError(f"--force replaces only a folder written by minicpm4 (one holding {MANIFEST_NAME}); {out} "
-                           "holds other files: pick another --out, or remove it yourself")
+        raise ConvertError(f"output folder {out} is not empty and is not an earlier output (no {MANIFEST_NAME}; "
+                           "--force replaces only those): pick another --out, or empty it yourself")
+    if _is_nonempty_dir(out) and not force:
+        raise ConvertError(f"output folder {out} is not empty (an earlier output); pass --force to replace it or pick "
+                           "another --out")
 
 
 def check_float16_range(src: np.ndarray, name: str, option: str) -> None:
