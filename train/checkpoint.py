@@ -33,9 +33,10 @@ data order).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 
@@ -174,25 +175,28 @@ def short_cause(e: BaseException, limit: int = 220) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _drop_closed_loop_reports() -> None:
-    """Silence the "Event loop is closed" reports of a failed restore's in-flight reads (for good).
+@contextlib.contextmanager
+def _closed_loop_reports_dropped() -> Iterator[None]:
+    """Drop the "Event loop is closed" reports of a failing restore's in-flight reads.
 
     A restore that fails on one array leaves tensorstore reads of the others in flight; as they finish
-    they post to orbax's closed event loop, and Python prints a traceback for each through
-    ``sys.unraisablehook``, after the failure was already reported as one line.
+    (during the restore and after it) they post to orbax's closed event loop, and Python prints a
+    traceback for each through ``sys.unraisablehook``, after the failure was already reported as one
+    :class:`ConfigError` line. The filter stays installed after a failure (the reads finish later) and is
+    removed after a success.
     """
     import sys
 
     prev = sys.unraisablehook
-    if getattr(prev, "_drops_closed_loop", False):
-        return
 
     def hook(u: Any) -> None:
         if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
             prev(u)
 
-    hook._drops_closed_loop = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+    yield  # an exception propagates with the filter still installed
+    if sys.unraisablehook is hook:
+        sys.unraisablehook = prev
 
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -446,9 +450,9 @@ class Checkpointer:
                           "folder): the data order restarts from the beginning, so the resumed run differs from an "
                           "uninterrupted one", stacklevel=2)
         try:
-            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+            with _closed_loop_reports_dropped():
+                out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
-            _drop_closed_loop_reports()
             raise self._corrupt(step, e) from None
         if data_state is not None:
             data_iterator.set_state(data_state)
@@ -523,20 +527,6 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
     directory = find_checkpoint_dir(checkpoint_dir, step_option=step_option)
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
 
-    # A restore that fails on one array leaves tensorstore reads of the others in flight; as they
-    # finish they post to orbax's closed event loop, and Python prints a "RuntimeError: Event loop is
-    # closed" traceback for each through sys.unraisablehook (during the restore and after it). Drop
-    # exactly those while loading; the failure itself is reported as one ConfigError by corrupt().
-    import sys
-
-    prev_hook = sys.unraisablehook
-
-    def drop_closed_loop(u: Any) -> None:
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            prev_hook(u)
-
-    sys.unraisablehook = drop_closed_loop
-
     def corrupt(e: BaseException) -> ConfigError:
         others = [s for s in sorted(mngr.all_steps()) if s != step]
         if step_option:
@@ -549,43 +539,39 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
         return ConfigError(f"checkpoint step {step} in {directory} is incomplete or corrupt ({short_cause(e)}); {fix}")
 
     try:
-        if step is None:
-            step = mngr.latest_step()
-        elif step not in mngr.all_steps():
-            saved = ", ".join(map(str, sorted(mngr.all_steps()))) or "none"
-            raise ConfigError(f"no checkpoint step {step} in {directory} (saved steps: {saved}); pick one of those")
-        if step is None:
-            raise ConfigError(f"no complete checkpoint in {directory}")
-        try:
-            saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-            cfg = config_from_dict(saved)
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
-            raise corrupt(e) from None
-        if check_config is not None:
-            check_config(cfg)
-        abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
-        graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-        target = _with_default_sharding({"params": abstract_params})
-        # Partial restore: only the params subtree of the saved state.
-        try:
-            restored = mngr.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                    item=target,
-                    restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
-                    partial_restore=True,
-                )),
-            )
-        except Exception as e:  # noqa: BLE001
-            raise corrupt(e) from None
-        params = restored["state"]["params"]
-    except BaseException:
-        raise  # keep drop_closed_loop: the in-flight reads of a failed restore finish after this
-    else:
-        if sys.unraisablehook is drop_closed_loop:
-            sys.unraisablehook = prev_hook
+        with _closed_loop_reports_dropped():
+            if step is None:
+                step = mngr.latest_step()
+            elif step not in mngr.all_steps():
+                saved = ", ".join(map(str, sorted(mngr.all_steps()))) or "none"
+                raise ConfigError(f"no checkpoint step {step} in {directory} (saved steps: {saved}); pick one of those")
+            if step is None:
+                raise ConfigError(f"no complete checkpoint in {directory}")
+            try:
+                saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+                cfg = config_from_dict(saved)
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
+                raise corrupt(e) from None
+            if check_config is not None:
+                check_config(cfg)
+            abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
+            graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+            target = _with_default_sharding({"params": abstract_params})
+            # Partial restore: only the params subtree of the saved state.
+            try:
+                restored = mngr.restore(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                        item=target,
+                        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
+                        partial_restore=True,
+                    )),
+                )
+            except Exception as e:  # noqa: BLE001
+                raise corrupt(e) from None
+            params = restored["state"]["params"]
     finally:
         mngr.close()
     from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec

@@ -125,12 +125,12 @@ def check_init_tokenizer(src: InitSource, tok: Any, log: Callable[[str], None]) 
     from minicpm4_jax.tokenizer import load_tokenizer
 
     folder = src.directory.parent / "tokenizer"
+    if not folder.is_dir():
+        return False
     # the file of the same kind as this run's tokenizer (a folder holds both tokenizer.model and the
     # tokenizer.json written from it, whose hashes differ)
     name = "tokenizer.model" if tok.kind == "sentencepiece" else "tokenizer.json"
     path = folder / name if (folder / name).is_file() else folder
-    if not folder.is_dir():
-        return False
     try:
         init_tok = load_tokenizer(path)
     except ConfigError:
