@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh              # on the NVIDIA machine: its python3, PYTHONPATH=., installs nothing
 #   bash scripts/gpu_check.sh --quick      # fewer correctness cases / iterations, backward only up to 32K
+#   bash scripts/gpu_check.sh --tune       # then also the kernel-parameter sweep (--part tune, ~150 s more)
 #   bash scripts/gpu_check.sh --dry-run    # CPU, interpret=True, tiny sizes: checks this script, not the kernels
 #   bash scripts/gpu_check.sh --out DIR    # results directory (default: $OUT if set, else runs/gpu_check;
 #                                          # dry run: .cache/gpu_check_dry_run)
@@ -17,12 +18,13 @@
 #   decode       sparse decode (Pallas stage 1 + sparse flash-decoding) vs dense (cuDNN/XLA, Pallas) at 8K/32K/128K
 #   prefill      stage-2 kernel (+ selection) vs dense jax.nn.dot_product_attention (cuDNN) at 8K/32K/128K
 #   prefill-bwd  the same, forward + backward (only with the budget left)
+#   tune         (--tune only) stage-2 / stage-1 kernel parameters swept at 32K; reported, not part of the verdict
 #   summary      summary.txt / summary.json from the part files
 # Output: DIR/{env,correctness,decode,prefill,prefill-bwd,summary}.log, DIR/*.json, DIR/steps.tsv,
 # DIR/summary.{txt,json}. Exit status 0 iff every step and every check passed.
 #
 # Environment: PYTHON (default python3; the dry run prefers .venv/bin/python), GPU_CHECK_BUDGET_S (total
-# seconds for the steps before the summary, default 285), GPU_CHECK_TIMEOUT_<STEP> (per-step seconds, e.g.
+# seconds for the steps before the summary, default 295; --tune adds its own), GPU_CHECK_TIMEOUT_<STEP> (per-step seconds, e.g.
 # GPU_CHECK_TIMEOUT_PREFILL=90), GPU_CHECK_JAX_CACHE (persistent compilation cache, default
 # /tmp/gpu_check_jax_cache: a rerun on the same machine skips most compilation).
 set -u -o pipefail
@@ -30,16 +32,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 DRY=0
 QUICK=0
+TUNE=0
 EXTRA=()  # arguments after "--" go to every gpu_kernel_check.py part (e.g. -- --lengths 8192 32768)
 OUTDIR="${OUT:-}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --quick) QUICK=1 ;;
+    --tune) TUNE=1 ;;
     --out) OUTDIR="$2"; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "unknown argument: $1 (use --dry-run, --quick, --out DIR)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1 (use --dry-run, --quick, --tune, --out DIR)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -48,7 +52,7 @@ if [[ -z "$OUTDIR" ]]; then
 fi
 mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
-rm -f "$OUTDIR"/steps.tsv "$OUTDIR"/{env,correctness,decode,prefill,prefill_bwd,summary}.json "$OUTDIR"/summary.txt
+rm -f "$OUTDIR"/steps.tsv "$OUTDIR"/{env,correctness,decode,prefill,prefill_bwd,tune,summary}.json "$OUTDIR"/summary.txt
 
 if [[ -z "${PYTHON:-}" ]]; then
   if ((DRY)) && [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
@@ -62,13 +66,15 @@ COMMON=(--out "$OUTDIR")
 if ((DRY)); then
   COMMON+=(--cpu-dry-run)
   BUDGET="${GPU_CHECK_BUDGET_S:-600}"
-  declare -A TMO=([env]=60 [correctness]=240 [decode]=120 [prefill]=120 [prefill-bwd]=120)
+  declare -A TMO=([env]=60 [correctness]=240 [decode]=120 [prefill]=120 [prefill-bwd]=120 [tune]=120)
 else
-  BUDGET="${GPU_CHECK_BUDGET_S:-285}"
-  declare -A TMO=([env]=20 [correctness]=90 [decode]=45 [prefill]=80 [prefill-bwd]=50)
+  # a cold start compiled one fp32 correctness case for 64 s (H200, 2026-11-29): correctness gets the most time
+  BUDGET="${GPU_CHECK_BUDGET_S:-295}"
+  declare -A TMO=([env]=20 [correctness]=150 [decode]=75 [prefill]=70 [prefill-bwd]=50 [tune]=150)
 fi
 ((QUICK)) && COMMON+=(--quick)
 RESERVE=5    # seconds kept for the summary
+((TUNE)) && BUDGET=$((BUDGET + ${GPU_CHECK_TIMEOUT_TUNE:-${TMO[tune]}}))  # the sweep's time comes on top
 MIN_STEP=15  # a step with less time than this left is skipped
 
 echo "gpu_check: $(date -u +%FT%TZ) out=$OUTDIR python=$PYTHON dry_run=$DRY quick=$QUICK budget=${BUDGET}s"
@@ -122,6 +128,7 @@ if ((QUICK)) && ((!DRY)); then
 else
   run_step prefill-bwd "$PYTHON" "${PY_SCRIPT[@]}" --part prefill-bwd
 fi
+((TUNE)) && run_step tune "$PYTHON" "${PY_SCRIPT[@]}" --part tune
 
 echo
 echo "=== summary (steps took $((SECONDS - START))s) ==="

@@ -27,9 +27,13 @@ Parts (each writes ``DIR/<part>.json`` after every case, so a part killed by its
   (selection + stage 2) ("end to end"). At the shortest length the stage-2 output is checked against the XLA
   reference (bf16 <= 2e-2).
 * ``decode``: one new token per sequence against a KV cache of ``N`` tokens (same layout/selection); sparse =
-  stage 1 (+ pooling/top-k) + :func:`sparse_decode_attention_pallas`, and the stage-2 kernel alone; dense =
+  stage 1 (+ pooling/top-k) + :func:`sparse_decode_attention_pallas` (also with the XLA selection, and with the
+  single-kernel stage 1), the selection alone and the stage-2 kernel alone; dense =
   ``jax.nn.dot_product_attention`` (cuDNN or XLA) and the Pallas :func:`dense_decode_attention_pallas`.
-  Times are the mean of ``iters`` back-to-back dispatches (decode kernels run for microseconds).
+  One timed call runs ``--decode-layers`` layers (default 8, each with its own KV cache, each layer's output
+  the next layer's query) unrolled in one jit, like a model's decode step; times are per layer (call time /
+  layers, mean of ``iters`` back-to-back calls). A single layer per call measures the host's dispatch time,
+  not the GPU: the first H200 run (2026-11-29) timed one-layer calls at 0.05-0.11 ms whatever the cache length.
 * ``env``: ``minicpm4_jax.ops`` imports as the environment stands (with ``PYTHONPATH=.`` and no install the
   pyproject mapping of ``minicpm4_jax.ops`` onto ``ops/`` is missing: reported as a FAIL, then worked around so
   the other parts still run), the model / engine / ops import, nothing imported grain or tensorboardX, backend.
@@ -118,6 +122,7 @@ BACKEND = "triton"  # the GPU lowering; interpreted on CPU in the dry run
 NQ, NKV, D = 32, 2, 128
 GOALS = {"prefill": 5.0, "decode": 7.0}  # issue 4 stretch goals at 128K
 SELECT_HAS_IMPL = "impl" in inspect.signature(select_blocks).parameters
+STAGE1_HAS_SPLIT = "split_chunks" in inspect.signature(stage1_scores_pallas).parameters
 
 
 def _now() -> str:
@@ -612,110 +617,255 @@ def part_prefill(rep, args, bwd: bool):
             rep.save()
 
 
+def _decode_layer_fns(params, pos, *, bs, n, k_used, init, window, width, interp, dense_impl):
+    """Per-layer decode functions ``f(q, kc, vc, kt, vt, ck1, ck2) -> [b, NQ, D]`` (or the selection) by name."""
+    nb = n // bs
+
+    def select(q, ck1, ck2, impl="pallas", split=None):
+        if impl == "xla":
+            return select_blocks_compressed(q[:, None], ck1, ck2, q_positions=pos[:, None], params=params,
+                                            num_blocks=nb, kv_len=pos + 1).topk_idx[:, :, 0, :k_used]
+        kw = {} if split is None or not STAGE1_HAS_SPLIT else dict(split_chunks=split)
+        s = stage1_scores_pallas(q[:, None], ck1, ck2, q_positions=pos[:, None], kv_len=pos + 1, params=params,
+                                 backend=BACKEND, interpret=interp, **kw)
+        bsc = pool_block_scores(s, q_positions=pos[:, None], num_blocks=nb, params=params)
+        return topk_blocks(bsc, q_positions=pos[:, None], params=params).topk_idx[:, :, 0, :k_used]
+
+    def stage2(q, kc, vc, idx):
+        return sparse_decode_attention_pallas(q, kc, vc, idx, q_positions=pos, block_size=bs, init_blocks=init,
+                                              window_blocks=window, gather_width=width, backend=BACKEND,
+                                              interpret=interp)
+
+    fns = {
+        "dense": lambda q, kc, vc, kt, vt, ck1, ck2: jax.nn.dot_product_attention(
+            q[:, None], kt, vt, implementation=dense_impl)[:, 0],
+        "dense_pallas": lambda q, kc, vc, kt, vt, ck1, ck2: dense_decode_attention_pallas(
+            q, kc, vc, q_positions=pos, block_size=bs, backend=BACKEND, interpret=interp),
+        "sparse_full": lambda q, kc, vc, kt, vt, ck1, ck2: stage2(q, kc, vc, select(q, ck1, ck2)),
+        "sparse_xla_select": lambda q, kc, vc, kt, vt, ck1, ck2: stage2(q, kc, vc, select(q, ck1, ck2, "xla")),
+    }
+    if STAGE1_HAS_SPLIT:
+        fns["sparse_nosplit"] = lambda q, kc, vc, kt, vt, ck1, ck2: stage2(q, kc, vc, select(q, ck1, ck2, split=0))
+    return fns, select, stage2
+
+
+def _chain(fn, n_layers):
+    """``L`` layers unrolled in one jit, each layer's output the next layer's query (a decode step's data
+    dependence); per-layer arrays are separate arguments (no slicing copies of a stacked cache)."""
+    def run(q, kcs, vcs, kts, vts, ck1s, ck2s):
+        x = q
+        for li in range(n_layers):
+            x = fn(x, kcs[li], vcs[li], kts[li], vts[li], ck1s[li], ck2s[li]).astype(q.dtype)
+        return x
+    return run
+
+
 def part_decode(rep, args):
     cfg = _bench_cfg(args)
     params = select_params(cfg)
     bs = params.block_size
     interp = args.cpu_dry_run
     dtype = jnp.dtype(args.dtype)
-    b = args.decode_batch
+    b, n_layers = args.decode_batch, args.decode_layers
+    dense_impl = "cudnn" if jax.default_backend() == "gpu" else None
     print(f"decode: 8B layout ({NQ} q / {NKV} kv heads, d {D}), batch {b}, {args.dtype}, one new token at position "
-          f"N-1 of an N-token cache, block {bs}, topk_cfg {params.topk_cfg}, lengths {args.decode_lengths}, "
-          f"iters {args.decode_iters}", flush=True)
+          f"N-1 of an N-token cache, block {bs}, topk_cfg {params.topk_cfg}, lengths {args.decode_lengths}; "
+          f"{n_layers} layers (separate caches) per timed call, unrolled in one jit, mean of {args.decode_iters} "
+          f"back-to-back calls; per-layer ms = call ms / {n_layers}", flush=True)
     for i, n in enumerate(args.decode_lengths):
         label = f"decode N={n}"
         if rep.elapsed() > args.deadline_s:
             rep.note(f"{label}: skipped, part time budget ({args.deadline_s:.0f} s) exhausted")
             rep.row(dict(mode="decode", N=n, skipped="time budget"))
             continue
-        row = dict(mode="decode", N=n, batch=b, dtype=args.dtype, block_size=bs)
+        row = dict(mode="decode", N=n, batch=b, dtype=args.dtype, block_size=bs, layers=n_layers)
         rep.row(row)  # saved again after every measurement
         try:
-            ks = jax.random.split(jax.random.PRNGKey(n), 3)
-            q = jax.random.normal(ks[0], (b, NQ, D), jnp.float32).astype(dtype)
-            kc = jax.random.normal(ks[1], (b, NKV, n, D), jnp.float32).astype(dtype)
-            vc = jax.random.normal(ks[2], (b, NKV, n, D), jnp.float32).astype(dtype)
-            kt, vt = kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3)  # [b, N, kv, d] for dot_product_attention
             pos = jnp.full((b,), n - 1, jnp.int32)
-            ck1 = compress_keys(kt, params.kernel_size, params.kernel_stride)
-            ck2 = compress_keys(kt, params.coarse_size, params.coarse_stride)
             nb = n // bs
             k_used = min(params.topk_cfg, nb)
             init, window, width = stage2_forced_split(params, k_used)
             row.update(init_blocks=init, window_blocks=window, gather_width=width)
 
-            def select(q, ck1, ck2):
-                kw = dict(impl="pallas") if SELECT_HAS_IMPL else {}
-                if not SELECT_HAS_IMPL:  # the Pallas stage 1 directly, pooling/top-k in XLA
-                    s = stage1_scores_pallas(q[:, None], ck1, ck2, q_positions=pos[:, None],
-                                             kv_len=pos + 1, params=params, backend=BACKEND, interpret=interp)
-                    bsc = pool_block_scores(s, q_positions=pos[:, None], num_blocks=nb, params=params)
-                    return topk_blocks(bsc, q_positions=pos[:, None], params=params).topk_idx[:, :, 0, :k_used]
-                return select_blocks_compressed(q[:, None], ck1, ck2, q_positions=pos[:, None], params=params,
-                                                num_blocks=nb, kv_len=pos + 1, **kw).topk_idx[:, :, 0, :k_used]
+            @jax.jit
+            def make_layer(key):  # generated on the device in the benchmark dtype (no fp32 copy of the cache)
+                ks = jax.random.split(key, 2)
+                kc = jax.random.normal(ks[0], (b, NKV, n, D), dtype)
+                vc = jax.random.normal(ks[1], (b, NKV, n, D), dtype)
+                kt, vt = kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3)  # [b, N, kv, d] for cuDNN
+                return (kc, vc, kt, vt, compress_keys(kt, params.kernel_size, params.kernel_stride),
+                        compress_keys(kt, params.coarse_size, params.coarse_stride))
 
-            def stage2(q, kc, vc, idx):
-                return sparse_decode_attention_pallas(q, kc, vc, idx, q_positions=pos, block_size=bs, init_blocks=init,
-                                                      window_blocks=window, gather_width=width, backend=BACKEND,
-                                                      interpret=interp)
-
-            def full(q, kc, vc, ck1, ck2):
-                return stage2(q, kc, vc, select(q, ck1, ck2))
-
-            def dense_pallas(q, kc, vc):
-                return dense_decode_attention_pallas(q, kc, vc, q_positions=pos, block_size=bs, backend=BACKEND,
-                                                     interpret=interp)
-
-            c_sel, _ = _compile(select, (q, ck1, ck2))
-            idx = jax.block_until_ready(c_sel(q, ck1, ck2))
+            layers = [make_layer(jax.random.PRNGKey(1000 * n + li)) for li in range(n_layers)]
+            stacked = tuple([lay[j] for lay in layers] for j in range(6))  # kcs, vcs, kts, vts, ck1s, ck2s
+            del layers
+            q = jax.random.normal(jax.random.PRNGKey(n), (b, NQ, D), jnp.float32).astype(dtype)
+            fns, select, stage2 = _decode_layer_fns(params, pos, bs=bs, n=n, k_used=k_used, init=init,
+                                                    window=window, width=width, interp=interp,
+                                                    dense_impl=dense_impl)
+            kc0, vc0, kt0, vt0, ck10, ck20 = (s[0] for s in stacked)
+            idx = jax.block_until_ready(jax.jit(select)(q, ck10, ck20))
             keys = np.asarray(attended_keys(idx[:, :, None], pos[:, None], block_size=bs), np.float64)
             row["attended_fraction"] = float(keys.mean() / n)
             row["selected_keys"] = float(keys.mean())
-            c_s2, row["stage2_compile_s"] = _compile(stage2, (q, kc, vc, idx))
-            c_full, row["sparse_compile_s"] = _compile(full, (q, kc, vc, ck1, ck2))
-            c_dp, row["dense_pallas_compile_s"] = _compile(dense_pallas, (q, kc, vc))
-            it = args.decode_iters
-            row["sparse_stage2_ms"] = _pipelined_ms(c_s2, (q, kc, vc, idx), it)
-            rep.save()
-            row["sparse_full_ms"] = _pipelined_ms(c_full, (q, kc, vc, ck1, ck2), it)
-            rep.save()
-            row["select_ms"] = _pipelined_ms(c_sel, (q, ck1, ck2), it)
-            rep.save()
-            row["dense_pallas_ms"] = _pipelined_ms(c_dp, (q, kc, vc), it)
-            rep.save()
-            if i == 0:
+            if i == 0:  # layer 0 of the benchmark's own inputs against the XLA references
                 with _precision(dtype):
-                    got = c_full(q, kc, vc, ck1, ck2)
+                    got = jax.jit(fns["sparse_full"])(q, kc0, vc0, kt0, vt0, ck10, ck20)
                     want = jax.jit(lambda q, kc, vc, idx: sparse_decode_attention(
                         q, kc, vc, idx, q_positions=pos, block_size=bs, init_blocks=init, window_blocks=window,
-                        gather_width=width))(q, kc, vc, idx)
-                    dref = jax.jit(lambda q, kc, vc: dense_decode_attention(q, kc, vc, q_positions=pos))(q, kc, vc)
+                        gather_width=width))(q, kc0, vc0, idx)
+                    got_d = jax.jit(fns["dense_pallas"])(q, kc0, vc0, kt0, vt0, ck10, ck20)
+                    dref = jax.jit(lambda q, kc, vc: dense_decode_attention(q, kc, vc, q_positions=pos))(q, kc0, vc0)
                 tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
-                e1, e2 = _max_abs(got, want), _max_abs(c_dp(q, kc, vc), dref)
+                e1, e2 = _max_abs(got, want), _max_abs(got_d, dref)
                 rep.check(f"{label}: sparse decode (Pallas selection + kernel) vs XLA reference", e1 <= tol,
                           f"max|err| {e1:.2e} <= {tol:g}", err=e1)
                 rep.check(f"{label}: dense Pallas decode vs XLA reference", e2 <= tol, f"max|err| {e2:.2e} <= {tol:g}",
                           err=e2)
-            c_dn, row["dense_impl"], row["dense_compile_s"] = _pick_dense(
-                rep, label, (q[:, None], kt, vt), causal=False, grad=False, t=n, xla_max=1 << 62)
-            if c_dn is not None:
-                row["dense_ms"] = _pipelined_ms(c_dn, (q[:, None], kt, vt), it)
-                row["speedup_full_vs_dense"] = row["dense_ms"] / row["sparse_full_ms"]
-                row["speedup_stage2_vs_dense"] = row["dense_ms"] / row["sparse_stage2_ms"]
-            row["speedup_full_vs_dense_pallas"] = row["dense_pallas_ms"] / row["sparse_full_ms"]
-            row["speedup_stage2_vs_dense_pallas"] = row["dense_pallas_ms"] / row["sparse_stage2_ms"]
+                if STAGE1_HAS_SPLIT:  # the split stage-1 path must select the same blocks as the single kernel
+                    idx_ns = jax.jit(functools.partial(select, split=0))(q, ck10, ck20)
+                    agree = float(np.mean(np.asarray(idx_ns) == np.asarray(idx)))
+                    rep.check(f"{label}: split and single-kernel Pallas stage 1 select the same blocks", agree == 1.0,
+                              f"agreement {agree:.4f}", agreement=agree)
+            it = args.decode_iters
+            args_all = (q,) + stacked
+            for name, fn in fns.items():
+                if name == "dense" and dense_impl is None and n > args.xla_dense_max:
+                    continue
+                try:
+                    c, row[f"{name}_compile_s"] = _compile(_chain(fn, n_layers), args_all)
+                except Exception as e:  # noqa: BLE001
+                    rep.note(f"{label}: {name} unavailable: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                row[f"{name}_ms"] = _pipelined_ms(c, args_all, it) / n_layers
+                rep.save()
+                del c
+            row["dense_impl"] = (dense_impl or "xla(default)") if "dense_ms" in row else "none"
+            # breakdown: the selection alone and the stage-2 kernel alone on precomputed selections
+            c, _ = _compile(lambda q, ck1s, ck2s: [select(q, a, c2) for a, c2 in zip(ck1s, ck2s)],
+                            (q, stacked[4], stacked[5]))
+            idxs = c(q, stacked[4], stacked[5])
+            row["select_ms"] = _pipelined_ms(c, (q, stacked[4], stacked[5]), it) / n_layers
+            del c
+
+            def stage2_chain(q, kcs, vcs, idxs):
+                x = q
+                for kc, vc, ix in zip(kcs, vcs, idxs):
+                    x = stage2(x, kc, vc, ix).astype(q.dtype)
+                return x
+
+            c, _ = _compile(stage2_chain, (q, stacked[0], stacked[1], idxs))
+            row["sparse_stage2_ms"] = _pipelined_ms(c, (q, stacked[0], stacked[1], idxs), it) / n_layers
+            del c, idxs
+            for base in ("dense", "dense_pallas"):
+                if f"{base}_ms" in row and "sparse_full_ms" in row:
+                    sfx = "" if base == "dense" else "_pallas"
+                    row[f"speedup_full_vs_dense{sfx}"] = row[f"{base}_ms"] / row["sparse_full_ms"]
+                    row[f"speedup_stage2_vs_dense{sfx}"] = row[f"{base}_ms"] / row["sparse_stage2_ms"]
+            kv_bytes = 2 * b * NKV * n * D * dtype.itemsize
+            if "dense_ms" in row:
+                row["dense_gb_per_s"] = kv_bytes / (row["dense_ms"] * 1e-3) / 1e9
             rep.save()
-            print(f"{label}: dense[{row['dense_impl']}] {row.get('dense_ms', float('nan')):8.4f} ms, dense pallas "
-                  f"{row['dense_pallas_ms']:8.4f} ms | sparse full {row['sparse_full_ms']:8.4f} ms (select "
-                  f"{row['select_ms']:8.4f}, stage2 {row['sparse_stage2_ms']:8.4f}) | full x"
-                  f"{row.get('speedup_full_vs_dense', float('nan')):.2f} vs dense, x"
-                  f"{row['speedup_full_vs_dense_pallas']:.2f} "
-                  f"vs dense pallas | attended {row['attended_fraction']:.4f}", flush=True)
-            del q, kc, vc, kt, vt, ck1, ck2, idx, c_s2, c_full, c_dp, c_dn, c_sel
+
+            def f(key):
+                return _fmt(row.get(key), ".4f")
+            print(f"{label}: per layer ms: dense[{row['dense_impl']}] {f('dense_ms')}, dense pallas "
+                  f"{f('dense_pallas_ms')} | sparse full {f('sparse_full_ms')} (select {f('select_ms')}, stage2 "
+                  f"{f('sparse_stage2_ms')}; xla select {f('sparse_xla_select_ms')}, no split "
+                  f"{f('sparse_nosplit_ms')}) | full x{_fmt(row.get('speedup_full_vs_dense'), '.2f')} vs dense, x"
+                  f"{_fmt(row.get('speedup_full_vs_dense_pallas'), '.2f')} vs dense pallas | attended "
+                  f"{row['attended_fraction']:.4f}", flush=True)
+            del q, stacked, kc0, vc0, kt0, vt0, ck10, ck20, idx
         except Exception as e:  # noqa: BLE001
             rep.error(label, e)
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rep.save()
+
+
+def part_tune(rep, args):
+    """Kernel-parameter sweep at one prefill length (not part of the gpu_check verdict): the stage-2 forward and
+    forward+backward over tokens per tile / warps / stages, and the stage-1 kernel over query tile / key chunk /
+    warps. Each config's ms is the median of ``iters`` calls; the table says which defaults to change."""
+    cfg = _bench_cfg(args)
+    params = select_params(cfg)
+    bs = params.block_size
+    interp = args.cpu_dry_run
+    dtype = jnp.dtype(args.dtype)
+    g = NQ // NKV
+    t = args.tune_length
+    iters = max(1, min(args.iters, 3))
+    q, k, v, gout = _inputs(t, dtype)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    nb = -(-t // bs)
+    k_used = min(params.topk_cfg, nb)
+    init, window, _ = stage2_forced_split(params, k_used)
+    idx = jax.block_until_ready(jax.jit(lambda q, k: select_blocks(q, k, q_positions=pos, params=params).topk_idx[
+        ..., :k_used])(q, k))
+    print(f"tune: T={t}, {args.dtype}, 8B layout, block {bs}, default tokens per tile "
+          f"{default_tokens_per_tile(t, g)}, iters {iters}", flush=True)
+    grid1 = [(qt, kc, w) for qt in (1, 2, 4, 8) for kc in (32, 64, 128) for w in (4, 8)]
+    grid2 = [(tq, w, st) for tq in (1, 2, 4, 8) for w in (4, 8) for st in (2, 3)]
+    gridb = [(tq, w, 2) for tq in (2, 4, 8) for w in (4, 8)]
+    if interp:
+        grid1, grid2, gridb = grid1[:1], grid2[:2], gridb[:1]
+    # stage 1 first: it is the larger share of the end-to-end prefill time at 128K (first H200 run)
+    # the query tile of select_blocks (its lax.map over tiles; each tile one stage-1 grid), at the longest length
+    t_sel = 1024 if interp else 131072
+    grids = [(qt,) for qt in ((128, 512) if interp else (512, 2048, 8192, 16384))]
+    sel_inputs, sel_pos = None, jnp.arange(t_sel, dtype=jnp.int32)[None]
+    cases = ([("select q_tile", c) for c in grids] + [("stage1", c) for c in grid1]
+             + [("stage2 fwd", c) for c in grid2] + [("stage2 fwd+bwd", c) for c in gridb])
+    ck1 = compress_keys(k, params.kernel_size, params.kernel_stride)
+    ck2 = compress_keys(k, params.coarse_size, params.coarse_stride)
+    for kind, c in cases:
+        label = f"{kind} {c}"
+        if rep.elapsed() > args.deadline_s:
+            rep.row(dict(kind=kind, config=list(c), skipped="time budget"))
+            continue
+        row = dict(kind=kind, T=t_sel if kind == "select q_tile" else t, config=list(c))
+        rep.row(row)
+        try:
+            if kind == "select q_tile":
+                if sel_inputs is None:
+                    sel_inputs = _inputs(t_sel, dtype)[:2]
+                row["q_tile"] = c[0]
+                fn = functools.partial(lambda q, k, qt: select_blocks(
+                    q, k, q_positions=sel_pos, params=params, q_tile=qt, impl="pallas").topk_idx, qt=c[0])
+                fargs = sel_inputs
+            elif kind == "stage1":
+                qt, kc, w = c
+                row.update(q_tile=qt, kernel_chunk=kc, num_warps=w)
+                fn = functools.partial(stage1_scores_pallas, q_positions=pos, kv_len=jnp.array([t], jnp.int32),
+                                       params=params, backend=BACKEND, interpret=interp, q_tile=qt, kernel_chunk=kc,
+                                       num_warps=w)
+                fargs = (q, ck1, ck2)
+            else:
+                tq, w, st = c
+                row.update(tokens_per_tile=tq, num_warps=w, num_stages=st)
+                m = max_blocks_bound(tq, k_used, nb, init_blocks=init, window_blocks=window)
+                lists = jax.jit(lambda i, p: build_block_lists(
+                    i, p, block_size=bs, num_blocks=nb, tokens_per_tile=tq, init_blocks=init, window_blocks=window,
+                    max_blocks=m))(idx, pos)
+                row["tile_blocks_mean"] = float(np.mean(np.asarray(lists.counts, np.float64)))
+
+                def sparse(q, k, v, tq=tq, w=w, st=st):
+                    return block_sparse_attention(q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=bs,
+                                                  window_blocks=window, init_blocks=init, backend=BACKEND,
+                                                  interpret=interp, tokens_per_tile=tq, num_warps=w, num_stages=st)
+                fn = sparse if kind == "stage2 fwd" else _fwd_bwd(sparse)
+                fargs = (q, k, v) if kind == "stage2 fwd" else (q, k, v, gout)
+            comp, row["compile_s"] = _compile(fn, fargs)
+            row["ms"] = _median_ms(comp, fargs, 1, iters)
+            rep.save()
+            print(f"{label}: {row['ms']:9.3f} ms" + (f"  tile blocks {row['tile_blocks_mean']:.1f}"
+                                                    if "tile_blocks_mean" in row else "")
+                  + f"  (compile {row['compile_s']:.1f} s)", flush=True)
+            del comp
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rep.note(f"{label}: {row['error']}")
+            rep.save()
+    rep.check("tune sweep ran", any("ms" in r for r in rep.data["bench"]), "at least one config timed")
 
 
 # ----------------------------------------------------------------------------------------------- summary
@@ -775,9 +925,10 @@ def part_summary(out_dir: str) -> int:
                              f"{_fmt(r.get('attended_fraction'), '.4f'):>8} "
                              f"{_fmt(r.get('tile_blocks_mean'), '.1f'):>8}")
     if "decode" in parts:
-        lines.append("\ndecode (ms per step of one layer; full = Pallas selection + sparse kernel):")
+        lines.append("\ndecode (ms per layer, from calls of several layers unrolled in one jit; full = Pallas selection"
+                     " + sparse kernel; xla sel = XLA selection + sparse kernel; no split = single-kernel stage 1):")
         lines.append(f"  {'N':>7} {'dense impl':>12} {'dense':>9} {'dense pl':>9} {'full':>9} {'select':>9} "
-                     f"{'stage2':>9} {'x dense':>7} {'x dense pl':>10} {'attended':>8}")
+                     f"{'stage2':>9} {'xla sel':>9} {'no split':>9} {'x dense':>7} {'x dense pl':>10} {'attended':>8}")
         for r in parts["decode"].get("bench", []):
             if "skipped" in r or "error" in r:
                 lines.append(f"  {r['N']:>7} {r.get('skipped') or r.get('error')}")
@@ -785,9 +936,20 @@ def part_summary(out_dir: str) -> int:
             lines.append(f"  {r['N']:>7} {r.get('dense_impl', '?'):>12} {_fmt(r.get('dense_ms'), '.4f'):>9} "
                          f"{_fmt(r.get('dense_pallas_ms'), '.4f'):>9} {_fmt(r.get('sparse_full_ms'), '.4f'):>9} "
                          f"{_fmt(r.get('select_ms'), '.4f'):>9} {_fmt(r.get('sparse_stage2_ms'), '.4f'):>9} "
+                         f"{_fmt(r.get('sparse_xla_select_ms'), '.4f'):>9} {_fmt(r.get('sparse_nosplit_ms'), '.4f'):>9} "
                          f"{_fmt(r.get('speedup_full_vs_dense'), '.2f'):>7} "
                          f"{_fmt(r.get('speedup_full_vs_dense_pallas'), '.2f'):>10} "
                          f"{_fmt(r.get('attended_fraction'), '.4f'):>8}")
+    tune_path = os.path.join(out_dir, "tune.json")
+    if os.path.exists(tune_path):  # the optional sweep (not part of the verdict): the 3 fastest configs per kernel
+        with open(tune_path) as fh:
+            tune = json.load(fh)
+        lines.append(f"\ntune sweep (--part tune; not part of the verdict), fastest configs per kernel:")
+        for kind in ("select q_tile", "stage1", "stage2 fwd", "stage2 fwd+bwd"):
+            rows = sorted((r for r in tune.get("bench", []) if r.get("kind") == kind and "ms" in r),
+                          key=lambda r: r["ms"])
+            best = ", ".join(f"{tuple(r['config'])} {r['ms']:.3f} ms" for r in rows[:3])
+            lines.append(f"  {kind} T={rows[0]['T'] if rows else '?'}: {best or 'none timed'} ({len(rows)} timed)")
     goals = {}
     pre = [r for r in parts.get("prefill", {}).get("bench", []) if r.get("T") == 131072 and "speedup_kernel" in r]
     dec = [r for r in parts.get("decode", {}).get("bench", []) if r.get("N") == 131072 and "speedup_full_vs_dense" in r]
@@ -819,7 +981,7 @@ def part_summary(out_dir: str) -> int:
 # ----------------------------------------------------------------------------------------------- main
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=PARTS + ("summary", "all"), default="all")
+    ap.add_argument("--part", choices=PARTS + ("tune", "summary", "all"), default="all")
     ap.add_argument("--out", default=None, help="output directory (default $OUT, else runs/gpu_check; dry run: "
                                                  ".cache/gpu_check_dry_run)")
     ap.add_argument("--quick", action="store_true", help="fewer correctness cases and iterations")
@@ -829,9 +991,12 @@ def _parse(argv):
     ap.add_argument("--bwd-lengths", type=int, nargs="+", default=None, help="prefill forward+backward lengths")
     ap.add_argument("--decode-lengths", type=int, nargs="+", default=None)
     ap.add_argument("--decode-batch", type=int, default=1)
+    ap.add_argument("--tune-length", type=int, default=None, help="prefill length of --part tune (default 32768)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None, help="timed prefill calls (median)")
     ap.add_argument("--decode-iters", type=int, default=None, help="back-to-back decode calls (mean)")
+    ap.add_argument("--decode-layers", type=int, default=None,
+                    help="layers (separate KV caches) per timed decode call, unrolled in one jit (default 8)")
     ap.add_argument("--xla-dense-max", type=int, default=16384,
                     help="longest T for the XLA dense fallback when cuDNN is unavailable ([heads, T, T] scores)")
     ap.add_argument("--deadline-s", type=float, default=1e9,
@@ -841,8 +1006,10 @@ def _parse(argv):
     dry, quick = a.cpu_dry_run, a.quick
     big = [8192, 32768, 131072]
     defaults = dict(lengths=[256, 512] if dry else big, bwd_lengths=[256] if dry else big,
-                    decode_lengths=[512, 1024] if dry else big, warmup=1 if dry else (1 if quick else 2),
-                    iters=1 if dry else (2 if quick else 5), decode_iters=2 if dry else (20 if quick else 100))
+                    decode_lengths=[512, 1024] if dry else big[::-1],  # longest first: the goal length
+                    tune_length=256 if dry else 32768, warmup=1 if dry else (1 if quick else 2),
+                    iters=1 if dry else (2 if quick else 5), decode_iters=2 if dry else (10 if quick else 30),
+                    decode_layers=2 if dry else 8)
     for key, val in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, val)
@@ -883,6 +1050,8 @@ def main(argv=None) -> int:
                 part_correctness(rep, a)
             elif p == "decode":
                 part_decode(rep, a)
+            elif p == "tune":
+                part_tune(rep, a)
             else:
                 part_prefill(rep, a, bwd=p == "prefill-bwd")
         except Exception as e:  # noqa: BLE001

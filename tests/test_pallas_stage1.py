@@ -145,3 +145,91 @@ def test_bad_inputs_raise():
         stage1_scores_pallas(q, ck1, ck2, backend="triton", q_tile=3, **kw)
     with pytest.raises(ValueError, match="multiple of 128"):
         stage1_scores_pallas(q, ck1, ck2, backend="tpu", kernel_chunk=64, **kw)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"split_chunks={bad!r}.*pass None"):
+            stage1_scores_pallas(q, ck1, ck2, backend="triton", split_chunks=bad, **kw)
+
+
+# --- Triton chunk split (decode: a grid of b * kv_heads * tiles programs too small to fill the GPU) ---------
+_SPLIT_NAME = "infllmv2_stage1_triton_score_split"
+
+
+def _split_case(variant, t, quirk):
+    """b = 2, n = 600 keys, chunks of 16 kernels: 10 fine-key chunks (not divisible by 3 or 8) and 3 coarse
+    (gen-2 LSE) chunks (not divisible by 2 or 8). Rows: late, mid and early (position 20: fine kernels visible,
+    no coarse kernel -> gen-2 ``+inf``) and, for T = 3, a padding row (-1: all zeros)."""
+    p, q, ck1, ck2, _, kv_len = _case(variant, g=8, d=32, t=t, n=600, quirk=quirk, seed=4)
+    pos = jnp.array([[599], [20]] if t == 1 else [[20, 300, 599], [597, 598, -1]], jnp.int32)
+    return p, q, ck1, ck2, pos, kv_len
+
+
+@pytest.mark.parametrize("variant,t,split,quirk", [
+    pytest.param("gen1", 1, 2, False, id="gen1-decode-split2"),
+    pytest.param("gen1", 3, 3, True, id="gen1-t3-split3-quirk"),
+    pytest.param("gen2", 1, None, False, id="gen2-decode-auto"),
+    pytest.param("gen2", 1, 8, False, id="gen2-decode-split8"),
+    pytest.param("gen2", 3, 2, False, id="gen2-t3-split2"),
+    pytest.param("gen2", 3, 3, True, id="gen2-t3-split3-quirk"),
+    pytest.param("gen2", 3, 8, False, id="gen2-t3-split8"),
+])
+def test_stage1_triton_split_matches_reference(variant, t, split, quirk):
+    """The split-over-chunks Triton path (LSE partials + XLA combine + score pass) against the XLA reference
+    and against the single-kernel path (``split_chunks=0``)."""
+    p, q, ck1, ck2, pos, kv_len = _split_case(variant, t, quirk)
+    ref = _ref(q, ck1, ck2, q_positions=pos, kv_len=kv_len, params=p)
+
+    def run(sc):
+        f = jax.jit(lambda *a: stage1_scores_pallas(*a, q_positions=pos, kv_len=kv_len, params=p, backend="triton",
+                                                    interpret=True, kernel_chunk=16, split_chunks=sc))
+        return f(q, ck1, ck2), str(f.trace(q, ck1, ck2).jaxpr)
+
+    out, jaxpr = run(split)
+    assert _SPLIT_NAME in jaxpr  # the split path ran (automatic rule: 4 programs < 128)
+    assert_scores_match(out, ref, 1e-5)
+    single, jaxpr0 = run(0)
+    assert _SPLIT_NAME not in jaxpr0
+    assert_scores_match(out, single, 1e-5)
+    o = np.asarray(out)
+    if variant == "gen2":  # the early row: no visible coarse kernel -> +inf on its visible fine kernels
+        assert np.isposinf(o[:, :, 0] if t == 3 else o[1]).any()
+    if t == 3:
+        assert np.all(o[1, :, 2] == 0)  # padding row
+    assert not np.isposinf(o[0, :, -1] if t == 3 else o[0]).any()  # the last row of sequence 0 sees every kernel
+
+
+def test_stage1_triton_split_auto_rule():
+    """Automatic: a large grid (here 8 query tiles x 2 KV heads x 8 sequences = 128 programs) keeps the single
+    kernel; a small one splits; the TPU backend ignores ``split_chunks``."""
+    p, q, ck1, ck2, _, kv_len = _case("gen1", g=8, d=32, t=16, b=8, seed=5)  # 49 fine kernels: 4 chunks
+    pos = jnp.broadcast_to(jnp.arange(184, 200, dtype=jnp.int32), (8, 16))
+
+    def jaxpr(backend="triton", **kw):
+        f = lambda *a: stage1_scores_pallas(*a, q_positions=pos, kv_len=kv_len, params=p, backend=backend,
+                                            interpret=True, kernel_chunk=16 if backend == "triton" else None, **kw)
+        return str(jax.jit(f).trace(q, ck1, ck2).jaxpr)
+
+    assert _SPLIT_NAME not in jaxpr(q_tile=2)  # 128 programs
+    assert _SPLIT_NAME in jaxpr(q_tile=4)  # 64 programs
+    assert _SPLIT_NAME in jaxpr(q_tile=2, split_chunks=2)  # forced
+    assert _SPLIT_NAME not in jaxpr(q_tile=4, split_chunks=1)  # never
+    assert "infllmv2_stage1_tpu" in jaxpr("tpu", split_chunks=4)
+
+
+def test_cross_lowering_triton_split():
+    """The split path lowers for CUDA (8B layout, bf16 decode; chunk counts not powers of two: 186 fine kernels
+    -> 3 chunks of 64), forced and automatic; ``split_chunks=0`` keeps the single kernel."""
+    S = jax.ShapeDtypeStruct
+    b, nkv, g, d, n = 1, 2, 16, 128, 3000
+    for variant in ("gen1", "gen2"):
+        p = select_params(SparseConfig(variant=variant), score_dtype="bfloat16")
+        for t, split in ((1, None), (1, 0), (2, 2)):
+            args = (S((b, t, nkv * g, d), jnp.bfloat16), S((b, n // 16 - 1, nkv, d), jnp.bfloat16),
+                    S((b, n // 64 - 1, nkv, d), jnp.bfloat16), S((b, t), jnp.int32), S((b,), jnp.int32))
+
+            def f(q, c1, c2, pos, kl):
+                return stage1_scores_pallas(q, c1, c2, q_positions=pos, kv_len=kl, params=p, backend="triton",
+                                            split_chunks=split)
+
+            text = lower_for(f, args, "cuda")
+            assert ("infllmv2_stage1_triton_lse_split" in text) == (split != 0)
+            assert (_SPLIT_NAME in text) == (split != 0)

@@ -21,10 +21,25 @@ not computed (zeros are stored; on TPU their DMA is skipped too). The visibility
 
 Backends: ``backend="tpu"`` (grid ``(batch, kv_heads, tiles, LSE chunks + score chunks)`` with the chunk axis
 ``"arbitrary"``, the tiles' last needed chunk indices scalar-prefetched so the index maps stop fetching past
-them, VMEM scratch for the running max/sum) and ``backend="triton"`` (grid ``(batch, kv_heads, tiles)``,
-in-kernel loops over the chunks; all in-kernel arrays powers of two: ``Gp = next_pow2(G)``, ``tq`` a power of
-two with ``tq * Gp >= 16``, ``head_dim`` zero-padded to a power of two). ``interpret=True`` runs on CPU;
+them, VMEM scratch for the running max/sum) and ``backend="triton"`` (grid ``(batch, kv_heads, tiles)``, or
+split over the chunks for small grids, below; in-kernel loops over the chunks; all in-kernel arrays powers of
+two: ``Gp = next_pow2(G)``, ``tq`` a power of two with ``tq * Gp >= 16``, ``head_dim`` zero-padded to a power
+of two). ``interpret=True`` runs on CPU;
 ``interpret`` may be a ``pltpu.InterpretParams`` for the TPU backend.
+
+Triton chunk split (``split_chunks``): with few programs the Triton grid cannot fill the GPU, and each program
+walks every chunk in sequence. Decode (T = 1, batch 1, 2 KV heads) is 2 programs on a 132-SM H200, each
+looping over 32 LSE + 128 score chunks at a 128K-token cache: 0.163 ms per layer against 0.061 ms at 32K,
+latency-bound. So when ``batch * kv_heads * tiles < 128`` (and there is more than one score chunk) the Triton
+backend splits the chunk loops over ``S`` programs per (sequence, KV head, tile), two ``pallas_call`` s and an
+XLA combine: (1) grid ``(batch, kv_heads, tiles, S_l)``, each program the online log-sum-exp over its
+contiguous range of LSE-key chunks -> partial ``(m, l)`` ``[batch, kv_heads, tiles, S_l, tq * Gp, 1]`` fp32;
+(2) XLA merges the partials into the tile's ``lse`` rows, ``-inf`` where no partial saw a visible kernel
+(exactly what the single kernel's ``_lse(m, l)`` gives, so 0 / ``+inf`` / never NaN hold as above);
+(3) grid ``(batch, kv_heads, tiles, S_1)``, each program writes its contiguous range of fine-key chunks from
+the ``lse`` rows (chunks past the tile's last visible kernel: zeros, not computed). Automatic ``S`` aims at
+about 256 programs in all (``min(chunks, ceil(256 / (batch * kv_heads * tiles)))``), clamped per pass to its
+chunk count with no empty program. Prefill grids are large and keep the single kernel.
 
 Layout cost outside the kernel: ``q`` and the compressed keys are transposed to KV-head-major tiles (the
 compressed keys are ``1/stride`` of the keys).
@@ -41,6 +56,10 @@ __all__ = ["stage1_scores_pallas"]
 
 _BACKENDS = ("tpu", "triton")
 _LANES = 128
+# Triton chunk split (see stage1_scores_pallas): automatic when the grid has fewer cells than this ...
+_SPLIT_MAX_CELLS = 128
+# ... aiming at about this many programs in all (two per SM of a 132-SM H100 / H200)
+_SPLIT_TARGET_PROGRAMS = 256
 
 
 def _next_pow2(n: int) -> int:
@@ -109,39 +128,83 @@ def _tpu_kernel(need_ref, cntl_ref, cnt1_ref, q_ref, ckl_ref, ck1_ref, out_ref, 
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
-def _triton_kernel(cntl_ref, cnt1_ref, q_ref, ckl_ref, ck1_ref, out_ref, *, kcl, kc1, tq, gp, scale, cdt):
+def _triton_lse_loop(q, ckl_ref, cntl, lo, hi, *, kcl, scale, cdt):
+    """fp32 online log-sum-exp of ``q``'s rows over the LSE-key chunks ``[lo, hi)``: ``(m, l)``, ``[rows, 1]``."""
     from jax.experimental import pallas as pl
 
-    rows = q_ref.shape[0]
+    def body(c, carry):
+        z = _logits(q, ckl_ref[pl.ds(c * kcl, kcl), :], scale, cdt)
+        vis = c * kcl + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) < cntl
+        return _lse_update(z, vis, *carry)
+
+    rows = q.shape[0]
+    return jax.lax.fori_loop(lo, hi, body, (jnp.full((rows, 1), -jnp.inf, jnp.float32),
+                                            jnp.zeros((rows, 1), jnp.float32)))
+
+
+def _triton_score_loops(q, ck1_ref, cnt1, lse, out_ref, first, n_here, n_out, *, kc1, tq, gp, scale, cdt):
+    """Fine-key chunks ``first + j`` for ``j < n_here`` into ``out_ref[:, j * kc1 ...]``; zeros for ``j`` in
+    ``[n_here, n_out)`` (past the last visible kernel: not computed)."""
+    from jax.experimental import pallas as pl
+
+    def score_body(j, carry):
+        c = first + j
+        z = _logits(q, ck1_ref[pl.ds(c * kc1, kc1), :], scale, cdt)
+        vis = c * kc1 + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) < cnt1
+        p = jnp.where(vis, jnp.exp(z - lse), 0.0)
+        out_ref[:, pl.ds(j * kc1, kc1)] = jnp.sum(p.reshape(tq, gp, kc1), axis=1).astype(out_ref.dtype)
+        return carry
+
+    def zero_body(j, carry):
+        out_ref[:, pl.ds(j * kc1, kc1)] = jnp.zeros((tq, kc1), out_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, n_here, score_body, 0)
+    jax.lax.fori_loop(n_here, n_out, zero_body, 0)
+
+
+def _triton_kernel(cntl_ref, cnt1_ref, q_ref, ckl_ref, ck1_ref, out_ref, *, kcl, kc1, tq, gp, scale, cdt):
     q = q_ref[...]
     cntl = cntl_ref[...]
     cnt1 = cnt1_ref[...]
     n_lse = (jnp.max(cntl) + kcl - 1) // kcl
     n_sc = (jnp.max(cnt1) + kc1 - 1) // kc1
-    n_all = out_ref.shape[1] // kc1
+    m, l = _triton_lse_loop(q, ckl_ref, cntl, 0, n_lse, kcl=kcl, scale=scale, cdt=cdt)
+    _triton_score_loops(q, ck1_ref, cnt1, _lse(m, l), out_ref, 0, n_sc, out_ref.shape[1] // kc1, kc1=kc1, tq=tq,
+                        gp=gp, scale=scale, cdt=cdt)
 
-    def lse_body(c, carry):
-        z = _logits(q, ckl_ref[pl.ds(c * kcl, kcl), :], scale, cdt)
-        vis = c * kcl + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) < cntl
-        return _lse_update(z, vis, *carry)
 
-    m, l = jax.lax.fori_loop(0, n_lse, lse_body, (jnp.full((rows, 1), -jnp.inf, jnp.float32),
-                                                  jnp.zeros((rows, 1), jnp.float32)))
-    lse = _lse(m, l)
+def _triton_lse_split_kernel(cntl_ref, q_ref, ckl_ref, m_ref, l_ref, *, kcl, per, scale, cdt):
+    """Split pass 1: program ``s`` (grid axis 3) runs the online LSE over LSE-key chunks ``[s*per, (s+1)*per)``
+    that hold a visible kernel of the tile and writes its partial ``(m, l)``."""
+    from jax.experimental import pallas as pl
 
-    def score_body(c, carry):
-        z = _logits(q, ck1_ref[pl.ds(c * kc1, kc1), :], scale, cdt)
-        vis = c * kc1 + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) < cnt1
-        p = jnp.where(vis, jnp.exp(z - lse), 0.0)
-        out_ref[:, pl.ds(c * kc1, kc1)] = jnp.sum(p.reshape(tq, gp, kc1), axis=1).astype(out_ref.dtype)
-        return carry
+    cntl = cntl_ref[...]
+    lo = pl.program_id(3) * per
+    hi = jnp.minimum(lo + per, (jnp.max(cntl) + kcl - 1) // kcl)
+    m, l = _triton_lse_loop(q_ref[...], ckl_ref, cntl, lo, jnp.maximum(hi, lo), kcl=kcl, scale=scale, cdt=cdt)
+    m_ref[...] = m
+    l_ref[...] = l
 
-    def zero_body(c, carry):
-        out_ref[:, pl.ds(c * kc1, kc1)] = jnp.zeros((tq, kc1), out_ref.dtype)
-        return carry
 
-    jax.lax.fori_loop(0, n_sc, score_body, 0)
-    jax.lax.fori_loop(n_sc, n_all, zero_body, 0)
+def _triton_score_split_kernel(cnt1_ref, lse_ref, q_ref, ck1_ref, out_ref, *, kc1, per, tq, gp, scale, cdt):
+    """Split pass 2: program ``s`` (grid axis 3) writes fine-key chunks ``[s*per, (s+1)*per)`` (its output block),
+    computing those up to the tile's last visible kernel, from the combined ``lse`` rows."""
+    from jax.experimental import pallas as pl
+
+    cnt1 = cnt1_ref[...]
+    first = pl.program_id(3) * per
+    n_here = jnp.clip((jnp.max(cnt1) + kc1 - 1) // kc1 - first, 0, per)
+    _triton_score_loops(q_ref[...], ck1_ref, cnt1, lse_ref[...], out_ref, first, n_here, per, kc1=kc1, tq=tq, gp=gp,
+                        scale=scale, cdt=cdt)
+
+
+def _combine_lse(m, l):
+    """``lse`` of partial ``(m, l)`` ``[..., S, rows, 1]`` over ``S``: :func:`_lse` of the whole set (``-inf`` when
+    every partial is empty), never NaN."""
+    mx = jnp.max(m, axis=-3)
+    ms = jnp.where(mx == -jnp.inf, 0.0, mx)
+    return _lse(mx, jnp.sum(jnp.exp(m - ms[..., None, :, :]) * l, axis=-3))
 
 
 def _chunk_keys(ck: jax.Array, kc: int, dp: int) -> jax.Array:
@@ -151,10 +214,50 @@ def _chunk_keys(ck: jax.Array, kc: int, dp: int) -> jax.Array:
     return jnp.pad(x, ((0, 0), (0, 0), (0, _round_up(max(n, 1), kc) - n), (0, dp - x.shape[3])))
 
 
+def _triton_split(rcl, rc1, qr, kl, k1, *, split, kcl, kc1, tq, gp, scale, cdt, out_dtype, cparams, interpret):
+    """The chunk loops split over up to ``split`` programs per (sequence, KV head, tile): LSE partials, their
+    XLA combine, then the scores. Returns ``[b, kv, tiles, tq, >= n1 * kc1]`` in ``out_dtype``."""
+    from jax.experimental import pallas as pl
+
+    b, nkv, n_tiles, rows, dp = qr.shape
+    nl, n1 = kl.shape[2] // kcl, k1.shape[2] // kc1
+    per_l = _cdiv(nl, min(split, nl))  # chunks per program; no program without a chunk
+    per_1 = _cdiv(n1, min(split, n1))
+    s_l, s_1 = _cdiv(nl, per_l), _cdiv(n1, per_1)
+
+    cnt_spec = pl.BlockSpec((None, None, rows, 1), lambda bi, hi, ti, s: (bi, ti, 0, 0))
+    q_spec = pl.BlockSpec((None, None, None, rows, dp), lambda bi, hi, ti, s: (bi, hi, ti, 0, 0))
+    part_spec = pl.BlockSpec((None, None, None, None, rows, 1), lambda bi, hi, ti, s: (bi, hi, ti, s, 0, 0))
+    part_shape = jax.ShapeDtypeStruct((b, nkv, n_tiles, s_l, rows, 1), jnp.float32)
+    m, l = pl.pallas_call(
+        functools.partial(_triton_lse_split_kernel, kcl=kcl, per=per_l, scale=scale, cdt=cdt),
+        grid=(b, nkv, n_tiles, s_l),
+        in_specs=[cnt_spec, q_spec, pl.BlockSpec((None, None, nl * kcl, dp), lambda bi, hi, ti, s: (bi, hi, 0, 0))],
+        out_specs=[part_spec, part_spec],
+        out_shape=[part_shape, part_shape],
+        compiler_params=cparams,
+        interpret=interpret,
+        name="infllmv2_stage1_triton_lse_split",
+    )(rcl, qr, kl)
+    lse = _combine_lse(m, l)  # [b, kv, tiles, rows, 1]
+    return pl.pallas_call(
+        functools.partial(_triton_score_split_kernel, kc1=kc1, per=per_1, tq=tq, gp=gp, scale=scale, cdt=cdt),
+        grid=(b, nkv, n_tiles, s_1),
+        in_specs=[cnt_spec, pl.BlockSpec((None, None, None, rows, 1), lambda bi, hi, ti, s: (bi, hi, ti, 0, 0)),
+                  q_spec, pl.BlockSpec((None, None, n1 * kc1, dp), lambda bi, hi, ti, s: (bi, hi, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None, tq, per_1 * kc1), lambda bi, hi, ti, s: (bi, hi, ti, 0, s)),
+        out_shape=jax.ShapeDtypeStruct((b, nkv, n_tiles, tq, s_1 * per_1 * kc1), out_dtype),
+        compiler_params=cparams,
+        interpret=interpret,
+        name="infllmv2_stage1_triton_score_split",
+    )(rc1, lse, qr, k1)
+
+
 def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_positions: jax.Array,
                          kv_len: jax.Array, params, scale: float | None = None, num_q: int | None = None,
                          backend: str = "tpu", interpret=False, q_tile: int | None = None,
-                         kernel_chunk: int | None = None, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                         kernel_chunk: int | None = None, split_chunks: int | None = None, num_warps: int = 4,
+                         num_stages: int = 2) -> jax.Array:
     """Stage-1 query->kernel scores summed over each KV group's query heads, as one Pallas kernel (§5.2).
 
     Same arguments and result as :func:`minicpm4_jax.infllm.select.stage1_scores` plus the kernel options.
@@ -176,6 +279,14 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
         q_tile: query tokens per program (default: 128 rows on TPU, 64 on Triton; a power of two on Triton).
         kernel_chunk: compressed keys per step (default: up to 512 on TPU, a multiple of 128; 64 on Triton, a
             power of two).
+        split_chunks: Triton only (validated, otherwise ignored on TPU): split the per-program chunk loops
+            over several programs (module docstring; for decode, where ``batch * kv_heads * tiles`` programs
+            leave the GPU idle: 2 programs of 160 chunks each took 0.163 ms at a 128K cache on an H200).
+            ``None`` (default): automatic, split when ``batch * kv_heads * tiles < 128`` and there is more than
+            one score chunk, over ``min(chunks, ceil(256 / (batch * kv_heads * tiles)))`` programs; ``0`` or
+            ``1``: never (one kernel, a sequential loop over all chunks); ``N >= 2``: over up to ``N`` programs
+            per (sequence, KV head, tile), each pass clamped to its number of chunks (the single kernel when
+            both the LSE and the score keys fit one chunk). Same result up to fp32 summation order.
         num_warps, num_stages: Triton compiler parameters.
 
     Returns:
@@ -184,12 +295,17 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
 
     Raises:
         ValueError: unknown backend / variant / score_dtype, mismatched shapes, heads not a multiple of kv
-            heads, gen-2 without ``ck2``, an illegal ``q_tile`` / ``kernel_chunk``.
+            heads, gen-2 without ``ck2``, an illegal ``q_tile`` / ``kernel_chunk``, ``split_chunks`` not
+            ``None`` or an int ``>= 0``.
     """
     from minicpm4_jax.infllm.select import visible_kernel_count  # lazy: select.py may import this module
 
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {_BACKENDS}")
+    if split_chunks is not None and (isinstance(split_chunks, bool) or not isinstance(split_chunks, int)
+                                     or split_chunks < 0):
+        raise ValueError(f"split_chunks={split_chunks!r}; pass None (automatic), 0 or 1 (never split) or an int "
+                         f"N >= 2 (split the chunk loops over up to N programs)")
     p = params
     if p.variant not in ("gen1", "gen2"):
         raise ValueError(f"params.variant={p.variant!r}; use 'gen1' or 'gen2'")
@@ -273,6 +389,16 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
     if triton:
         from jax.experimental.pallas import triton as pltriton
 
+        cparams = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        cells = b * nkv * n_tiles
+        if split_chunks is None:  # automatic: split only a grid too small to fill the GPU (decode)
+            split = min(n1, _cdiv(_SPLIT_TARGET_PROGRAMS, cells)) if cells < _SPLIT_MAX_CELLS and n1 > 1 else 0
+        else:
+            split = split_chunks
+        if split >= 2 and max(n1, nl) >= 2:
+            out = _triton_split(rcl, rc1, qr, kl, k1, split=split, kcl=kcl, kc1=kc1, tq=tq, gp=gp, scale=scale,
+                                cdt=cdt, out_dtype=out_dtype, cparams=cparams, interpret=interpret)
+            return out.reshape(b, nkv, tp, out.shape[-1])[:, :, :t, :nc1]
         kernel = functools.partial(_triton_kernel, kcl=kcl, kc1=kc1, tq=tq, gp=gp, scale=scale, cdt=cdt)
         cnt_spec = pl.BlockSpec((None, None, rows, 1), lambda bi, hi, ti: (bi, ti, 0, 0))
         out = pl.pallas_call(
@@ -284,7 +410,7 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
                       pl.BlockSpec((None, None, n1 * kc1, dp), lambda bi, hi, ti: (bi, hi, 0, 0))],
             out_specs=pl.BlockSpec((None, None, None, tq, n1 * kc1), lambda bi, hi, ti: (bi, hi, ti, 0, 0)),
             out_shape=out_shape,
-            compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            compiler_params=cparams,
             interpret=interpret,
             name="infllmv2_stage1_triton",
         )(rcl, rc1, qr, kl, k1)
