@@ -43,7 +43,8 @@ Parts (each writes ``DIR/<part>.json`` after every case, so a part killed by its
 Timing: ``warmup`` untimed calls after compilation, then ``iters`` timed calls each ended by
 ``block_until_ready`` (median; :func:`bench_attention._time`). Attended fraction: mean over (KV head, query)
 of visible selected keys / causal keys (:func:`attended_keys`); "tile blocks" is the mean per-tile union the
-kernel really walks (:func:`build_block_lists` counts; a tile = 8 tokens x 16 heads). Random q/k make
+kernel really walks (:func:`build_block_lists` counts; a Triton tile = 4 tokens x 16 heads since 2026-11-29, 8
+tokens in the first two H200 runs). Random q/k make
 neighbouring tokens' selections uncorrelated (larger tile unions than real text would give).
 
 ``--cpu-dry-run``: the same code paths on CPU with ``interpret=True`` and tiny sizes (a small selection
@@ -496,7 +497,7 @@ def _selection_stats(idx, pos, bs, t, g, init, window):
     keys = np.asarray(attended_keys(idx, pos, block_size=bs), np.float64)[0]  # [nkv, T]
     causal = np.arange(1, t + 1, dtype=np.float64)
     nb = -(-t // bs)
-    tq = default_tokens_per_tile(t, g)
+    tq = default_tokens_per_tile(t, g, BACKEND)
     m = max_blocks_bound(tq, idx.shape[-1], nb, init_blocks=init, window_blocks=window)
     lists = jax.jit(lambda i, p: build_block_lists(i, p, block_size=bs, num_blocks=nb, tokens_per_tile=tq,
                                                    init_blocks=init, window_blocks=window, max_blocks=m))(idx, pos)
@@ -802,7 +803,7 @@ def part_tune(rep, args):
     idx = jax.block_until_ready(jax.jit(lambda q, k: select_blocks(q, k, q_positions=pos, params=params).topk_idx[
         ..., :k_used])(q, k))
     print(f"tune: T={t}, {args.dtype}, 8B layout, block {bs}, default tokens per tile "
-          f"{default_tokens_per_tile(t, g)}, iters {iters}", flush=True)
+          f"{default_tokens_per_tile(t, g, BACKEND)}, iters {iters}", flush=True)
     grid1 = [(qt, kc, w) for qt in (1, 2, 4, 8) for kc in (32, 64, 128) for w in (4, 8)]
     grid2 = [(tq, w, st) for tq in (1, 2, 4, 8) for w in (4, 8) for st in (2, 3)]
     gridb = [(tq, w, 2) for tq in (2, 4, 8) for w in (4, 8)]

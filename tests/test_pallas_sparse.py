@@ -268,3 +268,16 @@ def test_import_is_backend_free():
             "bad = [m for m in ('jax.experimental.pallas.tpu', 'jax.experimental.pallas.triton') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
+
+
+def test_default_tokens_per_tile_per_backend():
+    """Triton tiles hold 64 rows (the H200 sweep, docs/benchmarks.md), TPU tiles 128; never fewer than 16 rows and
+    never more tokens than T needs."""
+    from minicpm4_jax.ops.pallas.sparse_attention import default_tokens_per_tile
+
+    assert default_tokens_per_tile(32768, 16, "triton") == 4
+    assert default_tokens_per_tile(32768, 16, "tpu") == 8
+    assert default_tokens_per_tile(32768, 8, "triton") == 8
+    assert default_tokens_per_tile(32768, 2, "triton") == 32  # capped at 32 tokens
+    assert default_tokens_per_tile(3, 16, "triton") == 4 and default_tokens_per_tile(1, 16, "triton") == 1
+    assert default_tokens_per_tile(1, 4, "triton") == 4  # 16 rows at least: 4 tokens x 4 heads
