@@ -281,3 +281,16 @@ def test_default_tokens_per_tile_per_backend():
     assert default_tokens_per_tile(32768, 2, "triton") == 32  # capped at 32 tokens
     assert default_tokens_per_tile(3, 16, "triton") == 4 and default_tokens_per_tile(1, 16, "triton") == 1
     assert default_tokens_per_tile(1, 4, "triton") == 4  # 16 rows at least: 4 tokens x 4 heads
+
+
+def test_default_select_q_tile_per_target(monkeypatch):
+    """The selection tile is 2048 only for the Triton (NVIDIA) kernels (the H200 sweep); 128 on the XLA path, and on
+    the TPU / CPU-interpret kernels."""
+    import minicpm4_jax.ops.dispatch as dispatch
+    from minicpm4_jax.infllm.attention import default_select_q_tile
+
+    assert default_select_q_tile("xla") == 128
+    assert default_select_q_tile("pallas") == 128  # CPU: the TPU kernels in the interpreter
+    monkeypatch.setattr(dispatch, "pallas_target", lambda: ("triton", False))
+    assert default_select_q_tile("pallas") == 2048
+    assert default_select_q_tile("xla") == 128

@@ -15,7 +15,7 @@ from minicpm4_jax.infllm.select import (SelectParams, Selection, select_blocks, 
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.infllm_ref import compact_topk, infllmv2_stage2, tiled_dense_attention
 
-__all__ = ["attended_keys", "infllmv2_attention", "stage2_forced_split"]
+__all__ = ["attended_keys", "default_select_q_tile", "infllmv2_attention", "stage2_forced_split"]
 
 
 def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, int]:
@@ -44,6 +44,19 @@ def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, in
     return p.init_blocks, p.local_blocks, max(0, k_used - p.init_blocks)
 
 
+def default_select_q_tile(impl: str) -> int:
+    """Query tile of the selection when none is given: 2048 for ``impl="pallas"`` on an NVIDIA GPU (Triton
+    kernels; each tile is one stage-1 grid: an H200 timed the selection at T = 128K at 67.9 ms with tile 512,
+    55.9 ms with 2048, docs/benchmarks.md), else 128 (a tile's stage-1 scores are ``[batch, kv_heads, tile,
+    T / kernel_stride]`` fp32, which the CPU and XLA paths keep small)."""
+    if impl == "pallas":
+        from minicpm4_jax.ops.dispatch import pallas_target  # noqa: PLC0415 (no kernels imported otherwise)
+
+        if pallas_target()[0] == "triton":
+            return 2048
+    return 128
+
+
 def infllmv2_attention(
     q: jax.Array,
     k: jax.Array,
@@ -60,7 +73,7 @@ def infllmv2_attention(
     scale: float | None = None,
     kernel_offby1_quirk: bool = False,
     score_dtype: str = "float32",
-    select_q_tile: int = 128,
+    select_q_tile: int | None = None,
     attn_q_tile: int = 64,
     gather_tile: int | None = None,
     remat: bool = True,
@@ -88,6 +101,8 @@ def infllmv2_attention(
         score_dtype: ``"float32"`` | ``"bfloat16"`` storage of the stage-1 group sums (bf16 = official).
         select_q_tile, attn_q_tile, gather_tile: query tile sizes of selection, of stage 2's dense forced
             part and of its gathered top-k part (:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`).
+            ``select_q_tile=None``: :func:`default_select_q_tile` (2048 with the Pallas kernels on an NVIDIA
+            GPU, else 128).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
         impl: ``"xla"`` (the references) or ``"pallas"`` (stage-1 scoring by
             :func:`~minicpm4_jax.ops.pallas.stage1.stage1_scores_pallas`, stage 2 by
@@ -112,6 +127,8 @@ def infllmv2_attention(
     """
     if impl not in ("xla", "pallas"):
         raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
+    if select_q_tile is None:
+        select_q_tile = default_select_q_tile(impl)
     params = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk, score_dtype=score_dtype)
     b, t, nq, d = q.shape
     s = k.shape[1]
