@@ -29,3 +29,21 @@ def test_invalid_yaml_names_line(tmp_path):
 def test_wsd_length_error_names_the_keys():
     with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=30 .*lower optimizer.warmup_steps"):
         load_config("cpu_tiny", ["steps=12"])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["import", "hf", "some_dir", "--out", "x", "--eagle", ""], "--eagle"),
+    (["import", "hf", "", "--out", "x"], "DIR"),
+    (["import", "hf", "some_dir", "--out", " "], "--out"),
+    (["export", "eagle", "--checkpoint", "", "--out", "x"], "--checkpoint"),
+])
+def test_empty_path_arguments_are_refused(argv, flag, capsys, tmp_path, monkeypatch):
+    """An empty path would resolve to the current folder; it is refused with a line naming the argument, before
+    anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"{flag} is an empty path; give a folder")
+    assert list(tmp_path.iterdir()) == []

@@ -587,6 +587,11 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
     return cfg, model
 
 
+def has_data_iterator_state(checkpoint_dir: str | Path, step: int) -> bool:
+    """Whether checkpoint ``step`` holds a data-iterator item (an ``import hf`` checkpoint has none)."""
+    return (find_checkpoint_dir(checkpoint_dir, step_option=None) / str(int(step)) / "data").exists()
+
+
 def restore_data_iterator(checkpoint_dir: str | Path, step: int, data_iterator: Any) -> bool:
     """Set ``data_iterator`` (a grain ``DatasetIterator``) to the state saved with checkpoint ``step``.
 

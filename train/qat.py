@@ -150,17 +150,20 @@ def continue_data_order(cfg: TrainConfig, src: InitSource, data_iterator: Any, l
     (``cache_dir`` aside); otherwise the data order starts from the beginning, and the reason is
     logged. Returns whether the order was continued.
     """
-    from minicpm4_jax.train.checkpoint import restore_data_iterator
+    from minicpm4_jax.train.checkpoint import has_data_iterator_state, restore_data_iterator
 
     if not cfg.qat.continue_data:
+        return False
+    # no data state first: an `import hf` folder has none, and its config's data section is only the defaults
+    # (a list of "differences" from them would name settings that run never had)
+    if not has_data_iterator_state(src.directory, src.step):
+        log(f"qat: data order starts from the beginning (checkpoint step {src.step} holds no data-iterator state)")
         return False
     if _data_fields(src.cfg) != _data_fields(cfg):
         diffs = [d for d in diff_configs(src.cfg.data, cfg.data, "data") if not d.startswith("data.cache_dir")]
         log(f"qat: data order starts from the beginning (init checkpoint's data settings differ: {'; '.join(diffs)})")
         return False
-    if not restore_data_iterator(src.directory, src.step, data_iterator):
-        log(f"qat: data order starts from the beginning (checkpoint step {src.step} holds no data-iterator state)")
-        return False
+    restore_data_iterator(src.directory, src.step, data_iterator)
     log(f"qat: data order continues from step {src.step} of {src.directory}")
     return True
 
