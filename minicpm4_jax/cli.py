@@ -356,11 +356,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + list(extra)
-    # an empty path would resolve to the current folder (`--eagle ""` read the working directory)
-    for name in ("dir", "out", "eagle", "checkpoint", "tokenizer"):
-        val = getattr(args, name, None)
-        if isinstance(val, str) and not val.strip():
-            parser.error(f"{'DIR' if name == 'dir' else '--' + name} is an empty path; give a folder")
+    # an empty path would resolve to the current folder (`--eagle ""` read the working directory); `eval` has
+    # its own parsers, where an empty optional CHECKPOINT means "none"
+    if args.command in ("generate", "import", "export"):
+        for name in ("dir", "out", "eagle", "checkpoint", "tokenizer"):
+            val = getattr(args, name, None)
+            if isinstance(val, str) and not val.strip():
+                parser.error(f"{'DIR' if name == 'dir' else '--' + name} is an empty path; give a folder")
     try:
         if args.command == "train":
             return _cmd_train(args)

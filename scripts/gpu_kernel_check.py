@@ -33,7 +33,8 @@ Parts (each writes ``DIR/<part>.json`` after every case, so a part killed by its
   One timed call runs ``--decode-layers`` layers (default 8, each with its own KV cache, each layer's output
   the next layer's query) unrolled in one jit, like a model's decode step; times are per layer (call time /
   layers, mean of ``iters`` back-to-back calls). A single layer per call measures the host's dispatch time,
-  not the GPU: the first H200 run (2026-11-29) timed one-layer calls at 0.05-0.11 ms whatever the cache length.
+  not the GPU: the first H200 run (2026-11-29) timed one-layer dense and stage-2 calls at 0.054-0.107 ms
+  whatever the cache length.
 * ``env``: ``minicpm4_jax.ops`` imports as the environment stands (with ``PYTHONPATH=.`` and no install the
   pyproject mapping of ``minicpm4_jax.ops`` onto ``ops/`` is missing: reported as a FAIL, then worked around so
   the other parts still run), the model / engine / ops import, nothing imported grain or tensorboardX, backend.

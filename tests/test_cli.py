@@ -36,6 +36,7 @@ def test_wsd_length_error_names_the_keys():
     (["import", "hf", "", "--out", "x"], "DIR"),
     (["import", "hf", "some_dir", "--out", " "], "--out"),
     (["export", "eagle", "--checkpoint", "", "--out", "x"], "--checkpoint"),
+    (["generate", "--checkpoint", "", "--prompt", "hi"], "--checkpoint"),
 ])
 def test_empty_path_arguments_are_refused(argv, flag, capsys, tmp_path, monkeypatch):
     """An empty path would resolve to the current folder; it is refused with a line naming the argument, before
@@ -47,3 +48,14 @@ def test_empty_path_arguments_are_refused(argv, flag, capsys, tmp_path, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith(f"{flag} is an empty path; give a folder")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_keeps_its_empty_optional_checkpoint(capsys, tmp_path, monkeypatch):
+    """``eval ruler ''`` (no checkpoint, scoring given predictions) is not caught by the empty-path check of the
+    other commands: whatever it then says, it is not that error."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        main(["eval", "ruler", "", "--out", "o", "--predictions", "p.jsonl"])
+    except SystemExit:
+        pass
+    assert "is an empty path" not in capsys.readouterr().err

@@ -16,6 +16,7 @@ from conftest import lower_for
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.compress import compress_keys
 from minicpm4_jax.infllm.select import select_params, stage1_scores
+from minicpm4_jax.ops.pallas import stage1 as stage1_mod
 from minicpm4_jax.ops.pallas.stage1 import stage1_scores_pallas
 
 BACKENDS = ("tpu", "triton")
@@ -172,9 +173,11 @@ def _split_case(variant, t, quirk):
     pytest.param("gen2", 3, 3, True, id="gen2-t3-split3-quirk"),
     pytest.param("gen2", 3, 8, False, id="gen2-t3-split8"),
 ])
-def test_stage1_triton_split_matches_reference(variant, t, split, quirk):
+def test_stage1_triton_split_matches_reference(variant, t, split, quirk, monkeypatch):
     """The split-over-chunks Triton path (LSE partials + XLA combine + score pass) against the XLA reference
-    and against the single-kernel path (``split_chunks=0``)."""
+    and against the single-kernel path (``split_chunks=0``). The automatic case lowers the minimum chunk count
+    (these 13 chunks are below the production minimum of 16) so that it really takes the split."""
+    monkeypatch.setattr(stage1_mod, "_SPLIT_MIN_CHUNKS", 2)
     p, q, ck1, ck2, pos, kv_len = _split_case(variant, t, quirk)
     ref = _ref(q, ck1, ck2, q_positions=pos, kv_len=kv_len, params=p)
 
@@ -197,9 +200,10 @@ def test_stage1_triton_split_matches_reference(variant, t, split, quirk):
     assert not np.isposinf(o[0, :, -1] if t == 3 else o[0]).any()  # the last row of sequence 0 sees every kernel
 
 
-def test_stage1_triton_split_auto_rule():
+def test_stage1_triton_split_auto_rule(monkeypatch):
     """Automatic: a large grid (here 8 query tiles x 2 KV heads x 8 sequences = 128 programs) keeps the single
-    kernel; a small one splits; the TPU backend ignores ``split_chunks``."""
+    kernel; a small one splits when it has enough chunks (the minimum, 16 in production, is lowered to 2 here
+    and then restored: 4 + 4 chunks stay in one kernel); the TPU backend ignores ``split_chunks``."""
     p, q, ck1, ck2, _, kv_len = _case("gen1", g=8, d=32, t=16, b=8, seed=5)  # 49 fine kernels: 4 chunks
     pos = jnp.broadcast_to(jnp.arange(184, 200, dtype=jnp.int32), (8, 16))
 
@@ -208,6 +212,8 @@ def test_stage1_triton_split_auto_rule():
                                             interpret=True, kernel_chunk=16 if backend == "triton" else None, **kw)
         return str(jax.jit(f).trace(q, ck1, ck2).jaxpr)
 
+    assert _SPLIT_NAME not in jaxpr(q_tile=4)  # 64 programs but only 8 chunks: the measured 8K-cache case
+    monkeypatch.setattr(stage1_mod, "_SPLIT_MIN_CHUNKS", 2)
     assert _SPLIT_NAME not in jaxpr(q_tile=2)  # 128 programs
     assert _SPLIT_NAME in jaxpr(q_tile=4)  # 64 programs
     assert _SPLIT_NAME in jaxpr(q_tile=2, split_chunks=2)  # forced
@@ -215,11 +221,12 @@ def test_stage1_triton_split_auto_rule():
     assert "infllmv2_stage1_tpu" in jaxpr("tpu", split_chunks=4)
 
 
-def test_cross_lowering_triton_split():
+def test_cross_lowering_triton_split(monkeypatch):
     """The split path lowers for CUDA (8B layout, bf16 decode; chunk counts not powers of two: 186 fine kernels
     -> 3 chunks of 64), forced and automatic; ``split_chunks=0`` keeps the single kernel."""
     S = jax.ShapeDtypeStruct
     b, nkv, g, d, n = 1, 2, 16, 128, 3000
+    monkeypatch.setattr(stage1_mod, "_SPLIT_MIN_CHUNKS", 2)  # 3000 keys: 4 chunks, below the production 16
     for variant in ("gen1", "gen2"):
         p = select_params(SparseConfig(variant=variant), score_dtype="bfloat16")
         for t, split in ((1, None), (1, 0), (2, 2)):
@@ -233,3 +240,18 @@ def test_cross_lowering_triton_split():
             text = lower_for(f, args, "cuda")
             assert ("infllmv2_stage1_triton_lse_split" in text) == (split != 0)
             assert (_SPLIT_NAME in text) == (split != 0)
+
+
+@pytest.mark.parametrize("n,split", [(8192, False), (32768, True), (131072, True)])
+def test_auto_split_by_cache_length(n, split):
+    """The production rule on the H200 benchmark's decode shapes (8B layout, batch 1, MiniCPM4.1 geometry):
+    single kernel at an 8K cache (10 chunks, where the split measured slower), split at 32K and 128K."""
+    S = jax.ShapeDtypeStruct
+    p = select_params(SparseConfig(), score_dtype="bfloat16")
+    args = (S((1, 1, 32, 128), jnp.bfloat16), S((1, n // 16 - 1, 2, 128), jnp.bfloat16),
+            S((1, n // 64 - 1, 2, 128), jnp.bfloat16), S((1, 1), jnp.int32), S((1,), jnp.int32))
+
+    def f(q, c1, c2, pos, kl):
+        return stage1_scores_pallas(q, c1, c2, q_positions=pos, kv_len=kl, params=p, backend="triton")
+
+    assert (_SPLIT_NAME in lower_for(f, args, "cuda")) == split

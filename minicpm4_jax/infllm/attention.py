@@ -127,8 +127,6 @@ def infllmv2_attention(
     """
     if impl not in ("xla", "pallas"):
         raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
-    if select_q_tile is None:
-        select_q_tile = default_select_q_tile(impl)
     params = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk, score_dtype=score_dtype)
     b, t, nq, d = q.shape
     s = k.shape[1]
@@ -137,6 +135,8 @@ def infllmv2_attention(
         out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid,
                               scale=scale)
         return _result(out, None, jnp.float32(1.0), return_selection, return_stats)
+    if select_q_tile is None:  # after the static dense shortcut, which needs no selection (nor a kernel target)
+        select_q_tile = default_select_q_tile(impl)
     if sparse_cfg.use_nope and (q_sel is None or (k_sel is None and compressed is None)):
         raise ValueError("sparse_config.use_nope=True needs the pre-RoPE q_sel and k_sel for selection")
     q_sel = q if q_sel is None else q_sel

@@ -30,7 +30,8 @@ of two). ``interpret=True`` runs on CPU;
 Triton chunk split (``split_chunks``): with few programs the Triton grid cannot fill the GPU, and each program
 walks every chunk in sequence. Decode (T = 1, batch 1, 2 KV heads) is 2 programs on a 132-SM H200, each
 looping over 32 LSE + 128 score chunks at a 128K-token cache: 0.163 ms per layer against 0.061 ms at 32K,
-latency-bound. So when ``batch * kv_heads * tiles < 128`` (and there is more than one score chunk) the Triton
+latency-bound. So when ``batch * kv_heads * tiles < 128`` (with more than one score chunk and at least 16 LSE +
+score chunks: at an 8K cache, 10 chunks, the split measured 4% slower) the Triton
 backend splits the chunk loops over ``S`` programs per (sequence, KV head, tile), two ``pallas_call`` s and an
 XLA combine: (1) grid ``(batch, kv_heads, tiles, S_l)``, each program the online log-sum-exp over its
 contiguous range of LSE-key chunks -> partial ``(m, l)`` ``[batch, kv_heads, tiles, S_l, tq * Gp, 1]`` fp32;
@@ -60,6 +61,10 @@ _LANES = 128
 _SPLIT_MAX_CELLS = 128
 # ... aiming at about this many programs in all (two per SM of a 132-SM H100 / H200)
 _SPLIT_TARGET_PROGRAMS = 256
+# ... and only with at least this many chunks (LSE + score) per program: decode on the H200 (2026-11-29, 8 layers
+# per call) timed 10 chunks (8K cache) at 0.0528 ms per layer unsplit vs 0.0551 split, 40 chunks (32K) at 0.0795
+# vs 0.0526, 160 (128K) at 0.1991 vs 0.0769: two launches and a combine only pay off over a long loop
+_SPLIT_MIN_CHUNKS = 16
 
 
 def _next_pow2(n: int) -> int:
@@ -282,8 +287,8 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
         split_chunks: Triton only (validated, otherwise ignored on TPU): split the per-program chunk loops
             over several programs (module docstring; for decode, where ``batch * kv_heads * tiles`` programs
             leave the GPU idle: 2 programs of 160 chunks each took 0.163 ms at a 128K cache on an H200).
-            ``None`` (default): automatic, split when ``batch * kv_heads * tiles < 128`` and there is more than
-            one score chunk, over ``min(chunks, ceil(256 / (batch * kv_heads * tiles)))`` programs; ``0`` or
+            ``None`` (default): automatic, split when ``batch * kv_heads * tiles < 128``, there is more than
+            one score chunk and at least 16 LSE + score chunks, over ``min(chunks, ceil(256 / (batch * kv_heads * tiles)))`` programs; ``0`` or
             ``1``: never (one kernel, a sequential loop over all chunks); ``N >= 2``: over up to ``N`` programs
             per (sequence, KV head, tile), each pass clamped to its number of chunks (the single kernel when
             both the LSE and the score keys fit one chunk). Same result up to fp32 summation order.
@@ -392,7 +397,8 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
         cparams = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
         cells = b * nkv * n_tiles
         if split_chunks is None:  # automatic: split only a grid too small to fill the GPU (decode)
-            split = min(n1, _cdiv(_SPLIT_TARGET_PROGRAMS, cells)) if cells < _SPLIT_MAX_CELLS and n1 > 1 else 0
+            small = cells < _SPLIT_MAX_CELLS and n1 > 1 and n1 + nl >= _SPLIT_MIN_CHUNKS
+            split = min(n1, _cdiv(_SPLIT_TARGET_PROGRAMS, cells)) if small else 0
         else:
             split = split_chunks
         if split >= 2 and max(n1, nl) >= 2:
