@@ -648,6 +648,10 @@ def _decode_layer_fns(params, pos, *, bs, n, k_used, init, window, width, interp
     }
     if STAGE1_HAS_SPLIT:
         fns["sparse_nosplit"] = lambda q, kc, vc, kt, vt, ck1, ck2: stage2(q, kc, vc, select(q, ck1, ck2, split=0))
+    # the pure-XLA sparse decode (what attention_impl xla/auto runs): XLA selection + ops.decode_ref
+    fns["sparse_xla"] = lambda q, kc, vc, kt, vt, ck1, ck2: sparse_decode_attention(
+        q, kc, vc, select(q, ck1, ck2, "xla"), q_positions=pos, block_size=bs, init_blocks=init,
+        window_blocks=window, gather_width=width)
     return fns, select, stage2
 
 
@@ -774,7 +778,7 @@ def part_decode(rep, args):
             print(f"{label}: per layer ms: dense[{row['dense_impl']}] {f('dense_ms')}, dense pallas "
                   f"{f('dense_pallas_ms')} | sparse full {f('sparse_full_ms')} (select {f('select_ms')}, stage2 "
                   f"{f('sparse_stage2_ms')}; xla select {f('sparse_xla_select_ms')}, no split "
-                  f"{f('sparse_nosplit_ms')}) | full x{_fmt(row.get('speedup_full_vs_dense'), '.2f')} vs dense, x"
+                  f"{f('sparse_nosplit_ms')}, all xla {f('sparse_xla_ms')}) | full x{_fmt(row.get('speedup_full_vs_dense'), '.2f')} vs dense, x"
                   f"{_fmt(row.get('speedup_full_vs_dense_pallas'), '.2f')} vs dense pallas | attended "
                   f"{row['attended_fraction']:.4f}", flush=True)
             del q, stacked, kc0, vc0, kt0, vt0, ck10, ck20, idx
@@ -815,7 +819,9 @@ def part_tune(rep, args):
     t_sel = 1024 if interp else 131072
     grids = [(qt,) for qt in ((128, 512) if interp else (512, 2048, 8192, 16384))]
     sel_inputs, sel_pos = None, jnp.arange(t_sel, dtype=jnp.int32)[None]
-    cases = ([("select q_tile", c) for c in grids] + [("stage1", c) for c in grid1]
+    # the XLA references at the same length (the attention_impl=xla/auto path), for the kernels' tables
+    cases = ([("xla reference", ("select",)), ("xla reference", ("stage2",))]
+             + [("select q_tile", c) for c in grids] + [("stage1", c) for c in grid1]
              + [("stage2 fwd", c) for c in grid2] + [("stage2 fwd+bwd", c) for c in gridb])
     ck1 = compress_keys(k, params.kernel_size, params.kernel_stride)
     ck2 = compress_keys(k, params.coarse_size, params.coarse_stride)
@@ -827,7 +833,17 @@ def part_tune(rep, args):
         row = dict(kind=kind, T=t_sel if kind == "select q_tile" else t, config=list(c))
         rep.row(row)
         try:
-            if kind == "select q_tile":
+            if kind == "xla reference":
+                init_, window_, width_ = stage2_forced_split(params, k_used)
+                if c[0] == "select":
+                    fn = lambda q, k: select_blocks(q, k, q_positions=pos, params=params).topk_idx  # noqa: E731
+                    fargs = (q, k)
+                else:
+                    fn = functools.partial(lambda q, k, v, idx: infllmv2_stage2(
+                        q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=window_,
+                        init_blocks=init_, gather_width=width_), idx=idx)
+                    fargs = (q, k, v)
+            elif kind == "select q_tile":
                 if sel_inputs is None:
                     sel_inputs = _inputs(t_sel, dtype)[:2]
                 row["q_tile"] = c[0]
@@ -928,9 +944,10 @@ def part_summary(out_dir: str) -> int:
                              f"{_fmt(r.get('tile_blocks_mean'), '.1f'):>8}")
     if "decode" in parts:
         lines.append("\ndecode (ms per layer, from calls of several layers unrolled in one jit; full = Pallas selection"
-                     " + sparse kernel; xla sel = XLA selection + sparse kernel; no split = single-kernel stage 1):")
+                     " + sparse kernel; xla sel = XLA selection + sparse kernel; no split = single-kernel stage 1; all xla = XLA selection + XLA decode reference, the attention_impl=xla path):")
         lines.append(f"  {'N':>7} {'dense impl':>12} {'dense':>9} {'dense pl':>9} {'full':>9} {'select':>9} "
-                     f"{'stage2':>9} {'xla sel':>9} {'no split':>9} {'x dense':>7} {'x dense pl':>10} {'attended':>8}")
+                     f"{'stage2':>9} {'xla sel':>9} {'no split':>9} {'all xla':>9} {'x dense':>7} {'x dense pl':>10} "
+                     f"{'attended':>8}")
         for r in parts["decode"].get("bench", []):
             if "skipped" in r or "error" in r:
                 lines.append(f"  {r['N']:>7} {r.get('skipped') or r.get('error')}")
@@ -939,6 +956,7 @@ def part_summary(out_dir: str) -> int:
                          f"{_fmt(r.get('dense_pallas_ms'), '.4f'):>9} {_fmt(r.get('sparse_full_ms'), '.4f'):>9} "
                          f"{_fmt(r.get('select_ms'), '.4f'):>9} {_fmt(r.get('sparse_stage2_ms'), '.4f'):>9} "
                          f"{_fmt(r.get('sparse_xla_select_ms'), '.4f'):>9} {_fmt(r.get('sparse_nosplit_ms'), '.4f'):>9} "
+                         f"{_fmt(r.get('sparse_xla_ms'), '.4f'):>9} "
                          f"{_fmt(r.get('speedup_full_vs_dense'), '.2f'):>7} "
                          f"{_fmt(r.get('speedup_full_vs_dense_pallas'), '.2f'):>10} "
                          f"{_fmt(r.get('attended_fraction'), '.4f'):>8}")
@@ -947,7 +965,7 @@ def part_summary(out_dir: str) -> int:
         with open(tune_path) as fh:
             tune = json.load(fh)
         lines.append(f"\ntune sweep (--part tune; not part of the verdict), fastest configs per kernel:")
-        for kind in ("select q_tile", "stage1", "stage2 fwd", "stage2 fwd+bwd"):
+        for kind in ("xla reference", "select q_tile", "stage1", "stage2 fwd", "stage2 fwd+bwd"):
             rows = sorted((r for r in tune.get("bench", []) if r.get("kind") == kind and "ms" in r),
                           key=lambda r: r["ms"])
             best = ", ".join(f"{tuple(r['config'])} {r['ms']:.3f} ms" for r in rows[:3])

@@ -43,7 +43,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert dec["sparse_full_ms"] > 0 and dec["dense_pallas_ms"] > 0 and dec["speedup_full_vs_dense"] > 0
     # decode times come from calls of several layers (per-layer ms), with the selection variants and the breakdown
     assert dec["layers"] == 2
-    assert min(dec[k] for k in ("select_ms", "sparse_stage2_ms", "sparse_xla_select_ms", "sparse_nosplit_ms")) > 0
+    assert min(dec[k] for k in ("select_ms", "sparse_stage2_ms", "sparse_xla_select_ms", "sparse_nosplit_ms",
+                                "sparse_xla_ms")) > 0
     assert any("split and single-kernel" in c["name"] and c["status"] == "PASS" for c in parts["decode"]["checks"])
     assert "OVERALL PASS" in (out / "summary.txt").read_text()
 
