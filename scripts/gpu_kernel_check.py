@@ -460,6 +460,12 @@ def _bench_cfg(args) -> SparseConfig:
     return dataclasses.replace(SparseConfig(), dense_len=-1)  # MiniCPM4.1: gen2, block 64, topk 64 + window 2048
 
 
+def _bench_setup(args):
+    """``(selection params, block size, interpret?, dtype)`` shared by the benchmark parts."""
+    params = select_params(_bench_cfg(args))
+    return params, params.block_size, args.cpu_dry_run, jnp.dtype(args.dtype)
+
+
 def _dense_fn(impl, causal):
     def f(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
@@ -513,11 +519,7 @@ def _selection_stats(idx, pos, bs, t, g, init, window):
 
 
 def part_prefill(rep, args, bwd: bool):
-    cfg = _bench_cfg(args)
-    params = select_params(cfg)
-    bs = params.block_size
-    interp = args.cpu_dry_run
-    dtype = jnp.dtype(args.dtype)
+    params, bs, interp, dtype = _bench_setup(args)
     g = NQ // NKV
     mode = "fwd+bwd" if bwd else "fwd"
     lengths = args.bwd_lengths if bwd else args.lengths
@@ -667,11 +669,7 @@ def _chain(fn, n_layers):
 
 
 def part_decode(rep, args):
-    cfg = _bench_cfg(args)
-    params = select_params(cfg)
-    bs = params.block_size
-    interp = args.cpu_dry_run
-    dtype = jnp.dtype(args.dtype)
+    params, bs, interp, dtype = _bench_setup(args)
     b, n_layers = args.decode_batch, args.decode_layers
     dense_impl = "cudnn" if jax.default_backend() == "gpu" else None
     print(f"decode: 8B layout ({NQ} q / {NKV} kv heads, d {D}), batch {b}, {args.dtype}, one new token at position "
@@ -792,11 +790,7 @@ def part_tune(rep, args):
     """Kernel-parameter sweep at one prefill length (not part of the gpu_check verdict): the stage-2 forward and
     forward+backward over tokens per tile / warps / stages, and the stage-1 kernel over query tile / key chunk /
     warps. Each config's ms is the median of ``iters`` calls; the table says which defaults to change."""
-    cfg = _bench_cfg(args)
-    params = select_params(cfg)
-    bs = params.block_size
-    interp = args.cpu_dry_run
-    dtype = jnp.dtype(args.dtype)
+    params, bs, interp, dtype = _bench_setup(args)
     g = NQ // NKV
     t = args.tune_length
     iters = max(1, min(args.iters, 3))
