@@ -499,12 +499,13 @@ def _pick_dense(rep, label, args_, *, causal, grad, t, xla_max, tiled_ok=False):
     return None, f"none ({type(last).__name__ if last else 'skipped'})", 0.0
 
 
-def _selection_stats(idx, pos, bs, t, g, init, window):
-    """Attended fraction (mean per-query ratio and ratio of means) and the kernel's per-tile union size."""
+def _selection_stats(idx, pos, bs, t, g, init, window, tq=None):
+    """Attended fraction (mean per-query ratio and ratio of means) and the kernel's per-tile union size (tiles of
+    ``tq`` tokens, default the kernel's)."""
     keys = np.asarray(attended_keys(idx, pos, block_size=bs), np.float64)[0]  # [nkv, T]
     causal = np.arange(1, t + 1, dtype=np.float64)
     nb = -(-t // bs)
-    tq = default_tokens_per_tile(t, g, BACKEND)
+    tq = default_tokens_per_tile(t, g, BACKEND) if tq is None else tq
     m = max_blocks_bound(tq, idx.shape[-1], nb, init_blocks=init, window_blocks=window)
     lists = jax.jit(lambda i, p: build_block_lists(i, p, block_size=bs, num_blocks=nb, tokens_per_tile=tq,
                                                    init_blocks=init, window_blocks=window, max_blocks=m))(idx, pos)
@@ -626,10 +627,10 @@ def _decode_layer_fns(params, pos, *, bs, n, k_used, init, window, width, interp
     nb = n // bs
 
     def select(q, ck1, ck2, impl="pallas", split=None):
-        if impl == "xla":
+        if impl == "xla" or split is None:  # the engine's own call (Pallas: through ops.dispatch, automatic split)
             return select_blocks_compressed(q[:, None], ck1, ck2, q_positions=pos[:, None], params=params,
-                                            num_blocks=nb, kv_len=pos + 1).topk_idx[:, :, 0, :k_used]
-        kw = {} if split is None or not STAGE1_HAS_SPLIT else dict(split_chunks=split)
+                                            num_blocks=nb, kv_len=pos + 1, impl=impl).topk_idx[:, :, 0, :k_used]
+        kw = dict(split_chunks=split) if STAGE1_HAS_SPLIT else {}
         s = stage1_scores_pallas(q[:, None], ck1, ck2, q_positions=pos[:, None], kv_len=pos + 1, params=params,
                                  backend=BACKEND, interpret=interp, **kw)
         bsc = pool_block_scores(s, q_positions=pos[:, None], num_blocks=nb, params=params)
@@ -798,7 +799,7 @@ def part_tune(rep, args):
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     nb = -(-t // bs)
     k_used = min(params.topk_cfg, nb)
-    init, window, _ = stage2_forced_split(params, k_used)
+    init, window, width = stage2_forced_split(params, k_used)
     idx = jax.block_until_ready(jax.jit(lambda q, k: select_blocks(q, k, q_positions=pos, params=params).topk_idx[
         ..., :k_used])(q, k))
     print(f"tune: T={t}, {args.dtype}, 8B layout, block {bs}, default tokens per tile "
@@ -828,14 +829,13 @@ def part_tune(rep, args):
         rep.row(row)
         try:
             if kind == "xla reference":
-                init_, window_, width_ = stage2_forced_split(params, k_used)
                 if c[0] == "select":
                     fn = lambda q, k: select_blocks(q, k, q_positions=pos, params=params).topk_idx  # noqa: E731
                     fargs = (q, k)
                 else:
                     fn = functools.partial(lambda q, k, v, idx: infllmv2_stage2(
-                        q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=window_,
-                        init_blocks=init_, gather_width=width_), idx=idx)
+                        q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=window,
+                        init_blocks=init, gather_width=width), idx=idx)
                     fargs = (q, k, v)
             elif kind == "select q_tile":
                 if sel_inputs is None:
@@ -854,11 +854,7 @@ def part_tune(rep, args):
             else:
                 tq, w, st = c
                 row.update(tokens_per_tile=tq, num_warps=w, num_stages=st)
-                m = max_blocks_bound(tq, k_used, nb, init_blocks=init, window_blocks=window)
-                lists = jax.jit(lambda i, p: build_block_lists(
-                    i, p, block_size=bs, num_blocks=nb, tokens_per_tile=tq, init_blocks=init, window_blocks=window,
-                    max_blocks=m))(idx, pos)
-                row["tile_blocks_mean"] = float(np.mean(np.asarray(lists.counts, np.float64)))
+                row["tile_blocks_mean"] = _selection_stats(idx, pos, bs, t, g, init, window, tq)["tile_blocks_mean"]
 
                 def sparse(q, k, v, tq=tq, w=w, st=st):
                     return block_sparse_attention(q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=bs,

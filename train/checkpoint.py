@@ -587,9 +587,13 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
     return cfg, model
 
 
+def _data_dir(checkpoint_dir: str | Path, step: int) -> Path:
+    return find_checkpoint_dir(checkpoint_dir, step_option=None) / str(int(step)) / "data"
+
+
 def has_data_iterator_state(checkpoint_dir: str | Path, step: int) -> bool:
     """Whether checkpoint ``step`` holds a data-iterator item (an ``import hf`` checkpoint has none)."""
-    return (find_checkpoint_dir(checkpoint_dir, step_option=None) / str(int(step)) / "data").exists()
+    return _data_dir(checkpoint_dir, step).exists()
 
 
 def restore_data_iterator(checkpoint_dir: str | Path, step: int, data_iterator: Any) -> bool:
@@ -599,8 +603,7 @@ def restore_data_iterator(checkpoint_dir: str | Path, step: int, data_iterator: 
         ``False`` when that step holds no data-iterator item (e.g. an ``import hf`` checkpoint),
         ``True`` after restoring it.
     """
-    directory = find_checkpoint_dir(checkpoint_dir, step_option=None)
-    data_dir = directory / str(int(step)) / "data"
+    data_dir = _data_dir(checkpoint_dir, step)
     if not data_dir.exists():
         return False
     data_iterator.set_state(_read_data_state(data_dir))  # any process count (see the module docs)
