@@ -15,7 +15,8 @@
 #   env          device / versions, and that the model and ops/ import without grain and tensorboardX
 #   correctness  Pallas kernels compiled for the GPU (backend="triton", interpret=False) vs the XLA references,
 #                fp32 (<= 1e-5 forward, <= 1e-4 relative gradients) and bf16 (<= 2e-2)
-#   decode       sparse decode (Pallas stage 1 + sparse flash-decoding) vs dense (cuDNN/XLA, Pallas) at 8K/32K/128K
+#   decode       sparse decode (Pallas stage 1 + sparse flash-decoding) vs dense (cuDNN/XLA, Pallas) at 8K/32K/128K,
+#                batch 1; 128K also at batch 16 (--decode-big-batch)
 #   prefill      stage-2 kernel (+ selection) vs dense jax.nn.dot_product_attention (cuDNN) at 8K/32K/128K
 #   prefill-bwd  the same, forward + backward (only with the budget left)
 #   tune         (--tune only) stage-2 / stage-1 kernel parameters swept at 32K; reported, not part of the verdict
@@ -70,7 +71,7 @@ if ((DRY)); then
 else
   # a cold start compiled one fp32 correctness case for 64 s (H200, 2026-11-29): correctness gets the most time
   BUDGET="${GPU_CHECK_BUDGET_S:-295}"
-  declare -A TMO=([env]=20 [correctness]=150 [decode]=75 [prefill]=70 [prefill-bwd]=50 [tune]=150)
+  declare -A TMO=([env]=20 [correctness]=150 [decode]=95 [prefill]=70 [prefill-bwd]=50 [tune]=150)
 fi
 ((QUICK)) && COMMON+=(--quick)
 RESERVE=5    # seconds kept for the summary

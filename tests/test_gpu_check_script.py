@@ -35,7 +35,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(parts) == {"env", "correctness", "decode", "prefill", "prefill-bwd"}
     assert all(p["complete"] and p["dry_run"] for p in parts.values())
     assert len(parts["correctness"]["checks"]) == 3  # quick dry run: stage 2, decode, stage 1
-    (pre,), (bwd,), (dec,) = (parts[p]["bench"] for p in ("prefill", "prefill-bwd", "decode"))
+    (pre,), (bwd,), (dec, dec_big) = (parts[p]["bench"] for p in ("prefill", "prefill-bwd", "decode"))
+    # the longest decode length is also timed at the big batch (dry run: 2), right after batch 1
+    assert (dec["N"], dec["batch"], dec_big["N"], dec_big["batch"]) == (256, 1, 256, 2)
+    assert dec_big["sparse_full_ms"] > 0 and dec_big["speedup_full_vs_dense"] > 0
     for r in (pre, bwd):
         assert r["sparse_stage2_ms"] > 0 and r["dense_ms"] > 0 and r["speedup_kernel"] > 0
         assert 0 < r["attended_fraction"] <= 1 and r["tile_blocks_mean"] > 0
@@ -55,3 +58,23 @@ def test_refuses_to_run_without_gpu(tmp_path):
                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "FAIL no GPU" in res.stdout
+
+
+def test_summary_reports_decode_goal_per_batch(tmp_path):
+    """The goal line names the batch of each 128K decode ratio (batch 1 first, then the big batch)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_kernel_check as gk
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    rows = [dict(mode="decode", N=131072, batch=16, dense_ms=0.6, sparse_full_ms=0.1, speedup_full_vs_dense=6.0),
+            dict(mode="decode", N=131072, batch=1, dense_ms=0.04, sparse_full_ms=0.08, speedup_full_vs_dense=0.5),
+            dict(mode="decode", N=32768, batch=1, skipped="time budget")]
+    part = dict(complete=True, checks=[dict(name="x", status="PASS")], bench=rows, device={"device_kind": "test"})
+    (tmp_path / "decode.json").write_text(json.dumps(part))
+    gk.part_summary(str(tmp_path))
+    goals = json.loads((tmp_path / "summary.json").read_text())["goals"]
+    assert goals == {"decode_128k_speedup": 0.5, "decode_128k_batch": 1, "decode_128k_speedup_batch16": 6.0}
+    text = (tmp_path / "summary.txt").read_text()
+    assert "decode 0.50x at batch 1, 6.00x at batch 16" in text
+    assert "  131072  16 " in text and "   32768   1 time budget" in text

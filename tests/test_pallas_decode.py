@@ -13,8 +13,9 @@ import pytest
 from conftest import lower_for
 
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
+from minicpm4_jax.ops.infllm_ref import compact_topk
 from minicpm4_jax.ops.pallas.decode import (decode_block_lists, dense_decode_attention_pallas,
-                                            sparse_decode_attention_pallas)
+                                            single_token_lists, sparse_decode_attention_pallas)
 
 BACKENDS = ("tpu", "triton")
 # jax >= 0.11 warns on every Triton lowering; the GPU path is Triton-lowered Pallas on purpose (issue 4)
@@ -187,3 +188,60 @@ def test_decode_block_lists():
     np.testing.assert_array_equal(dense[0], [[[0, 1, 2, 2]]])
     np.testing.assert_array_equal(dense[1], [[[3, 3, 2, 0]]])
     np.testing.assert_array_equal(dense[2], [[3]])
+
+
+def _fuzz_case(rng, bs=16):
+    """A random single-token decode case: raw picks that include forced blocks, short rows, an inactive row."""
+    cap = bs * int(rng.integers(3, 14))
+    nb, k = cap // bs, int(rng.integers(1, 9))
+    init, win = int(rng.integers(0, 3)), int(rng.integers(0, 4))
+    if init + win > nb:
+        init, win = 0, min(win, nb)
+    width = None if rng.random() < 0.3 else int(rng.integers(0, k + 1))
+    pos = np.array([rng.integers(0, cap), rng.integers(0, cap), -1], np.int32)
+    idx = np.full((3, 2, k), -1, np.int32)
+    for i, h in np.ndindex(3, 2):
+        qb = max(int(pos[i]), 0) // bs
+        n = int(rng.integers(0, min(k, qb + 1) + 1))
+        idx[i, h, :n] = rng.permutation(rng.choice(qb + 1, size=n, replace=False))  # any order, forced ones too
+    return cap, nb, init, win, width, jnp.asarray(pos), jnp.asarray(idx)
+
+
+def test_single_token_lists_match_sorted_lists():
+    """The elementwise T=1 lists name exactly the blocks of the sorted lists (after the reference compaction)."""
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        cap, nb, init, win, width, pos, idx = _fuzz_case(rng)
+        blocks, bits, count = single_token_lists(idx, pos, num_blocks=nb, block_size=16, window_blocks=win,
+                                                 init_blocks=init, gather_width=width)
+        assert blocks.shape == bits.shape == (3, 2, init + win + idx.shape[-1])
+        assert np.all(np.asarray(count) == blocks.shape[-1]) and np.all((blocks >= 0) & (blocks < nb))
+        w = idx.shape[-1] if width is None else width
+        comp = compact_topk(idx[:, :, None], pos[:, None], block_size=16, init_blocks=init, window_blocks=win, width=w)
+        sb, sbits, scount = decode_block_lists(comp, pos[:, None], num_kv_heads=2, num_blocks=nb, block_size=16,
+                                               window_blocks=win, init_blocks=init)
+        for i, h in np.ndindex(3, 2):
+            got = np.asarray(blocks[i, h])[np.asarray(bits[i, h]) == 1]
+            want = np.asarray(sb[i, h])[: int(scount[i, h])]
+            want = want[np.asarray(sbits[i, h])[: int(scount[i, h])] != 0]
+            assert len(got) == len(set(got.tolist())), (got, i, h)  # no block attended twice
+            # the same blocks holding a causal key (the sorted lists also name init blocks past the token's own)
+            got, want = (sorted(x for x in a.tolist() if x * 16 <= int(pos[i])) for a in (got, want))
+            assert got == want, (got, want, init, win, width, pos, idx[i, h])
+
+
+def test_single_token_triton_path_matches_reference():
+    """The Triton decode step (unsorted lists, skipped slots) equals the XLA reference on random cases."""
+    rng = np.random.default_rng(11)
+    for case in range(6):
+        cap, nb, init, win, width, pos, idx = _fuzz_case(rng)
+        width = 1 if case % 2 else width  # half the cases drop picks beyond a narrow width, as the reference does
+        g = int(rng.choice([1, 4, 16]))
+        q, kc, vc = _inputs(3, None, 2, g, 32, cap, seed=20 + case)
+        kw = dict(q_positions=pos, block_size=16, init_blocks=init, window_blocks=win, gather_width=width)
+        ref = sparse_decode_attention(q, kc, vc, idx, **kw)
+        out = sparse_decode_attention_pallas(q, kc, vc, idx, backend="triton", interpret=True,
+                                             num_splits=int(rng.integers(1, 4)), **kw)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5,
+                                   err_msg=f"case {case}: init {init} win {win} width {width} pos {pos}")
+        assert np.all(np.asarray(out[2]) == 0)  # the inactive row

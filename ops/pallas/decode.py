@@ -11,7 +11,11 @@ How it works:
    attends (the non-forced picks of ``topk_idx`` after the reference's own
    :func:`~minicpm4_jax.ops.infllm_ref.compact_topk`, the init blocks, each token's window), ascending and
    de-duplicated, with a per-block bitmask of the tokens that attend it (bit ``t`` = token ``t``), and the count
-   of valid entries. Unused slots repeat the last valid block (no new DMA on TPU) and are skipped.
+   of valid entries. Unused slots repeat the last valid block (no new DMA on TPU) and are skipped. The dense
+   list (every block up to the latest token's) is built without a sort. On Triton a single new token (a plain
+   decode step) takes :func:`single_token_lists` instead: ``[init | window | raw picks]`` slots with a 0/1 bit
+   from elementwise ops only (no sort, no scatter, fewer XLA launches per layer); the kernel skips 0-bit slots
+   without loading their blocks.
 2. **Kernel:** one program per (sequence, KV head, split) holds the ``T * G`` query rows of the KV group (the
    shared selection is read once, the matmul has ``T * G`` rows) and streams only the listed ``[block_size,
    head_dim]`` K/V blocks of the KV-head-major cache with an fp32 online softmax. Row ``(t, g)`` keeps a key of
@@ -50,7 +54,8 @@ import jax.numpy as jnp
 
 from minicpm4_jax.ops.infllm_ref import compact_topk
 
-__all__ = ["sparse_decode_attention_pallas", "dense_decode_attention_pallas", "decode_block_lists"]
+__all__ = ["sparse_decode_attention_pallas", "dense_decode_attention_pallas", "decode_block_lists",
+           "single_token_lists"]
 
 _BACKENDS = ("tpu", "triton")
 _LANES = 128
@@ -142,10 +147,18 @@ def decode_block_lists(topk_idx: jax.Array | None, q_positions: jax.Array, *, nu
     active = (pos >= 0)[:, :, None]
     qb = jnp.floor_divide(pos, block_size)[:, :, None]  # [b, t, 1]
     tbit = jnp.left_shift(jnp.int32(1), jnp.arange(t, dtype=jnp.int32))[None, :, None]  # [1, t, 1]
-    if topk_idx is None:
+    if topk_idx is None:  # every block up to the latest active token's: already ascending, no sort needed
+        n = nb if length is None else max(1, min(length, nb))
         member = active & (blk <= qb)
-        bits = jnp.broadcast_to(jnp.sum(jnp.where(member, tbit, 0), axis=1)[:, None], (b, num_kv_heads, nb))
-        return _compact_lists(bits, nb if length is None else min(length, nb))
+        bits = jnp.sum(jnp.where(member, tbit, 0), axis=1)[:, :n]  # [b, n]; token bits are distinct -> sum = or
+        count = jnp.minimum(jnp.max(jnp.where(active[..., 0], qb[..., 0] + 1, 0), axis=1), n)  # [b]
+        slot = jnp.arange(n, dtype=jnp.int32)
+        blocks = jnp.minimum(slot[None, :], jnp.maximum(count - 1, 0)[:, None])
+        bits = jnp.where(slot[None, :] < count[:, None], bits, 0)
+
+        def per_head(x):
+            return jnp.broadcast_to(x[:, None], (b, num_kv_heads) + x.shape[1:]).astype(jnp.int32)
+        return per_head(blocks), per_head(bits), per_head(count)
     forced = blk < init_blocks
     if window_blocks:
         forced = forced | ((blk > qb - window_blocks) & (blk <= qb))
@@ -167,6 +180,58 @@ def decode_block_lists(topk_idx: jax.Array | None, q_positions: jax.Array, *, nu
         n_win = window_blocks + span - 1 if window_blocks else 0
         length = init_blocks + n_win + t * w
     return _compact_lists(bits, max(1, min(length, nb)))
+
+
+def single_token_lists(topk_idx: jax.Array, q_positions: jax.Array, *, num_blocks: int, block_size: int,
+                       window_blocks: int = 0, init_blocks: int = 0,
+                       gather_width: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Unsorted block lists of one new token per sequence, built with elementwise ops only (no sort, no scatter).
+
+    The Triton decode path for ``T = 1`` (a plain decode step): slots ``[init blocks | window blocks | picks]``
+    in that order, each slot's token bit set iff the reference attends that block, so the kernel skips the
+    others without loading them. The same block set as :func:`decode_block_lists` after
+    :func:`~minicpm4_jax.ops.infllm_ref.compact_topk`: init blocks up to the token's own block, window blocks at
+    or above ``init_blocks``, and the picks that are valid (``0 <= id < num_blocks``), not forced, and among
+    the ``gather_width`` smallest such ids (the reference's compaction keeps those).
+
+    Args:
+        topk_idx: int ``[batch, num_kv_heads, K]`` raw picks (forced blocks may appear; ``-1`` unused; no id
+            repeated in a row).
+        q_positions: int ``[batch]``; ``-1`` = inactive (every bit 0).
+        num_blocks, block_size, window_blocks, init_blocks: as in :func:`decode_block_lists`.
+        gather_width: keep at most this many non-forced picks (default ``K``: all).
+
+    Returns:
+        ``(blocks, bits, count)``: int32 ``[batch, num_kv_heads, L]`` block ids in ``[0, num_blocks)`` (skipped
+        slots hold a valid id, never read), int32 ``[batch, num_kv_heads, L]`` bits (1 = attended, 0 = skip),
+        int32 ``[batch, num_kv_heads]`` equal to ``L = init_blocks + window_blocks + K`` (every slot is walked).
+    """
+    idx = topk_idx.astype(jnp.int32)  # [b, kv, K]
+    pos = q_positions.astype(jnp.int32)
+    b, nkv, k = idx.shape
+    active = (pos >= 0)[:, None, None]
+    qb = jnp.floor_divide(pos, block_size)[:, None, None]  # [b, 1, 1]
+    parts, oks = [], []
+    if init_blocks:
+        ib = jnp.broadcast_to(jnp.arange(init_blocks, dtype=jnp.int32)[None, None], (b, nkv, init_blocks))
+        parts.append(ib)
+        oks.append(ib <= qb)
+    if window_blocks:
+        wb = jnp.broadcast_to(qb - window_blocks + 1 + jnp.arange(window_blocks, dtype=jnp.int32)[None, None],
+                              (b, nkv, window_blocks))
+        parts.append(wb)
+        oks.append((wb >= init_blocks) & (wb >= 0))
+    forced = (idx < init_blocks) | ((idx > qb - window_blocks) & (idx <= qb)) if window_blocks else idx < init_blocks
+    ok = (idx >= 0) & (idx < num_blocks) & ~forced
+    width = k if gather_width is None else gather_width
+    if width < k:  # the reference keeps the `width` smallest non-forced ids: rank each among the valid ones
+        rank = jnp.sum(ok[:, :, None, :] & (idx[:, :, None, :] < idx[:, :, :, None]), axis=-1)
+        ok = ok & (rank < width)
+    parts.append(idx)
+    oks.append(ok)
+    blocks = jnp.clip(jnp.concatenate(parts, axis=-1), 0, num_blocks - 1)
+    bits = (jnp.concatenate(oks, axis=-1) & active).astype(jnp.int32)
+    return blocks, bits, jnp.full((b, nkv), blocks.shape[-1], jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -243,17 +308,22 @@ def _triton_kernel(blocks_ref, bits_ref, count_ref, pos_ref, q_ref, k_ref, v_ref
     pos_t = [pos_ref[bi * t + tt] for tt in range(t)]
 
     def body(i, carry):
-        m, l, acc = carry
         slot = base * slots + start + i
         blk = blocks_ref[slot]
         tbits = bits_ref[slot]
-        off = base * capacity + blk * block_size
-        k = k_ref[pl.ds(off, block_size), :].astype(cdt)
-        v = v_ref[pl.ds(off, block_size), :]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        lim = _row_limits(rows, t, g, tbits, lambda tt: pos_t[tt])
-        kpos = blk * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
-        return _online_update(s, kpos <= lim, v, m, l, acc)
+
+        def attend(carry):
+            m, l, acc = carry
+            off = base * capacity + blk * block_size
+            k = k_ref[pl.ds(off, block_size), :].astype(cdt)
+            v = v_ref[pl.ds(off, block_size), :]
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+            lim = _row_limits(rows, t, g, tbits, lambda tt: pos_t[tt])
+            kpos = blk * block_size + jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+            return _online_update(s, kpos <= lim, v, m, l, acc)
+
+        # a slot no token attends (the unsorted single-token lists) is skipped without loading its block
+        return jax.lax.cond(tbits != 0, attend, lambda c: c, carry)
 
     init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, dp), jnp.float32))
@@ -445,11 +515,16 @@ def sparse_decode_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: ja
         raise ValueError(f"window_blocks={window_blocks} (+{span - 1} for {t} tokens) + init_blocks={init_blocks} "
                          f"exceed the cache's {nb} blocks")
     width = idx.shape[-1] if gather_width is None else gather_width
-    if window_blocks or init_blocks or width < idx.shape[-1]:
-        idx = compact_topk(idx, pos, block_size=block_size, init_blocks=init_blocks, window_blocks=window_blocks,
-                           width=width)
-    blocks, bits, count = decode_block_lists(idx, pos, num_kv_heads=nkv, num_blocks=nb, block_size=block_size,
-                                             window_blocks=window_blocks, init_blocks=init_blocks)
+    if t == 1 and backend == "triton":  # a decode step: elementwise lists, no sort (fewer launches per layer)
+        blocks, bits, count = single_token_lists(idx[:, :, 0], pos[:, 0], num_blocks=nb, block_size=block_size,
+                                                 window_blocks=window_blocks, init_blocks=init_blocks,
+                                                 gather_width=width)
+    else:
+        if window_blocks or init_blocks or width < idx.shape[-1]:
+            idx = compact_topk(idx, pos, block_size=block_size, init_blocks=init_blocks,
+                               window_blocks=window_blocks, width=width)
+        blocks, bits, count = decode_block_lists(idx, pos, num_kv_heads=nkv, num_blocks=nb, block_size=block_size,
+                                                 window_blocks=window_blocks, init_blocks=init_blocks)
     out = _decode_core(q4, k_cache, v_cache, blocks, bits, count, pos, block_size=block_size, scale=scale,
                        num_splits=num_splits, backend=backend, interpret=interpret, num_warps=num_warps,
                        num_stages=num_stages)
