@@ -827,10 +827,14 @@ def part_tune(rep, args):
     # the query tile of select_blocks (its lax.map over tiles; each tile one stage-1 grid), at the longest length
     t_sel = 1024 if interp else 131072
     grids = [(qt,) for qt in ((128, 512) if interp else (512, 2048, 8192, 16384))]
-    sel_inputs, sel_pos = None, jnp.arange(t_sel, dtype=jnp.int32)[None]
+    sel_inputs, sel_pos, long_sel = None, jnp.arange(t_sel, dtype=jnp.int32)[None], None
     # the XLA references at the same length (the attention_impl=xla/auto path), for the kernels' tables
+    # stage 2 at the longest length too: there the per-tile union (0.37 of the causal blocks with 8 tokens per
+    # tile against 0.19 attended, first H200 run) weighs most, so fewer tokens per tile may win
+    grid2_long = [(tq, 4, 3) for tq in ((1, 2) if interp else (1, 2, 4, 8))]
     cases = ([("xla reference", ("select",)), ("xla reference", ("stage2",))]
-             + [("select q_tile", c) for c in grids] + [("stage1", c) for c in grid1]
+             + [("select q_tile", c) for c in grids] + [("stage2 fwd long", c) for c in grid2_long]
+             + [("stage1", c) for c in grid1]
              + [("stage2 fwd", c) for c in grid2] + [("stage2 fwd+bwd", c) for c in gridb])
     ck1 = compress_keys(k, params.kernel_size, params.kernel_stride)
     ck2 = compress_keys(k, params.coarse_size, params.coarse_stride)
@@ -839,7 +843,7 @@ def part_tune(rep, args):
         if rep.elapsed() > args.deadline_s:
             rep.row(dict(kind=kind, config=list(c), skipped="time budget"))
             continue
-        row = dict(kind=kind, T=t_sel if kind == "select q_tile" else t, config=list(c))
+        row = dict(kind=kind, T=t_sel if kind in ("select q_tile", "stage2 fwd long") else t, config=list(c))
         rep.row(row)
         try:
             if kind == "xla reference":
@@ -853,10 +857,28 @@ def part_tune(rep, args):
                     fargs = (q, k, v)
             elif kind == "select q_tile":
                 if sel_inputs is None:
-                    sel_inputs = _inputs(t_sel, dtype)[:2]
+                    sel_inputs = _inputs(t_sel, dtype)[:3]
                 row["q_tile"] = c[0]
                 fn = functools.partial(lambda q, k, qt: select_blocks(
                     q, k, q_positions=sel_pos, params=params, q_tile=qt, impl="pallas").topk_idx, qt=c[0])
+                fargs = sel_inputs[:2]
+            elif kind == "stage2 fwd long":
+                if sel_inputs is None:
+                    sel_inputs = _inputs(t_sel, dtype)[:3]
+                if long_sel is None:  # the model's own Pallas selection at the longest length, computed once
+                    k_long = min(params.topk_cfg, -(-t_sel // bs))
+                    long_sel = (jax.block_until_ready(jax.jit(lambda q, k: select_blocks(
+                        q, k, q_positions=sel_pos, params=params, impl="pallas").topk_idx[..., :k_long])(
+                        *sel_inputs[:2])), stage2_forced_split(params, k_long))
+                idx_l, (init_l, win_l, _) = long_sel
+                tq, w, st = c
+                row.update(tokens_per_tile=tq, num_warps=w, num_stages=st)
+                row["tile_blocks_mean"] = _selection_stats(idx_l, sel_pos, bs, t_sel, g, init_l, win_l,
+                                                           tq)["tile_blocks_mean"]
+                fn = functools.partial(lambda q, k, v, tq, w, st: block_sparse_attention(
+                    q, k, v, idx_l, q_positions=sel_pos, kv_positions=sel_pos, block_size=bs, window_blocks=win_l,
+                    init_blocks=init_l, backend=BACKEND, interpret=interp, tokens_per_tile=tq, num_warps=w,
+                    num_stages=st), tq=tq, w=w, st=st)
                 fargs = sel_inputs
             elif kind == "stage1":
                 qt, kc, w = c
@@ -970,7 +992,7 @@ def part_summary(out_dir: str) -> int:
         with open(tune_path) as fh:
             tune = json.load(fh)
         lines.append(f"\ntune sweep (--part tune; not part of the verdict), fastest configs per kernel:")
-        for kind in ("xla reference", "select q_tile", "stage1", "stage2 fwd", "stage2 fwd+bwd"):
+        for kind in ("xla reference", "select q_tile", "stage2 fwd long", "stage1", "stage2 fwd", "stage2 fwd+bwd"):
             rows = sorted((r for r in tune.get("bench", []) if r.get("kind") == kind and "ms" in r),
                           key=lambda r: r["ms"])
             best = ", ".join(f"{tuple(r['config'])} {r['ms']:.3f} ms" for r in rows[:3])
