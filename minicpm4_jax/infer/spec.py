@@ -46,6 +46,7 @@ from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, decode_
 from minicpm4_jax.infer.sampling import SamplingParams, row_keys, top_k_filter, top_p_filter
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
+from minicpm4_jax.nn.model import dense_rows
 from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention
@@ -211,7 +212,7 @@ def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, s
         u = mtp.inputs(e, h[:, None], cfg)
         dcache, o = _draft_layer(mtp, dcache, u, pos, cfg_m)
         x = o[:, 0] / jnp.asarray(cfg.width_mult, dt)
-        lr = jnp.dot(x, draft.head_rows.astype(dt).T, preferred_element_type=jnp.float32)  # [b, V']
+        lr = dense_rows(x, draft.head_rows.astype(dt), out_dtype=jnp.float32)  # [b, V']
         if limit_r is not None:
             lr = lr + limit_r
         if sampling.greedy:

@@ -41,6 +41,18 @@ def _dense(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     return y.reshape(*lead, w.shape[-1])
 
 
+def dense_rows(x: jax.Array, rows: jax.Array, out_dtype=None) -> jax.Array:
+    """``x`` ``[..., in]`` against a row-major weight ``rows`` ``[out, in]`` (e.g. the tied embedding): ``[..., out]``.
+
+    One ``dot_general`` contracting both ``in`` axes: ``x @ rows.T`` made XLA:CPU copy the transposed weight on
+    every call (the 8 MiB cpu_tiny embedding: 1.4 ms of a ~3 ms decode step, 0.34 ms without the copy).
+    """
+    lead = x.shape[:-1]
+    y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), rows, (((1,), (1,)), ((), ())),
+                            preferred_element_type=out_dtype)
+    return y.reshape(*lead, rows.shape[0])
+
+
 def zero_vocab_padding(p: nnx.Param, cfg: ModelConfig, axis: int) -> None:
     """Set the vocabulary-padding rows (``axis``) of an embedding/head parameter to zero, in place."""
     if cfg.padded_vocab_size > cfg.vocab_size:
@@ -67,7 +79,7 @@ class Embedder(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """``x`` ``[batch, seq, hidden]`` -> float32 logits ``[batch, seq, vocab]``."""
-        return _dense(x, self.embedding[...].T, out_dtype=jnp.float32)
+        return dense_rows(x, self.embedding[...], out_dtype=jnp.float32)
 
 
 class DecoderLayer(nnx.Module):
