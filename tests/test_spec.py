@@ -42,22 +42,26 @@ class _OracleDrafts(SpeculativeDecoder):
         super().__init__(*a, **kw)
         self.plain, self.lens, self.corrupt = plain, prompt_lens, corrupt
 
-    def _fns(self, sampling, vocab_limit):
-        propose, accept = super()._fns(sampling, vocab_limit)
+    def _draft_step(self):
+        propose = super()._draft_step()
 
-        def oracle(weights, draft, dcache, h0, tok0, pos0, seeds, rnd):
-            dcache, drafts, q = propose(weights, draft, dcache, h0, tok0, pos0, seeds, rnd)
-            d = np.array(jax.device_get(drafts))
-            for r, p0 in enumerate(jax.device_get(pos0)):
+        def swap(d, pos0):  # host side: the plain continuation, every corrupt-th position wrong
+            d = np.array(d)
+            for r, p0 in enumerate(np.asarray(pos0)):
                 g = int(p0) + 1 - self.lens[r]  # index of the pending token in the plain continuation
                 for j in range(self.k):
                     i = g + 1 + j
                     if 0 <= p0 and i < len(self.plain[r]):
                         ok = (int(p0) + j) % self.corrupt != 0
                         d[r, j] = self.plain[r][i] if ok else (self.plain[r][i] + 1) % self.cfg.vocab_size
-            return dcache, jnp.asarray(d), q
+            return d.astype(np.int32)
 
-        return oracle, accept
+        def oracle(weights, draft, dcache, h0, tok0, pos0, seeds, rnd, **kw):
+            dcache, drafts, q = propose(weights, draft, dcache, h0, tok0, pos0, seeds, rnd, **kw)
+            drafts = jax.pure_callback(swap, jax.ShapeDtypeStruct(drafts.shape, jnp.int32), drafts, pos0)
+            return dcache, drafts, q
+
+        return oracle
 
 
 @pytest.mark.parametrize("sparse", [False, True])

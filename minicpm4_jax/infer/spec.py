@@ -42,7 +42,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
-from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, decode_mode
+from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _forward, decode_mode
 from minicpm4_jax.infer.sampling import SamplingParams, row_keys, top_k_filter, top_p_filter
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
@@ -257,6 +257,37 @@ def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
     return a, nxt.astype(jnp.int32)
 
 
+def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengths, active, seeds, rnd, *, cfg,
+           graphdefs, mtp_gd, k, sampling, vocab_limit, mode, propose=None):
+    """One whole round on the device (draft, verify, accept, draft-cache refresh; module docstring steps 1-4).
+
+    ``lengths`` int32 ``[b]`` cached target tokens per row (setting them is the rollback of the last round's
+    rejected tokens), ``active`` bool ``[b]``. Returns ``(cache, dcache, h_last, accepted [b], drafts [b, k],
+    next_tokens [b], attended_fraction)``. One compiled program per round: the host only reads three small
+    arrays back (each eager op between separate programs cost more host time than a draft step). ``propose``:
+    the draft step traced into the round (default :func:`_draft_propose`; tests substitute known drafts).
+    """
+    cache = dataclasses.replace(cache, lengths=lengths)
+    pos0 = jnp.where(active, lengths - 1, -1)
+    dcache, drafts, q = (propose or _draft_propose)(weights, draft, dcache, h_last, tok, pos0, seeds, rnd, cfg=cfg,
+                                       graphdefs=graphdefs, mtp_gd=mtp_gd, k=k, sampling=sampling,
+                                       vocab_limit=vocab_limit)
+    chunk = jnp.concatenate([tok[:, None], drafts], axis=1)  # [b, k+1]
+    vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :], -1)
+    # the decode attention path with per-token dispatch (mode): each verified row sees exactly what a plain decode
+    # step at its position would (dense below dense_len, sparse at or above)
+    cache, lg, frac, hid = _forward(weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1, cfg=cfg,
+                                    graphdefs=graphdefs, all_rows=True, mode=mode, return_hidden=True)
+    a, nxt = _accept(lg, drafts, q, seeds, rnd, sampling=sampling, vocab_limit=vocab_limit)
+    # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    fpos = jnp.where(active[:, None] & (j < a[:, None]), lengths[:, None] + j, -1)
+    dcache = _draft_fill(weights, draft, dcache, hid[:, :k], drafts, fpos, cfg=cfg, graphdefs=graphdefs,
+                         mtp_gd=mtp_gd)
+    h_new = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
+    return cache, dcache, h_new, a, drafts, nxt, frac
+
+
 @dataclasses.dataclass
 class SpecState:
     """Between rounds: the target and draft caches, cached lengths (host ints), ``h_{n-1}`` ``[b, H]`` and the
@@ -306,16 +337,20 @@ class SpeculativeDecoder:
         self.draft = _Draft(mtp=mtp_state, head_rows=jnp.take(table, ids, axis=0), ids=ids)
         kw = dict(cfg=cfg, graphdefs=engine._graphdefs, mtp_gd=mtp_gd)
         self._fill = jax.jit(partial(_draft_fill, **kw), donate_argnums=(2,))
-        self._propose, self._accept = {}, {}
+        self._rounds = {}
         self._kw = kw
 
-    def _fns(self, sampling: SamplingParams, vocab_limit: int | None):
-        key = (sampling, vocab_limit)
-        if key not in self._propose:
-            self._propose[key] = jax.jit(partial(_draft_propose, k=self.k, sampling=sampling, vocab_limit=vocab_limit,
-                                                 **self._kw), donate_argnums=(2,))
-            self._accept[key] = jax.jit(partial(_accept, sampling=sampling, vocab_limit=vocab_limit))
-        return self._propose[key], self._accept[key]
+    def _round_fn(self, sampling: SamplingParams, vocab_limit: int | None, mode: str) -> Callable:
+        key = (sampling, vocab_limit, mode)
+        if key not in self._rounds:
+            self._rounds[key] = jax.jit(partial(_round, k=self.k, sampling=sampling, vocab_limit=vocab_limit,
+                                                mode=mode, propose=self._draft_step(), **self._kw),
+                                        donate_argnums=(2, 3))
+        return self._rounds[key]
+
+    def _draft_step(self) -> Callable:
+        """The draft proposal each round traces (:func:`_draft_propose`); a test hook for known drafts."""
+        return _draft_propose
 
     def round(self, st: SpecState, active: list[bool], seeds: jax.Array, rnd: int, sampling: SamplingParams,
               vocab_limit: int | None = None) -> tuple:
@@ -325,32 +360,19 @@ class SpeculativeDecoder:
         ints), the drafts ``[b, k]`` and the token after the accepted ones ``[b]`` (host arrays).
         """
         eng, cfg, k = self.engine, self.cfg, self.k
-        propose, accept = self._fns(sampling, vocab_limit)
         b = len(active)
         n = list(st.lengths)
-        r_ = jnp.int32(rnd)
-        cache = dataclasses.replace(st.cache, lengths=jnp.asarray(n, jnp.int32))  # rollback of rejected tokens
-        pos0 = jnp.asarray([n[r] - 1 if active[r] else -1 for r in range(b)], jnp.int32)
-        dcache, drafts, q = propose(eng.weights, self.draft, st.dcache, st.h_last, st.tok, pos0, seeds, r_)
-        chunk = jnp.concatenate([st.tok[:, None], drafts], axis=1)  # [b, k+1]
-        vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
-        # the decode attention path with per-token dispatch: each verified row sees exactly what a plain decode
-        # step at its position would (dense below dense_len, sparse at or above)
         mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
-        cache, lg, frac, hid = eng._forward(eng.weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1,
-                                            all_rows=True, mode=mode, return_hidden=True)
-        a, nxt = accept(lg, drafts, q, seeds, r_)
-        acc = [int(x) for x in jax.device_get(a)]
-        # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
-        fpos = jnp.asarray([[n[r] + j if (active[r] and j < acc[r]) else -1 for j in range(k)] for r in range(b)],
-                           jnp.int32)
-        dcache = self._fill(eng.weights, self.draft, dcache, hid[:, :k], drafts, fpos)
-        h_last = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
+        cache, dcache, h_last, a, drafts, nxt, frac = self._round_fn(sampling, vocab_limit, mode)(
+            eng.weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, jnp.asarray(n, jnp.int32),
+            jnp.asarray(active), seeds, jnp.int32(rnd))
+        a_host, d_host, nxt_host = jax.device_get((a, drafts, nxt))
+        acc = [int(x) for x in a_host]
         for r in range(b):
             if active[r]:
                 n[r] += acc[r] + 1
         new = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt)
-        return new, acc, jax.device_get(drafts), jax.device_get(nxt), frac
+        return new, acc, d_host, nxt_host, frac
 
     def _plain_tail(self, st: SpecState, active: list[bool], take: Callable, seeds: jax.Array, step0: int,
                     sampling: SamplingParams, vocab_limit: int | None, fracs: list) -> int:
