@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(or .pt; build it with scripts/build_fr_spec.py) or from --fr-spec FILE")
     g.add_argument("--fr-spec", default=None, metavar="FILE",
                    help="an FR-Spec ranking (freq_*.txt of this project or the official freq_*.pt)")
+    g.add_argument("--draft-window", type=int, default=1024, metavar="N",
+                   help="the draft layer attends only the last N positions (CPM.cu's spec_window_size; default "
+                        "1024, 0 = the whole context)")
     _add_interchange_parsers(sub)
     from minicpm4_jax.eval.cli import add_eval_parser
 
@@ -317,6 +320,8 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
 
     from minicpm4_jax.config import ConfigError
 
+    if args.draft_window < 0:
+        raise ConfigError(f"--draft-window={args.draft_window} must be >= 0 (0 = the whole context)")
     if not args.spec_decode:
         if args.fr_spec_vocab is not None or args.fr_spec is not None:
             raise ConfigError("--fr-spec-vocab/--fr-spec shape the draft of --spec-decode; add --spec-decode")
@@ -341,7 +346,8 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
             if not 1 <= args.fr_spec_vocab <= len(ids):
                 raise ConfigError(f"--fr-spec-vocab={args.fr_spec_vocab} must be in [1, {len(ids)}] for {path}")
             ids = ids[:args.fr_spec_vocab]
-    return SpeculativeDecoder(engine, model.mtp, num_draft=args.num_draft, fr_spec_ids=ids)
+    return SpeculativeDecoder(engine, model.mtp, num_draft=args.num_draft, fr_spec_ids=ids,
+                              draft_window=args.draft_window or None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

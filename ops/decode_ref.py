@@ -54,8 +54,12 @@ def _attend_rows(q: jax.Array, kg: jax.Array, vg: jax.Array, ok: jax.Array, scal
 
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, q_positions: jax.Array,
-                           scale: float | None = None) -> jax.Array:
+                           scale: float | None = None, window: int | None = None) -> jax.Array:
     """Dense GQA attention of new tokens over their sequence's cached keys (a decode step or a verify chunk).
+
+    With ``window = W`` (one token per sequence only) a query at position ``p`` attends the last ``W`` positions
+    ``p - W + 1 .. p``, read as one ``W``-slot slice per sequence (a sliding-window decode, e.g. the draft
+    layer of speculative decoding at long contexts, as CPM.cu's ``spec_window_size``).
 
     Args:
         q: ``[batch, num_heads, head_dim]`` (one token per sequence) or ``[batch, T, num_heads, head_dim]``
@@ -69,8 +73,17 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         the shape of ``q``, in ``q.dtype`` (fp32 softmax).
 
     Raises:
-        ValueError: mismatched shapes or heads not a multiple of kv heads.
+        ValueError: mismatched shapes or heads not a multiple of kv heads, or ``window`` with several tokens per
+            sequence or ``window < 1``.
     """
+    if window is not None:
+        if q.ndim != 3:
+            raise ValueError(f"window={window} takes one token per sequence (q [batch, heads, head_dim]), "
+                             f"got q {q.shape}")
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1 (positions attended, the query's own included)")
+        if window < k_cache.shape[2]:
+            return _window_decode(q, k_cache, v_cache, q_positions.astype(jnp.int32), window, scale)
     single = q.ndim == 3
     q4 = q[:, None] if single else q
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
@@ -84,6 +97,26 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     _, l, acc = _softmax_state(qr, k_cache.reshape(b * nkv, s, d), v_cache.reshape(b * nkv, s, d), ok, scale)
     out = (acc / jnp.where(l == 0.0, 1.0, l)).reshape(b, nkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, nq, d)
     return (out[:, 0] if single else out).astype(q.dtype)
+
+
+def _window_decode(q, k_cache, v_cache, pos, window, scale):
+    """:func:`dense_decode_attention` of one token per sequence over its last ``window`` positions only."""
+    b, nq, d, nkv, s = _check(q, k_cache, v_cache)
+    g = nq // nkv
+    scale = d**-0.5 if scale is None else scale
+    start = jnp.clip(pos - window + 1, 0, s - window)  # [b]
+
+    def rows(x):  # per-sequence slices (a vmapped dynamic slice lowers to a slower gather on XLA:CPU)
+        if b <= 16:
+            return jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start[i], window, axis=1) for i in range(b)])
+        return jax.vmap(lambda xr, st: jax.lax.dynamic_slice_in_dim(xr, st, window, axis=1))(x, start)
+
+    kp = start[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]  # [b, window]
+    ok = (kp <= pos[:, None]) & (kp > pos[:, None] - window)
+    ok = jnp.broadcast_to(ok[:, None], (b, nkv, window)).reshape(b * nkv, window)
+    _, l, acc = _softmax_state(q.reshape(b * nkv, g, d), rows(k_cache).reshape(b * nkv, window, d),
+                               rows(v_cache).reshape(b * nkv, window, d), ok, scale)
+    return (acc / jnp.where(l == 0.0, 1.0, l)).reshape(b, nq, d).astype(q.dtype)
 
 
 def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_idx: jax.Array, *,

@@ -352,3 +352,28 @@ def test_uncached_reference_sees_the_true_length_across_dense_len():
     assert ref[0] == int(exact.argmax())
     assert generate_ids_uncached(model, prompt, 1) == ref[:1]  # the first token does not depend on the budget
     assert InferenceEngine(model, prefill_chunk=64).generate([prompt], 16).tokens[0] == ref
+
+
+def test_windowed_dense_decode_attention():
+    """``window=W``: each query attends exactly its last W positions (dense attention with the rest masked)."""
+    b, nkv, g, d, cap, w = 4, 2, 3, 16, 96, 20
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(ks[0], (b, nkv * g, d))
+    k = jax.random.normal(ks[1], (b, nkv, cap, d))
+    v = jax.random.normal(ks[2], (b, nkv, cap, d))
+    pos = jnp.array([5, 57, 95, -1], jnp.int32)  # shorter than the window, middle, the last slot, inactive
+    got = dense_decode_attention(q, k, v, q_positions=pos, window=w)
+    kvp = jnp.broadcast_to(jnp.arange(cap), (b, cap))
+    ref = dense_attention(q[:, None], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), q_positions=pos[:, None],
+                          kv_positions=kvp, kv_valid=kvp > pos[:, None] - w)[:, 0]
+    np.testing.assert_allclose(np.asarray(got)[:3], np.asarray(ref)[:3], atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(got)[3] == 0)  # the inactive row
+    full = dense_decode_attention(q, k, v, q_positions=pos)
+    np.testing.assert_allclose(np.asarray(got)[0], np.asarray(full)[0], atol=1e-6)  # position 5 < W: all of it
+    assert not np.allclose(np.asarray(got)[1], np.asarray(full)[1], atol=1e-3)  # the window really cuts
+    same = dense_decode_attention(q, k, v, q_positions=pos, window=cap)  # W >= capacity: the full path
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(full))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        dense_decode_attention(q[:, None], k, v, q_positions=pos[:, None], window=w)
+    with pytest.raises(ValueError, match="window=0 must be >= 1"):
+        dense_decode_attention(q, k, v, q_positions=pos, window=0)

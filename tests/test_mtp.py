@@ -111,7 +111,8 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
     run = str(tmp_path / "run")
     assert build_fr_spec.main(["--checkpoint", run, "--size", "64", "--no-pt"]) == 0
     outs = []
-    for extra in ([], ["--spec-decode"], ["--spec-decode", "--fr-spec-vocab", "64", "--num-draft", "2"]):
+    for extra in ([], ["--spec-decode"], ["--spec-decode", "--fr-spec-vocab", "64", "--num-draft", "2"],
+                  ["--spec-decode", "--draft-window", "4"], ["--spec-decode", "--draft-window", "0"]):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", run, "--prompt", "def ", "--max-new-tokens", "12", "--no-stream",
                      *extra]) == 0
@@ -119,7 +120,7 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
         outs.append(o.out)
         if extra:
             assert "acceptance length" in o.err
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1] == outs[2] == outs[3] == outs[4]
     assert main(["generate", "--checkpoint", run, "--prompt", "x", "--spec-decode", "--fr-spec-vocab", "99"]) == 2
     assert "freq_99.txt does not exist" in capsys.readouterr().err
 
@@ -139,7 +140,8 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
     for bad, msg in ((["--top-p", "0"], "top_p=0.0 must be in"), (["--stop", ""], "stop string is empty"),
                      (["--seed", "-1"], "seed -1 is outside"), (["--max-new-tokens", "0"], "max_new_tokens=0"),
                      (["--spec-decode", "--fr-spec", str(tmp_path)], "is a directory"),
-                     (["--spec-decode", "--fr-spec-vocab", "0"], "--fr-spec-vocab=0 must be in [1, vocab_size=")):
+                     (["--spec-decode", "--fr-spec-vocab", "0"], "--fr-spec-vocab=0 must be in [1, vocab_size="),
+                     (["--spec-decode", "--draft-window", "-3"], "--draft-window=-3 must be >= 0")):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", run, "--prompt", "def ", *bad]) == 2, bad
         o = capsys.readouterr()

@@ -168,6 +168,29 @@ def test_bad_spec_settings():
     SpeculativeDecoder(eng, mtp, num_draft=limit - 2)
     with pytest.raises(ConfigError, match=r"FR-Spec ids must lie in \[0, 11\)"):
         SpeculativeDecoder(eng, mtp, fr_spec_ids=np.asarray([1, 11]))
+    for bad in (0, -5, True, 2.5):
+        with pytest.raises(ConfigError, match=r"draft_window=.* \(--draft-window\) must be a positive"):
+            SpeculativeDecoder(eng, mtp, draft_window=bad)
+
+
+def test_draft_window_keeps_greedy_output_and_changes_only_the_drafts():
+    """A draft attending only its last 8 positions (CPM.cu's spec_window_size) still gives plain greedy tokens;
+    its drafts differ from the full-context draft's, so the window really is applied."""
+    model, mtp = _pair(SMALL)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompts = _prompts(SMALL.vocab_size)
+    plain = eng.generate(prompts, 40)
+    full = SpeculativeDecoder(eng, mtp, num_draft=3, draft_window=None)
+    win = SpeculativeDecoder(eng, mtp, num_draft=3, draft_window=8)
+    out_full, out_win = full.generate(prompts, 40), win.generate(prompts, 40)
+    assert out_full.tokens == plain.tokens and out_win.tokens == plain.tokens
+    # the same round from the same state: the windowed draft proposes other tokens
+    st = None
+    for dec in (full, win):
+        state = dec.prefill(prompts, 200, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
+        _, _, drafts, _, _ = dec.round(state, [True, True], jnp.zeros((2,), jnp.uint32), 1, SamplingParams())
+        st = drafts if st is None else st
+    assert not np.array_equal(st, drafts)
 
 
 def test_speculative_near_the_position_limit_finishes_plainly():

@@ -164,8 +164,9 @@ class _Draft:
     ids: jax.Array  # [V'] draft index -> token id
 
 
-def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfig):
-    """The MTP decoder layer over ``u [b, T, H]`` at ``positions`` with its own (dense) cache."""
+def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfig, window: int | None = None):
+    """The MTP decoder layer over ``u [b, T, H]`` at ``positions`` with its own (dense) cache; a single token per
+    sequence attends only its last ``window`` positions when given."""
     layer = mtp.layer
     cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_mtp)
     q, k, v, _, _ = layer.qkv(u, cos, sin, cfg_mtp)
@@ -173,7 +174,7 @@ def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfi
     b, t = positions.shape
     cap = lc.k.shape[2]
     if t == 1:
-        a = dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0])[:, None]
+        a = dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0], window=window)[:, None]
     else:
         kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         a = dense_attention(q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions,
@@ -193,7 +194,7 @@ def _draft_fill(weights, draft: _Draft, dcache: LayerCache, hidden, tokens, posi
 
 
 def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, seeds, rnd, *, cfg, graphdefs,
-                   mtp_gd, k, sampling, vocab_limit):
+                   mtp_gd, k, sampling, vocab_limit, window=None):
     """``k`` chained draft steps; returns (dcache, draft tokens ``[b, k]``, draft probs ``[b, k, vocab]`` or None)."""
     emb = nnx.merge(graphdefs[0], weights.embed)
     mtp = nnx.merge(mtp_gd, draft.mtp)
@@ -210,7 +211,7 @@ def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, s
         pos = jnp.where(pos0 >= 0, pos0 + j, -1)[:, None]
         e = emb.encode(tok[:, None], dt) * jnp.asarray(cfg.scale_emb, dt)
         u = mtp.inputs(e, h[:, None], cfg)
-        dcache, o = _draft_layer(mtp, dcache, u, pos, cfg_m)
+        dcache, o = _draft_layer(mtp, dcache, u, pos, cfg_m, window)
         x = o[:, 0] / jnp.asarray(cfg.width_mult, dt)
         lr = dense_rows(x, draft.head_rows.astype(dt), out_dtype=jnp.float32)  # [b, V']
         if limit_r is not None:
@@ -258,7 +259,7 @@ def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
 
 
 def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengths, active, seeds, rnd, *, cfg,
-           graphdefs, mtp_gd, k, sampling, vocab_limit, mode, propose=None):
+           graphdefs, mtp_gd, k, sampling, vocab_limit, mode, draft_window=None, propose=None):
     """One whole round on the device (draft, verify, accept, draft-cache refresh; module docstring steps 1-4).
 
     ``lengths`` int32 ``[b]`` cached target tokens per row (setting them is the rollback of the last round's
@@ -271,7 +272,7 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     pos0 = jnp.where(active, lengths - 1, -1)
     dcache, drafts, q = (propose or _draft_propose)(weights, draft, dcache, h_last, tok, pos0, seeds, rnd, cfg=cfg,
                                        graphdefs=graphdefs, mtp_gd=mtp_gd, k=k, sampling=sampling,
-                                       vocab_limit=vocab_limit)
+                                       vocab_limit=vocab_limit, window=draft_window)
     chunk = jnp.concatenate([tok[:, None], drafts], axis=1)  # [b, k+1]
     vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :], -1)
     # the decode attention path with per-token dispatch (mode): each verified row sees exactly what a plain decode
@@ -309,14 +310,23 @@ class SpeculativeDecoder:
         num_draft: tokens drafted per round (``k``).
         fr_spec_ids: optional FR-Spec ranking (int ``[V']``, most frequent first): the draft head scores only
             these tokens.
+        draft_window: the draft layer attends only the last ``draft_window`` positions while drafting (CPM.cu's
+            ``spec_window_size``, default 1024 there and here; ``None`` = all). Its cost per draft step then stays
+            constant at long contexts; any draft keeps the output exact (step 3), only acceptance can change.
 
     Raises:
-        ConfigError: ``num_draft < 1`` or ``>= max_position_embeddings - 1``, or a ranking with ids outside the vocabulary.
+        ConfigError: ``num_draft < 1`` or ``>= max_position_embeddings - 1``, a ranking with ids outside the
+            vocabulary, or ``draft_window < 1``.
     """
 
     def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
-                 fr_spec_ids: np.ndarray | None = None):
+                 fr_spec_ids: np.ndarray | None = None, draft_window: int | None = 1024):
         cfg = engine.cfg
+        if draft_window is not None and (isinstance(draft_window, bool) or not isinstance(draft_window, int)
+                                         or draft_window < 1):
+            raise ConfigError(f"draft_window={draft_window!r} (--draft-window) must be a positive number of "
+                              "positions, or None / 0 on the command line for the whole context")
+        self.draft_window = draft_window
         if num_draft < 1:
             raise ConfigError(f"num_draft={num_draft} (--num-draft) must be >= 1 (tokens drafted per round)")
         if num_draft >= cfg.max_position_embeddings - 1:
@@ -344,7 +354,8 @@ class SpeculativeDecoder:
         key = (sampling, vocab_limit, mode)
         if key not in self._rounds:
             self._rounds[key] = jax.jit(partial(_round, k=self.k, sampling=sampling, vocab_limit=vocab_limit,
-                                                mode=mode, propose=self._draft_step(), **self._kw),
+                                                mode=mode, draft_window=self.draft_window,
+                                                propose=self._draft_step(), **self._kw),
                                         donate_argnums=(2, 3))
         return self._rounds[key]
 
@@ -373,6 +384,30 @@ class SpeculativeDecoder:
                 n[r] += acc[r] + 1
         new = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt)
         return new, acc, d_host, nxt_host, frac
+
+    def prefill(self, prompts: Sequence[Sequence[int]], tokens: int,
+                first_token: Callable[[jax.Array], jax.Array]) -> SpecState:
+        """Prefill the target cache (room for ``tokens`` positions) and the draft cache with ``prompts``.
+
+        ``first_token`` maps the float32 logits ``[batch, vocab]`` at each prompt's end to the first new token
+        ``[batch]`` (the sampler). Returns the state before the first round, that token pending.
+        """
+        eng, cfg = self.engine, self.cfg
+        lens = [len(p) for p in prompts]
+        cache = eng.new_cache(len(prompts), tokens)
+        cache, logits, _, hidden = eng.prefill(cache, prompts, return_hidden=True)
+        dcache = init_cache(dataclasses.replace(cfg, num_hidden_layers=1, attention="dense"), len(prompts),
+                            cache.capacity).layers[0]
+        # draft cache entries for positions 0 .. n-2: u_i = f(h_i, x_{i+1})
+        width = hidden.shape[1]
+        ids = jnp.asarray([list(p[1:]) + [0] * (width - len(p) + 1) for p in prompts], jnp.int32)
+        pos = jnp.where(jnp.arange(width)[None, :] < jnp.asarray(lens)[:, None] - 1, jnp.arange(width)[None, :], -1)
+        c = eng.chunk_size(width)
+        for i in range(-(-width // c)):
+            sl = slice(i * c, (i + 1) * c)
+            dcache = self._fill(eng.weights, self.draft, dcache, hidden[:, sl], ids[:, sl], pos[:, sl])
+        h_last = jnp.take_along_axis(hidden, (jnp.asarray(lens) - 1)[:, None, None], axis=1)[:, 0]
+        return SpecState(cache=cache, dcache=dcache, lengths=list(lens), h_last=h_last, tok=first_token(logits))
 
     def _plain_tail(self, st: SpecState, active: list[bool], take: Callable, seeds: jax.Array, step0: int,
                     sampling: SamplingParams, vocab_limit: int | None, fracs: list) -> int:
@@ -423,27 +458,12 @@ class SpeculativeDecoder:
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
-        cache = eng.new_cache(b, max(lens) + max_new_tokens + k)
-        cache, logits, _, hidden = eng.prefill(cache, prompts, return_hidden=True)
-        dcache = init_cache(dataclasses.replace(cfg, num_hidden_layers=1, attention="dense"), b,
-                            cache.capacity).layers[0]
-        # draft cache entries for positions 0 .. n-2: u_i = f(h_i, x_{i+1})
-        width = hidden.shape[1]
-        ids = jnp.asarray([list(p[1:]) + [0] * (width - len(p) + 1) for p in prompts], jnp.int32)
-        pos = jnp.where(jnp.arange(width)[None, :] < jnp.asarray(lens)[:, None] - 1, jnp.arange(width)[None, :], -1)
-        c = eng.chunk_size(width)
-        for i in range(-(-width // c)):
-            sl = slice(i * c, (i + 1) * c)
-            dcache = self._fill(eng.weights, self.draft, dcache, hidden[:, sl], ids[:, sl], pos[:, sl])
-        n = list(lens)  # cached target tokens per row
-        h_last = jnp.take_along_axis(hidden, (jnp.asarray(lens) - 1)[:, None, None], axis=1)[:, 0]
-        tok = first(logits, seeds_arr)
+        state = self.prefill(prompts, max(lens) + max_new_tokens + k, lambda lg: first(lg, seeds_arr))
         t1 = time.perf_counter()
 
-        for r, t in enumerate(jax.device_get(tok)):
+        for r, t in enumerate(jax.device_get(state.tok)):
             take(r, int(t))
         rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
-        state = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=tok)
         max_pos = cfg.max_position_embeddings
         while any(active):
             act_rows = [r for r in range(b) if active[r]]
