@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(or .pt; build it with scripts/build_fr_spec.py) or from --fr-spec FILE")
     g.add_argument("--fr-spec", default=None, metavar="FILE",
                    help="an FR-Spec ranking (freq_*.txt of this project or the official freq_*.pt)")
-    g.add_argument("--draft-window", type=int, default=1024, metavar="N",
+    g.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="the draft layer attends only the last N positions (CPM.cu's spec_window_size; default "
                         "1024, 0 = the whole context)")
     _add_interchange_parsers(sub)
@@ -320,11 +320,12 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
 
     from minicpm4_jax.config import ConfigError
 
-    if args.draft_window < 0:
+    if args.draft_window is not None and args.draft_window < 0:
         raise ConfigError(f"--draft-window={args.draft_window} must be >= 0 (0 = the whole context)")
     if not args.spec_decode:
-        if args.fr_spec_vocab is not None or args.fr_spec is not None:
-            raise ConfigError("--fr-spec-vocab/--fr-spec shape the draft of --spec-decode; add --spec-decode")
+        if args.fr_spec_vocab is not None or args.fr_spec is not None or args.draft_window is not None:
+            raise ConfigError("--fr-spec-vocab/--fr-spec/--draft-window shape the draft of --spec-decode; add "
+                              "--spec-decode")
         return None
     if not getattr(model.cfg, "mtp", False):
         raise ConfigError("--spec-decode needs a model trained with its MTP draft head (model.mtp=true); this "
@@ -347,7 +348,7 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
                 raise ConfigError(f"--fr-spec-vocab={args.fr_spec_vocab} must be in [1, {len(ids)}] for {path}")
             ids = ids[:args.fr_spec_vocab]
     return SpeculativeDecoder(engine, model.mtp, num_draft=args.num_draft, fr_spec_ids=ids,
-                              draft_window=args.draft_window or None)
+                              draft_window=1024 if args.draft_window is None else (args.draft_window or None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

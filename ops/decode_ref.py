@@ -68,13 +68,15 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         q_positions: int ``[batch]`` / ``[batch, T]``; a query attends the slots ``0 .. q_position``; ``-1`` = an
             inactive row (zeros out).
         scale: softmax scale, default ``head_dim ** -0.5``.
+        window: attend only the last ``window`` positions (``q`` must be the 3-D one-token form); ``None`` or a
+            window of at least the capacity = all positions.
 
     Returns:
         the shape of ``q``, in ``q.dtype`` (fp32 softmax).
 
     Raises:
-        ValueError: mismatched shapes or heads not a multiple of kv heads, or ``window`` with several tokens per
-            sequence or ``window < 1``.
+        ValueError: mismatched shapes or heads not a multiple of kv heads, or ``window`` with a 4-D ``q`` or
+            ``window < 1``.
     """
     if window is not None:
         if q.ndim != 3:

@@ -58,10 +58,12 @@ def test_pallas_training_matches_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["gen1", "gen2"])
-def test_pallas_generation_matches_reference(variant, monkeypatch):
+@pytest.mark.parametrize("variant,decode_backend", [("gen1", "tpu"), ("gen2", "tpu"), ("gen2", "triton")])
+def test_pallas_generation_matches_reference(variant, decode_backend, monkeypatch):
     """Cached generation with the Pallas stage-1, stage-2 and decode kernels (chunked sparse prefill, the
-    dense-to-sparse switch at dense_len during decoding) gives the reference's logits and tokens."""
+    dense-to-sparse switch at dense_len during decoding) gives the reference's logits and tokens. With
+    ``decode_backend="triton"`` the engine's decode kernels are the Triton ones (interpret mode), the GPU path
+    with its single-token block lists."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -82,6 +84,8 @@ def test_pallas_generation_matches_reference(variant, monkeypatch):
     from minicpm4_jax.ops.pallas import sparse_attention
 
     traced = {"decode": 0, "stage1": 0, "stage2": 0}
+    if decode_backend == "triton":
+        monkeypatch.setattr(engine_mod, "pallas_target", lambda: ("triton", True))
 
     def counting(name, fn):
         def wrapped(*a, **k):

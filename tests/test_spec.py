@@ -111,7 +111,9 @@ def test_sampled_speculative_matches_target_distribution():
     sampling = SamplingParams(temperature=0.9, top_k=3)
     prompt = [1, 2, 3, 0, 1]
     n = 8000
-    out = SpeculativeDecoder(eng, mtp, num_draft=2).generate([prompt] * n, 3, sampling=sampling, seeds=0)
+    # a draft window of 2 positions is active here (contexts of 5-8 tokens): any draft keeps the distribution
+    out = SpeculativeDecoder(eng, mtp, num_draft=2, draft_window=2).generate([prompt] * n, 3, sampling=sampling,
+                                                                            seeds=0)
     seqs = np.asarray(out.tokens)
     counts = np.bincount(seqs[:, 0] * 16 + seqs[:, 1] * 4 + seqs[:, 2], minlength=64)
 
@@ -171,6 +173,13 @@ def test_bad_spec_settings():
     for bad in (0, -5, True, 2.5):
         with pytest.raises(ConfigError, match=r"draft_window=.* \(--draft-window\) must be a positive"):
             SpeculativeDecoder(eng, mtp, draft_window=bad)
+    assert SpeculativeDecoder(eng, mtp, draft_window=np.int64(8)).draft_window == 8
+    dec = SpeculativeDecoder(eng, mtp)
+    first = lambda lg: jnp.argmax(lg, -1)  # noqa: E731
+    with pytest.raises(ConfigError, match="no empty prompt"):
+        dec.prefill([[1, 2], []], 10, first)
+    with pytest.raises(ConfigError, match="a prompt of 5 tokens does not fit tokens=4"):
+        dec.prefill([[1, 2, 3, 4, 5]], 4, first)
 
 
 def test_draft_window_keeps_greedy_output_and_changes_only_the_drafts():

@@ -322,11 +322,11 @@ class SpeculativeDecoder:
     def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
                  fr_spec_ids: np.ndarray | None = None, draft_window: int | None = 1024):
         cfg = engine.cfg
-        if draft_window is not None and (isinstance(draft_window, bool) or not isinstance(draft_window, int)
-                                         or draft_window < 1):
+        if draft_window is not None and (isinstance(draft_window, bool)
+                                         or not isinstance(draft_window, (int, np.integer)) or draft_window < 1):
             raise ConfigError(f"draft_window={draft_window!r} (--draft-window) must be a positive number of "
                               "positions, or None / 0 on the command line for the whole context")
-        self.draft_window = draft_window
+        self._draft_window = None if draft_window is None else int(draft_window)
         if num_draft < 1:
             raise ConfigError(f"num_draft={num_draft} (--num-draft) must be >= 1 (tokens drafted per round)")
         if num_draft >= cfg.max_position_embeddings - 1:
@@ -350,6 +350,11 @@ class SpeculativeDecoder:
         self._rounds = {}
         self._kw = kw
 
+    @property
+    def draft_window(self) -> int | None:
+        """Positions the draft layer attends while drafting (``None`` = all); fixed at construction."""
+        return self._draft_window
+
     def _round_fn(self, sampling: SamplingParams, vocab_limit: int | None, mode: str) -> Callable:
         key = (sampling, vocab_limit, mode)
         if key not in self._rounds:
@@ -368,7 +373,8 @@ class SpeculativeDecoder:
         """One draft-verify-accept round for the ``active`` sequences (module docstring, steps 1-4).
 
         Returns ``(state, accepted, drafts, next_tokens, attended_fraction)``: accepted drafts per row (host
-        ints), the drafts ``[b, k]`` and the token after the accepted ones ``[b]`` (host arrays).
+        ints), the drafts ``[b, k]`` and the token after the accepted ones ``[b]`` (host arrays). ``st`` is
+        consumed: its caches are donated to the round (updated in place); continue from the returned state.
         """
         eng, cfg, k = self.engine, self.cfg, self.k
         b = len(active)
@@ -391,9 +397,17 @@ class SpeculativeDecoder:
 
         ``first_token`` maps the float32 logits ``[batch, vocab]`` at each prompt's end to the first new token
         ``[batch]`` (the sampler). Returns the state before the first round, that token pending.
+
+        Raises:
+            ConfigError: no prompt, an empty prompt, or a prompt longer than ``tokens``.
         """
         eng, cfg = self.engine, self.cfg
         lens = [len(p) for p in prompts]
+        if not lens or min(lens) < 1:
+            raise ConfigError("prefill needs at least one prompt and no empty prompt; give some text to continue")
+        if max(lens) > tokens:
+            raise ConfigError(f"a prompt of {max(lens)} tokens does not fit tokens={tokens}; pass at least the "
+                              "longest prompt plus the tokens to generate")
         cache = eng.new_cache(len(prompts), tokens)
         cache, logits, _, hidden = eng.prefill(cache, prompts, return_hidden=True)
         dcache = init_cache(dataclasses.replace(cfg, num_hidden_layers=1, attention="dense"), len(prompts),
