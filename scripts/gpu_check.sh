@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh              # on the NVIDIA machine: its python3, PYTHONPATH=., installs nothing
 #   bash scripts/gpu_check.sh --quick      # fewer correctness cases / iterations, backward only up to 32K
-#   bash scripts/gpu_check.sh --tune       # then also the kernel-parameter sweep (--part tune, ~150 s more)
+#   bash scripts/gpu_check.sh --tune       # then also the kernel-parameter sweep (--part tune, <= 210 s more)
 #   bash scripts/gpu_check.sh --dry-run    # CPU, interpret=True, tiny sizes: checks this script, not the kernels
 #   bash scripts/gpu_check.sh --out DIR    # results directory (default: $OUT if set, else runs/gpu_check;
 #                                          # dry run: .cache/gpu_check_dry_run)
@@ -72,7 +72,7 @@ if ((DRY)); then
 else
   # a cold start compiled one fp32 correctness case for 64 s (H200, 2026-11-29): correctness gets the most time
   BUDGET="${GPU_CHECK_BUDGET_S:-295}"
-  declare -A TMO=([env]=20 [correctness]=150 [decode]=95 [prefill]=70 [prefill-bwd]=50 [tune]=150)
+  declare -A TMO=([env]=20 [correctness]=150 [decode]=95 [prefill]=70 [prefill-bwd]=50 [tune]=210)
 fi
 ((QUICK)) && COMMON+=(--quick)
 RESERVE=5    # seconds kept for the summary

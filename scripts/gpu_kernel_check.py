@@ -802,9 +802,11 @@ def part_decode(rep, args):
 
 
 def part_tune(rep, args):
-    """Kernel-parameter sweep at one prefill length (not part of the gpu_check verdict): the stage-2 forward and
-    forward+backward over tokens per tile / warps / stages, and the stage-1 kernel over query tile / key chunk /
-    warps. Each config's ms is the median of ``iters`` calls; the table says which defaults to change."""
+    """Kernel-parameter sweep (not part of the gpu_check verdict): the XLA references and, at 32K, the stage-2
+    forward and forward+backward over tokens per tile / warps / stages and the stage-1 kernel over query tile /
+    key chunk / warps; at 128K the selection's query tile, stage 2 over tokens per tile, and the decode kernel's
+    flash-decoding split at batch 1 and 16. Each prefill config's ms is the median of ``iters`` calls, each
+    decode config's the per-layer mean of back-to-back calls; the table says which defaults to change."""
     params, bs, interp, dtype = _bench_setup(args)
     g = NQ // NKV
     t = args.tune_length
@@ -827,13 +829,17 @@ def part_tune(rep, args):
     # the query tile of select_blocks (its lax.map over tiles; each tile one stage-1 grid), at the longest length
     t_sel = 1024 if interp else 131072
     grids = [(qt,) for qt in ((128, 512) if interp else (512, 2048, 8192, 16384))]
-    sel_inputs, sel_pos, long_sel = None, jnp.arange(t_sel, dtype=jnp.int32)[None], None
+    sel_inputs, sel_pos, long_sel, dec_data = None, jnp.arange(t_sel, dtype=jnp.int32)[None], None, {}
     # the XLA references at the same length (the attention_impl=xla/auto path), for the kernels' tables
     # stage 2 at the longest length too: there the per-tile union (0.37 of the causal blocks with 8 tokens per
     # tile against 0.19 attended, first H200 run) weighs most, so fewer tokens per tile may win
     grid2_long = [(tq, 4, 3) for tq in ((1, 2) if interp else (4, 8, 2, 1))]  # the slowest last (time budget)
+    # the decode kernel's flash-decoding split at the goal length, batch 1 and 16 (stage 2 alone, 4 layers chained)
+    dec_n = 1024 if interp else 131072
+    grid_dec = [(b_, ns) for b_ in (1, 16 if not interp else 2) for ns in ((0, 4) if interp else (0, 33, 65, 130))]
     cases = ([("xla reference", ("select",)), ("xla reference", ("stage2",))]
              + [("select q_tile", c) for c in grids] + [("stage2 fwd long", c) for c in grid2_long]
+             + [("decode splits", c) for c in grid_dec]
              + [("stage1", c) for c in grid1]
              + [("stage2 fwd", c) for c in grid2] + [("stage2 fwd+bwd", c) for c in gridb])
     ck1 = compress_keys(k, params.kernel_size, params.kernel_stride)
@@ -843,7 +849,8 @@ def part_tune(rep, args):
         if rep.elapsed() > args.deadline_s:
             rep.row(dict(kind=kind, config=list(c), skipped="time budget"))
             continue
-        row = dict(kind=kind, T=t_sel if kind in ("select q_tile", "stage2 fwd long") else t, config=list(c))
+        row = dict(kind=kind, T=t_sel if kind in ("select q_tile", "stage2 fwd long") else dec_n
+                   if kind == "decode splits" else t, config=list(c))
         rep.row(row)
         try:
             if kind == "xla reference":
@@ -862,6 +869,43 @@ def part_tune(rep, args):
                 fn = functools.partial(lambda q, k, qt: select_blocks(
                     q, k, q_positions=sel_pos, params=params, q_tile=qt, impl="pallas").topk_idx, qt=c[0])
                 fargs = sel_inputs[:2]
+            elif kind == "decode splits":  # config (batch, num_splits); 0 = the kernel's default split
+                b_, ns = c
+                if dec_data.get("batch") != b_:
+                    dec_data.clear()
+                    dec_data["batch"] = b_
+                    nb_d = dec_n // bs
+                    k_d = min(params.topk_cfg, nb_d)
+                    init_d, win_d, width_d = stage2_forced_split(params, k_d)
+                    key = jax.random.PRNGKey(7)
+                    kcs = [jax.random.normal(jax.random.fold_in(key, 2 * i), (b_, NKV, dec_n, D), dtype)
+                           for i in range(4)]
+                    vcs = [jax.random.normal(jax.random.fold_in(key, 2 * i + 1), (b_, NKV, dec_n, D), dtype)
+                           for i in range(4)]
+                    # forced blocks of the last token plus random distinct picks below them (a selection's shape)
+                    qb = (dec_n - 1) // bs
+                    forced = np.r_[np.arange(init_d), np.arange(qb - win_d + 1, qb + 1)]
+                    rng = np.random.default_rng(0)
+                    pool = np.setdiff1d(np.arange(qb + 1), forced)
+                    picks = np.stack([np.r_[forced, np.sort(rng.choice(pool, max(0, k_d - len(forced)),
+                                                                       replace=False))][:k_d]
+                                      for _ in range(b_ * NKV)]).reshape(b_, NKV, k_d).astype(np.int32)
+                    dec_data.update(kcs=kcs, vcs=vcs, idx=jnp.asarray(picks), forced=(init_d, win_d, width_d),
+                                    q=jax.random.normal(key, (b_, NQ, D), jnp.float32).astype(dtype),
+                                    pos=jnp.full((b_,), dec_n - 1, jnp.int32))
+                init_d, win_d, width_d = dec_data["forced"]
+                row.update(batch=b_, num_splits=ns or "default", layers=4)
+
+                def chain(q, kcs, vcs, idx, ns=ns, init_d=init_d, win_d=win_d, width_d=width_d):
+                    x = q
+                    for kc_, vc_ in zip(kcs, vcs):
+                        x = sparse_decode_attention_pallas(
+                            x, kc_, vc_, idx, q_positions=dec_data["pos"], block_size=bs, init_blocks=init_d,
+                            window_blocks=win_d, gather_width=width_d, backend=BACKEND, interpret=interp,
+                            num_splits=ns or None).astype(q.dtype)
+                    return x
+                fn = chain
+                fargs = (dec_data["q"], dec_data["kcs"], dec_data["vcs"], dec_data["idx"])
             elif kind == "stage2 fwd long":
                 if sel_inputs is None:
                     sel_inputs = _inputs(t_sel, dtype)[:3]
@@ -899,7 +943,10 @@ def part_tune(rep, args):
                 fn = sparse if kind == "stage2 fwd" else _fwd_bwd(sparse)
                 fargs = (q, k, v) if kind == "stage2 fwd" else (q, k, v, gout)
             comp, row["compile_s"] = _compile(fn, fargs)
-            row["ms"] = _median_ms(comp, fargs, 1, iters)
+            if kind == "decode splits":  # microsecond calls: mean of back-to-back dispatches, per layer
+                row["ms"] = _pipelined_ms(comp, fargs, 2 if interp else 30) / 4
+            else:
+                row["ms"] = _median_ms(comp, fargs, 1, iters)
             rep.save()
             print(f"{label}: {row['ms']:9.3f} ms" + (f"  tile blocks {row['tile_blocks_mean']:.1f}"
                                                     if "tile_blocks_mean" in row else "")
@@ -992,7 +1039,8 @@ def part_summary(out_dir: str) -> int:
         with open(tune_path) as fh:
             tune = json.load(fh)
         lines.append(f"\ntune sweep (--part tune; not part of the verdict), fastest configs per kernel:")
-        for kind in ("xla reference", "select q_tile", "stage2 fwd long", "stage1", "stage2 fwd", "stage2 fwd+bwd"):
+        for kind in ("xla reference", "select q_tile", "stage2 fwd long", "decode splits", "stage1", "stage2 fwd",
+                     "stage2 fwd+bwd"):
             rows = sorted((r for r in tune.get("bench", []) if r.get("kind") == kind and "ms" in r),
                           key=lambda r: r["ms"])
             best = ", ".join(f"{tuple(r['config'])} {r['ms']:.3f} ms" for r in rows[:3])
