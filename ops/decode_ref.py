@@ -142,8 +142,9 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
             (a few, e.g. a speculative verify chunk), post-RoPE.
         k_cache, v_cache: ``[batch, num_kv_heads, capacity, head_dim]``; ``capacity`` a multiple of
             ``block_size`` and at least the window slice.
-        topk_idx: int ``[batch, num_kv_heads, K]`` (or ``[batch, num_kv_heads, T, K]``) block ids, ``-1`` unused,
-            no id repeated in a row (:class:`~minicpm4_jax.infllm.select.Selection` format).
+        topk_idx: int ``[batch, num_kv_heads, K]`` (or ``[batch, num_kv_heads, T, K]``) block ids, ``-1`` unused
+            (so is any id outside ``[0, capacity / block_size)``, as in the Pallas kernels), no id repeated in a
+            row (:class:`~minicpm4_jax.infllm.select.Selection` format).
         q_positions: int ``[batch]`` (or ``[batch, T]``); ``-1`` = inactive row (zeros out).
         block_size: KV block size.
         window_blocks, init_blocks: forced blocks (see above); 0 = none.
@@ -220,7 +221,7 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         kg = jnp.take(k_cache.reshape(rows * nb, block_size * d), flat, axis=0, mode="clip").reshape(rows * t, n, d)
         vg = jnp.take(v_cache.reshape(rows * nb, block_size * d), flat, axis=0, mode="clip").reshape(rows * t, n, d)
         kpos = blk[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)  # [b, kv, t, width, block]
-        ok = (idx >= 0)[..., None] & (kpos <= pos[:, None, :, None, None])
+        ok = ((idx >= 0) & (idx < nb))[..., None] & (kpos <= pos[:, None, :, None, None])
         qt = q4.reshape(b, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(rows * t, g, d)
         m, l, acc = _softmax_state(qt, kg, vg, ok.reshape(rows * t, n), scale)
         st = tuple(x.reshape(rows, t * g, x.shape[-1]) for x in (m, l, acc))

@@ -115,7 +115,8 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
             contiguous (``cache_len + arange``), padding rows ``-1``.
         k, v: ``[batch, kv_len, num_kv_heads, head_dim]``; the kv index must equal the token position
             (block ``b`` = kv indices ``[b*block_size, (b+1)*block_size)``).
-        topk_idx: int ``[batch, num_kv_heads, T, K]`` block ids, ``-1`` = unused; no id repeated in a row
+        topk_idx: int ``[batch, num_kv_heads, T, K]`` block ids, ``-1`` = unused (so is any id outside
+            ``[0, NB)``, as in the Pallas kernels); no id repeated in a row
             (:class:`~minicpm4_jax.infllm.select.Selection` format). Not differentiated.
         q_positions: int ``[batch, T]`` (``-1`` = padding row -> zero output).
         kv_positions: int ``[batch, kv_len]``; key ``s`` is visible iff ``kv_positions[s] <= q_position``.
@@ -191,7 +192,7 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
         vg = jnp.take(vf, flat, axis=0).reshape(rows, width * block_size, d)
         kpos = jnp.take(kvp_blocks, (base_pos[:, None, None, None] + bidx).reshape(-1), axis=0)
         kpos = kpos.reshape(b, nkv, sub, width, block_size)
-        ok = (idx_s >= 0)[..., None] & (kpos <= pos_s[:, None, :, None, None])
+        ok = ((idx_s >= 0) & (idx_s < nb))[..., None] & (kpos <= pos_s[:, None, :, None, None])
         qr = q_s.transpose(0, 2, 1, 3, 4).reshape(rows, g, d)  # one small sub-tile of queries
         logits = jax.lax.dot_general(qr, kg, (((2,), (2,)), ((0,), (0,))),
                                      preferred_element_type=jnp.float32) * scale  # [rows, g, n]

@@ -590,3 +590,21 @@ def test_bf16_smoke():
     g = _grads(lambda q: infllmv2_attention(q, *bf[1:], q_positions=pos, kv_positions=pos,
                                             sparse_cfg=cfg).astype(jnp.float32), 1.0, bf[0])[0]
     assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
+
+
+def test_stage2_out_of_range_picks_are_unused():
+    """Picks at or beyond the key blocks count as unused (the kernels drop them; the reference used to clip them
+    onto the last block)."""
+    from minicpm4_jax.ops.infllm_ref import infllmv2_stage2
+
+    t, bs = 40, 16  # 3 blocks
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(ks[0], (1, t, 4, 8))
+    k = jax.random.normal(ks[1], (1, t, 2, 8))
+    v = jax.random.normal(ks[2], (1, t, 2, 8))
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    good = jnp.broadcast_to(jnp.array([0, 2, -1], jnp.int32), (1, 2, t, 3))
+    bad = jnp.broadcast_to(jnp.array([0, 2, 5], jnp.int32), (1, 2, t, 3))
+    kw = dict(q_positions=pos, kv_positions=pos, block_size=bs)
+    np.testing.assert_array_equal(np.asarray(infllmv2_stage2(q, k, v, bad, **kw)),
+                                  np.asarray(infllmv2_stage2(q, k, v, good, **kw)))

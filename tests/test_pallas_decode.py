@@ -245,3 +245,19 @@ def test_single_token_triton_path_matches_reference():
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5,
                                    err_msg=f"case {case}: init {init} win {win} width {width} pos {pos}")
         assert np.all(np.asarray(out[2]) == 0)  # the inactive row
+
+
+def test_out_of_range_picks_are_unused_in_reference_and_kernels():
+    """A pick at or beyond the cache's block count counts as unused everywhere (it used to be clipped onto the
+    last block by the references and dropped by the kernels)."""
+    q, kc, vc = _inputs(1, None, 2, 4, 32, 64, seed=9)
+    pos = jnp.array([60], jnp.int32)  # 4 blocks of 16
+    bad = jnp.array([[[1, 4, 9], [0, 2, 7]]], jnp.int32)
+    good = jnp.array([[[1, -1, -1], [0, 2, -1]]], jnp.int32)
+    ref_bad = sparse_decode_attention(q, kc, vc, bad, q_positions=pos, block_size=16)
+    ref_good = sparse_decode_attention(q, kc, vc, good, q_positions=pos, block_size=16)
+    np.testing.assert_array_equal(np.asarray(ref_bad), np.asarray(ref_good))
+    for backend in BACKENDS:
+        out = sparse_decode_attention_pallas(q, kc, vc, bad, q_positions=pos, block_size=16, backend=backend,
+                                             interpret=True)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_good), atol=1e-5, rtol=1e-5)
