@@ -270,9 +270,9 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     """
     cache = dataclasses.replace(cache, lengths=lengths)
     pos0 = jnp.where(active, lengths - 1, -1)
-    dcache, drafts, q = (propose or _draft_propose)(weights, draft, dcache, h_last, tok, pos0, seeds, rnd, cfg=cfg,
-                                       graphdefs=graphdefs, mtp_gd=mtp_gd, k=k, sampling=sampling,
-                                       vocab_limit=vocab_limit, window=draft_window)
+    propose = propose or _draft_propose
+    dcache, drafts, q = propose(weights, draft, dcache, h_last, tok, pos0, seeds, rnd, cfg=cfg, graphdefs=graphdefs,
+                                mtp_gd=mtp_gd, k=k, sampling=sampling, vocab_limit=vocab_limit, window=draft_window)
     chunk = jnp.concatenate([tok[:, None], drafts], axis=1)  # [b, k+1]
     vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :], -1)
     # the decode attention path with per-token dispatch (mode): each verified row sees exactly what a plain decode
