@@ -6,9 +6,9 @@ not yet cached) and the base hidden state ``h_{n-1}``:
 
 1. **Draft** ``k`` tokens with the MTP head: step 1 reads ``(h_{n-1}, x_n)``; step ``j > 1`` reads the head's
    own previous output in place of the unknown base hidden state (EAGLE chaining). The draft layer has its own
-   KV cache (dense attention over the draft inputs of earlier positions, the last ``draft_window`` of them). With FR-Spec the draft logits are
-   computed over the ``V'`` most frequent tokens only (rows of the output head gathered once) and the draft
-   index ``i`` maps to token ``ids[i]``.
+   KV cache (dense attention over the draft inputs of earlier positions, the last ``draft_window`` of them).
+   With FR-Spec the draft logits are computed over the ``V'`` most frequent tokens only (rows of the output head
+   gathered once) and the draft index ``i`` maps to token ``ids[i]``.
 2. **Verify** all ``k`` drafts with one forward of the target over ``[x_n, d_1 .. d_k]`` (``k + 1`` rows).
 3. **Accept**: greedy keeps the drafts up to the first that differs from the target's argmax, then the
    target's argmax (identical tokens to plain greedy decoding). Sampling uses exact speculative rejection
