@@ -210,7 +210,7 @@ def _fuzz_case(rng, bs=16):
 def test_single_token_lists_match_sorted_lists():
     """The elementwise T=1 lists name exactly the blocks of the sorted lists (after the reference compaction)."""
     rng = np.random.default_rng(7)
-    for _ in range(40):
+    for _ in range(24):
         cap, nb, init, win, width, pos, idx = _fuzz_case(rng)
         blocks, bits, count = single_token_lists(idx, pos, num_blocks=nb, block_size=16, window_blocks=win,
                                                  init_blocks=init, gather_width=width)
