@@ -330,7 +330,7 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
     if not getattr(model.cfg, "mtp", False):
         raise ConfigError("--spec-decode needs a model trained with its MTP draft head (model.mtp=true); this "
                           "checkpoint has none")
-    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking
+    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking, run_ranking_file
 
     ids = None
     vocab = model.cfg.vocab_size
@@ -339,9 +339,7 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
     if args.fr_spec is not None or args.fr_spec_vocab is not None:
         path = Path(args.fr_spec) if args.fr_spec else None
         if path is None:
-            base = Path(args.checkpoint) / "fr_spec"
-            path = next((p for p in (base / f"freq_{args.fr_spec_vocab}.txt", base / f"freq_{args.fr_spec_vocab}.pt")
-                         if p.is_file()), base / f"freq_{args.fr_spec_vocab}.txt")
+            path = run_ranking_file(args.checkpoint, args.fr_spec_vocab)
         ids = load_frequency_ranking(path, model.cfg.vocab_size)
         if args.fr_spec_vocab is not None:
             if not 1 <= args.fr_spec_vocab <= len(ids):

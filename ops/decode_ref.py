@@ -101,6 +101,15 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return (out[:, 0] if single else out).astype(q.dtype)
 
 
+def _row_slices(cache: jax.Array, start: jax.Array, n: int) -> jax.Array:
+    """``cache [batch, kv_heads, capacity, d]`` -> slots ``start[i] .. start[i] + n - 1`` of each sequence
+    ``[batch, kv_heads, n, d]`` (per-row dynamic slices: a vmapped one lowers to a slower gather on XLA:CPU)."""
+    b = cache.shape[0]
+    if b <= 16:
+        return jnp.stack([jax.lax.dynamic_slice_in_dim(cache[i], start[i], n, axis=1) for i in range(b)])
+    return jax.vmap(lambda xr, st: jax.lax.dynamic_slice_in_dim(xr, st, n, axis=1))(cache, start)
+
+
 def _window_decode(q, k_cache, v_cache, pos, window, scale):
     """:func:`dense_decode_attention` of one token per sequence over its last ``window`` positions only."""
     b, nq, d, nkv, s = _check(q, k_cache, v_cache)
@@ -108,16 +117,12 @@ def _window_decode(q, k_cache, v_cache, pos, window, scale):
     scale = d**-0.5 if scale is None else scale
     start = jnp.clip(pos - window + 1, 0, s - window)  # [b]
 
-    def rows(x):  # per-sequence slices (a vmapped dynamic slice lowers to a slower gather on XLA:CPU)
-        if b <= 16:
-            return jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start[i], window, axis=1) for i in range(b)])
-        return jax.vmap(lambda xr, st: jax.lax.dynamic_slice_in_dim(xr, st, window, axis=1))(x, start)
-
     kp = start[:, None] + jnp.arange(window, dtype=jnp.int32)[None, :]  # [b, window]
     ok = (kp <= pos[:, None]) & (kp > pos[:, None] - window)
     ok = jnp.broadcast_to(ok[:, None], (b, nkv, window)).reshape(b * nkv, window)
-    _, l, acc = _softmax_state(q.reshape(b * nkv, g, d), rows(k_cache).reshape(b * nkv, window, d),
-                               rows(v_cache).reshape(b * nkv, window, d), ok, scale)
+    kw, vw = (_row_slices(x, start, window) for x in (k_cache, v_cache))
+    _, l, acc = _softmax_state(q.reshape(b * nkv, g, d), kw.reshape(b * nkv, window, d),
+                               vw.reshape(b * nkv, window, d), ok, scale)
     return (acc / jnp.where(l == 0.0, 1.0, l)).reshape(b, nq, d).astype(q.dtype)
 
 
@@ -200,16 +205,12 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         lo_blk = jnp.min(jnp.where(pos >= 0, qb, nb), axis=1)  # [b] first query block of the sequence's tokens
         start = jnp.clip((lo_blk - window_blocks + 1) * block_size, 0, s - n)
 
-        def window(x):  # per-row slices (a vmapped dynamic slice lowers to a slower gather on XLA:CPU)
-            if b <= 16:
-                return jnp.stack([jax.lax.dynamic_slice_in_dim(x[i], start[i], n, axis=1) for i in range(b)])
-            return jax.vmap(lambda xr, st: jax.lax.dynamic_slice_in_dim(xr, st, n, axis=1))(x, start)
-
         kp = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]  # [b, n]
         kblk = jnp.floor_divide(kp, block_size)[:, None, :]
         ok = ((kblk > qb[:, :, None] - window_blocks) & (kp[:, None, :] <= pos[:, :, None])
               & (kblk >= init_blocks))  # [b, t, n]
-        st = _softmax_state(qr, window(k_cache).reshape(rows, n, d), window(v_cache).reshape(rows, n, d),
+        st = _softmax_state(qr, _row_slices(k_cache, start, n).reshape(rows, n, d),
+                            _row_slices(v_cache, start, n).reshape(rows, n, d),
                             per_query(ok), scale)
         state = st if state is None else _merge(state, st)
     if width:

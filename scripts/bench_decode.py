@@ -44,7 +44,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -155,17 +154,10 @@ class SpecRunner:
         return time.perf_counter() - t0, made
 
 
-def fr_spec_file(run: str, size: int):
-    """``RUN/fr_spec/freq_N.txt`` (the plain format), else the official ``freq_N.pt`` beside it."""
-    txt = Path(run) / "fr_spec" / f"freq_{size}.txt"
-    pt = txt.with_suffix(".pt")
-    return pt if not txt.is_file() and pt.is_file() else txt
-
-
 def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int, gen_len: int, n_docs: int,
                         passes: int = 2) -> dict:
     """Plain vs speculative (+ FR-Spec) greedy decoding of held-out text at the length the model trained on."""
-    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking
+    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking, run_ranking_file
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
     from minicpm4_jax.train.data import prepare_data
 
@@ -179,7 +171,7 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     eng = InferenceEngine(model)
     variants = {"plain": None, f"spec k={k}": SpeculativeDecoder(eng, model.mtp, num_draft=k)}
     if fr_vocab:
-        ids = load_frequency_ranking(fr_spec_file(run, fr_vocab), model.cfg.vocab_size)[:fr_vocab]
+        ids = load_frequency_ranking(run_ranking_file(run, fr_vocab), model.cfg.vocab_size)[:fr_vocab]
         variants[f"spec k={k} + FR-Spec {fr_vocab}"] = SpeculativeDecoder(eng, model.mtp, num_draft=k,
                                                                          fr_spec_ids=ids)
     gens = {name: (eng.generate if dec is None else dec.generate) for name, dec in variants.items()}
@@ -256,9 +248,9 @@ def main(argv=None) -> int:
     spec = args.checkpoint is not None and cfg.mtp
     fr_ids = None
     if spec and args.fr_spec_vocab:
-        from minicpm4_jax.infer.spec import load_frequency_ranking
+        from minicpm4_jax.infer.spec import load_frequency_ranking, run_ranking_file
 
-        fr_ids = load_frequency_ranking(fr_spec_file(args.checkpoint, args.fr_spec_vocab),
+        fr_ids = load_frequency_ranking(run_ranking_file(args.checkpoint, args.fr_spec_vocab),
                                         cfg.vocab_size)[:args.fr_spec_vocab]
     head = f"{'context':>8} {'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'bound':>6} {'attended':>9}"
     if spec:

@@ -52,7 +52,7 @@ from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention
 
 __all__ = ["SpeculativeDecoder", "SpecState", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
-           "load_frequency_ranking"]
+           "load_frequency_ranking", "run_ranking_file"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -96,6 +96,14 @@ def save_frequency_ranking(ids: np.ndarray, path: str | Path) -> Path:
     tmp.write_text("".join(f"{int(i)}\n" for i in ids))
     tmp.replace(path)
     return path
+
+
+def run_ranking_file(run_dir: str | Path, size: int) -> Path:
+    """A run's FR-Spec ranking of ``size`` tokens: ``<run>/fr_spec/freq_<size>.txt`` (the plain format), else the
+    official ``freq_<size>.pt`` beside it when only that exists (the ``.txt`` path when neither does)."""
+    txt = Path(run_dir) / "fr_spec" / f"freq_{size}.txt"
+    pt = txt.with_suffix(".pt")
+    return pt if not txt.is_file() and pt.is_file() else txt
 
 
 def load_frequency_ranking(path: str | Path, vocab_size: int) -> np.ndarray:
