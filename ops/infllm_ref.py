@@ -50,6 +50,12 @@ __all__ = ["infllmv2_stage2", "tiled_dense_attention", "compact_topk"]
 _BIG = jnp.iinfo(jnp.int32).max
 
 
+def forced_blocks(blk: jax.Array, q_blk: jax.Array, *, init_blocks: int, window_blocks: int) -> jax.Array:
+    """Whether block ids ``blk`` are forced for a query in block ``q_blk`` (broadcasting): one of the first
+    ``init_blocks`` or of the window ``q_blk - window_blocks + 1 .. q_blk`` (spec §5.4)."""
+    return (blk < init_blocks) | ((blk > q_blk - window_blocks) & (blk <= q_blk))
+
+
 def compact_topk(topk_idx: jax.Array, q_positions: jax.Array, *, block_size: int, init_blocks: int,
                  window_blocks: int, width: int) -> jax.Array:
     """Drop the forced blocks from a selection and keep the first ``width`` remaining picks.
@@ -69,7 +75,7 @@ def compact_topk(topk_idx: jax.Array, q_positions: jax.Array, *, block_size: int
     """
     idx = topk_idx.astype(jnp.int32)
     qb = jnp.floor_divide(q_positions.astype(jnp.int32), block_size)[:, None, :, None]
-    forced = (idx < init_blocks) | ((idx > qb - window_blocks) & (idx <= qb))
+    forced = forced_blocks(idx, qb, init_blocks=init_blocks, window_blocks=window_blocks)
     keep = jnp.sort(jnp.where((idx >= 0) & ~forced, idx, _BIG), axis=-1)
     if keep.shape[-1] < width:
         keep = jnp.pad(keep, [(0, 0)] * 3 + [(0, width - keep.shape[-1])], constant_values=_BIG)

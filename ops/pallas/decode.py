@@ -52,7 +52,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minicpm4_jax.ops.infllm_ref import compact_topk
+from minicpm4_jax.ops.infllm_ref import compact_topk, forced_blocks
 
 __all__ = ["sparse_decode_attention_pallas", "dense_decode_attention_pallas", "decode_block_lists",
            "single_token_lists"]
@@ -159,10 +159,7 @@ def decode_block_lists(topk_idx: jax.Array | None, q_positions: jax.Array, *, nu
         def per_head(x):
             return jnp.broadcast_to(x[:, None], (b, num_kv_heads) + x.shape[1:]).astype(jnp.int32)
         return per_head(blocks), per_head(bits), per_head(count)
-    forced = blk < init_blocks
-    if window_blocks:
-        forced = forced | ((blk > qb - window_blocks) & (blk <= qb))
-    forced = forced & active  # [b, t, nb]
+    forced = forced_blocks(blk, qb, init_blocks=init_blocks, window_blocks=window_blocks) & active  # [b, t, nb]
     bits = jnp.sum(jnp.where(forced, tbit, 0), axis=1)[:, None]  # [b, 1, nb]; token bits are distinct -> sum = or
     idx = topk_idx.astype(jnp.int32)
     w = idx.shape[-1]
@@ -221,7 +218,7 @@ def single_token_lists(topk_idx: jax.Array, q_positions: jax.Array, *, num_block
                               (b, nkv, window_blocks))
         parts.append(wb)
         oks.append((wb >= init_blocks) & (wb >= 0))
-    forced = (idx < init_blocks) | ((idx > qb - window_blocks) & (idx <= qb)) if window_blocks else idx < init_blocks
+    forced = forced_blocks(idx, qb, init_blocks=init_blocks, window_blocks=window_blocks)
     ok = (idx >= 0) & (idx < num_blocks) & ~forced
     width = k if gather_width is None else gather_width
     if width < k:  # the reference keeps the `width` smallest non-forced ids: rank each among the valid ones
