@@ -5,7 +5,8 @@
 * ``xla``: the references of :mod:`minicpm4_jax.ops` on every backend.
 * ``pallas``: the Pallas kernels of :mod:`minicpm4_jax.ops.pallas` -- Mosaic TPU kernels on TPU, the Triton
   lowering on NVIDIA GPUs, and the TPU kernels in Pallas's interpreter on CPU (exact, slow: for tests).
-* ``auto``: the XLA references. The kernels are tested in interpret mode and cross-lowered for TPU and
+* ``auto``: the XLA references, except for the decode attention of a float32 KV cache on the CPU backend,
+  which runs the native CPU kernel of :mod:`minicpm4_jax.ops.native` when it builds (:func:`native_decode`). The kernels are tested in interpret mode and cross-lowered for TPU and
   CUDA in CI; the Triton kernels passed every correctness check compiled on an H200 (2026-11-29,
   ``docs/benchmarks.md``), the TPU kernels have not run on a TPU. ``auto`` stays on XLA until a hardware run
   times the XLA references against the kernels on the same machine (the H200 runs timed the kernels against
@@ -20,7 +21,7 @@ import jax
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["on_mesh", "pallas_target", "resolve_impl"]
+__all__ = ["native_decode", "on_mesh", "pallas_target", "resolve_impl"]
 
 
 def resolve_impl(attention_impl: str) -> str:
@@ -28,6 +29,18 @@ def resolve_impl(attention_impl: str) -> str:
     if attention_impl not in ("xla", "pallas", "auto"):
         raise ConfigError(f"model.attention_impl={attention_impl!r}; use 'xla', 'pallas' or 'auto'")
     return "pallas" if attention_impl == "pallas" else "xla"
+
+
+def native_decode(attention_impl: str, cache_dtype) -> bool:
+    """Whether decode steps use the native CPU kernel (:mod:`minicpm4_jax.ops.native`) instead of the XLA
+    reference: ``attention_impl="auto"``, the CPU backend, a float32 cache, and the kernel builds (it is
+    compiled at the first call; ``MINICPM4_JAX_NATIVE=0`` turns it off). On this 2-core CPU it decodes a 32K
+    context 3x faster than the reference on the sparse path (``docs/benchmarks.md``, "Decode")."""
+    if attention_impl != "auto" or jax.default_backend() != "cpu" or jax.numpy.dtype(cache_dtype) != jax.numpy.float32:
+        return False
+    from minicpm4_jax.ops import native  # noqa: PLC0415 (compiles on first use)
+
+    return native.available()
 
 
 def pallas_target() -> tuple[str, bool]:

@@ -70,10 +70,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# attention_impl auto decodes with the native CPU kernel (ops/native) where it builds; "@xla" keeps the reference
+@pytest.mark.parametrize("case", list(CASES) + ["dense@xla", "gen2@xla", "gen1_switch@xla"])
 def test_cached_decode_equals_full_forward_every_step(weights, case):
+    case, _, impl = case.partition("@")
     variant, sp = CASES[case]
-    cfg = _cfg(variant, **sp)
+    cfg = dataclasses.replace(_cfg(variant, **sp), attention_impl=impl or "auto")
     model = _model(weights, cfg)
     prompt_len = 100 if case.endswith("switch") else 170  # the switch cases cross dense_len while decoding
     seq = _ids(330, seed=1)

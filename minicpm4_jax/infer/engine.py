@@ -45,7 +45,7 @@ from minicpm4_jax.nn.model import head_logits
 from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
-from minicpm4_jax.ops.dispatch import pallas_target, resolve_impl
+from minicpm4_jax.ops.dispatch import native_decode, pallas_target, resolve_impl
 from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas
 
 __all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention"]
@@ -216,6 +216,12 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
         blk = cfg.sparse_config.block_size if cfg.attention == "infllmv2" else 64
         dense_decode = partial(dense_decode_attention_pallas, block_size=blk, backend=backend, interpret=interpret)
         sparse_decode = partial(sparse_decode_attention_pallas, backend=backend, interpret=interpret)
+    elif mode != "prefill" and native_decode(cfg.attention_impl, lc.k.dtype):
+        from minicpm4_jax.ops import native  # noqa: PLC0415
+
+        blk = cfg.sparse_config.block_size if cfg.attention == "infllmv2" else 64
+        dense_decode = partial(native.dense_decode_attention, block_size=blk)
+        sparse_decode = native.decode_attention
     else:
         dense_decode, sparse_decode = dense_decode_attention, sparse_decode_attention
     if mode == "prefill":

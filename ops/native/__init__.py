@@ -1,0 +1,181 @@
+"""Native CPU kernel for decode attention (dense and InfLLM v2 block-sparse), as an XLA FFI custom call.
+
+On XLA:CPU the reference :func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention` has to gather copies
+of the selected cache blocks before its products, and the products over those copies ran at a third of the
+bandwidth of the dense path (``docs/benchmarks.md``, "Decode"). ``infllm_cpu.cc`` reads the selected blocks
+straight from the cache with an fp32 online softmax, one (sequence, KV head, token) per task on XLA's
+intra-op thread pool. Same block set and masking as the reference (spec ``minicpm4_model.md`` §5.5, §5.7).
+
+The source is compiled at first use with the system C++ compiler (``$CXX``, else ``g++``; ``-O3
+-march=native``) into ``$MINICPM4_JAX_CACHE/native`` (default ``~/.cache/minicpm4_jax/native``), keyed by
+the source, the compiler, the flags, the XLA FFI headers of the installed jaxlib and the CPU. Without a
+compiler, on a non-CPU backend, or with ``MINICPM4_JAX_NATIVE=0`` :func:`available` is ``False`` and the
+engine keeps the XLA references (:func:`minicpm4_jax.ops.dispatch.native_decode`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["available", "build_error", "decode_attention", "dense_decode_attention", "library_path"]
+
+_SOURCE = Path(__file__).with_name("infllm_cpu.cc")
+_TARGET = "minicpm4_infllm_decode_f32"
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path() -> Path:
+    """Where the compiled kernel for this source, compiler, jaxlib and CPU lives (built or not)."""
+    cxx = os.environ.get("CXX") or "g++"
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "missing"
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), cxx, version, " ".join(_FLAGS), jax.ffi.include_dir(),
+                                    jax.__version__, _cpu_id()]).encode()).hexdigest()[:20]
+    root = Path(os.environ.get("MINICPM4_JAX_CACHE") or Path.home() / ".cache" / "minicpm4_jax")
+    return root / "native" / f"infllm_cpu_{key}.so"
+
+
+def _build(path: Path) -> None:
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)  # then an atomic rename: safe for parallel builds
+    os.close(fd)
+    try:
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> bool:
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        _state["ok"], _state["error"] = False, None
+        if os.environ.get("MINICPM4_JAX_NATIVE", "1") == "0":
+            _state["error"] = "disabled by MINICPM4_JAX_NATIVE=0"
+            return False
+        try:
+            path = library_path()
+            if not path.exists():
+                _build(path)
+            lib = ctypes.cdll.LoadLibrary(str(path))
+            jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmDecodeF32), platform="cpu")
+            _state["lib"] = lib  # keep the library loaded
+            _state["ok"] = True
+        except Exception as e:  # noqa: BLE001 (any build or load failure means: use the XLA reference)
+            _state["error"] = f"{type(e).__name__}: {e}"
+        return _state["ok"]
+
+
+def available() -> bool:
+    """Whether the native decode kernel is built and registered (builds it on the first call, ~5 s)."""
+    return _load()
+
+
+def build_error() -> str | None:
+    """Why :func:`available` is ``False`` (``None`` when it is ``True`` or was not asked yet)."""
+    return _state.get("error")
+
+
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_idx: jax.Array, *,
+                     q_positions: jax.Array, block_size: int, window_blocks: int = 0, init_blocks: int = 0,
+                     gather_width: int | None = None, scale: float | None = None) -> jax.Array:
+    """:func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention` by the native CPU kernel (same arguments
+    and result; float32 only).
+
+    Args:
+        q: float32 ``[batch, num_heads, head_dim]`` or ``[batch, T, num_heads, head_dim]``, post-RoPE.
+        k_cache, v_cache: float32 ``[batch, num_kv_heads, capacity, head_dim]``; ``capacity`` a multiple of
+            ``block_size``.
+        topk_idx: int ``[batch, num_kv_heads, K]`` (or ``[batch, num_kv_heads, T, K]``) raw picks, ``-1``
+            unused (so is any id outside ``[0, capacity / block_size)``); forced blocks may appear.
+        q_positions: int ``[batch]`` (or ``[batch, T]``); ``-1`` = inactive row (zeros out).
+        block_size, window_blocks, init_blocks, gather_width, scale: as the reference.
+
+    Returns:
+        the shape of ``q``, float32.
+
+    Raises:
+        ValueError: mismatched shapes, a dtype other than float32, or ``block_size`` not dividing the capacity.
+        RuntimeError: the kernel is not available (:func:`build_error` says why).
+    """
+    single = q.ndim == 3
+    q4 = q[:, None] if single else q
+    pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
+    idx = (topk_idx[:, :, None] if single else topk_idx).astype(jnp.int32)
+    b, t, nq, d = q4.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"shape mismatch: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape} "
+                         "[batch, kv_heads, capacity, head_dim]")
+    nkv, cap = k_cache.shape[1], k_cache.shape[2]
+    if nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    if block_size < 1 or cap % block_size:
+        raise ValueError(f"cache capacity {cap} is not a multiple of block_size={block_size}")
+    if idx.ndim != 4 or idx.shape[:3] != (b, nkv, t):
+        raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, (T={t},) K]")
+    if pos.shape != (b, t):
+        raise ValueError(f"q_positions shape {q_positions.shape} does not match q {q.shape}")
+    if any(x.dtype != jnp.float32 for x in (q, k_cache, v_cache)):
+        raise ValueError(f"the native decode kernel is float32 only (q {q.dtype}, cache {k_cache.dtype}); "
+                         "use the XLA reference (model.attention_impl='xla')")
+    if min(window_blocks, init_blocks) < 0 or (gather_width is not None and gather_width < 0):
+        raise ValueError(f"window_blocks={window_blocks}, init_blocks={init_blocks}, gather_width={gather_width} "
+                         "must be >= 0")
+    if not available():
+        raise RuntimeError(f"native decode kernel unavailable: {build_error()}")
+    if idx.shape[-1] == 0:  # a zero-size operand: pass one unused pick instead
+        idx = jnp.full((b, nkv, t, 1), -1, jnp.int32)
+    width = idx.shape[-1] if gather_width is None else gather_width
+    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q4.shape, jnp.float32), vmap_method="sequential")(
+        q4, k_cache, v_cache, idx, pos, block_size=np.int64(block_size), init_blocks=np.int64(init_blocks),
+        window_blocks=np.int64(window_blocks), gather_width=np.int64(width),
+        scale=np.float32(d**-0.5 if scale is None else scale))
+    return out[:, 0] if single else out
+
+
+def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, q_positions: jax.Array,
+                           scale: float | None = None, block_size: int = 64) -> jax.Array:
+    """:func:`~minicpm4_jax.ops.decode_ref.dense_decode_attention` (no window) by the native kernel: every
+    cache slot ``<= q_position``, walked in blocks of ``block_size`` (a divisor of the capacity; any value
+    gives the same result up to float rounding). Same shapes as :func:`decode_attention`; float32 only."""
+    single = q.ndim == 3
+    b, nkv, cap = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    t = 1 if single else q.shape[1]
+    blk = block_size if block_size >= 1 and cap % block_size == 0 else 1
+    none = jnp.full((b, nkv, t, 0), -1, jnp.int32)
+    return decode_attention(q, k_cache, v_cache, none[:, :, 0] if single else none, q_positions=q_positions,
+                            block_size=blk, window_blocks=cap // blk, scale=scale)

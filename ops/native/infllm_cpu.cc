@@ -1,0 +1,385 @@
+// InfLLM v2 decode attention over a KV cache for the XLA CPU backend (an XLA FFI custom call).
+//
+// Spec minicpm4_model.md §5.5 (stage 2 `..._with_kvcache`) and §5.7 (cache layout). The reference is
+// ops/decode_ref.py: sparse_decode_attention (same block set, same masking, fp32 online softmax); this
+// kernel reads the selected blocks straight from the cache instead of gathering copies of them.
+//
+// Built at first use by ops/native/__init__.py (g++ -O3 -march=native), registered as the CPU target
+// "minicpm4_infllm_decode_f32". Layouts (row-major, float32 / int32):
+//   q        [batch, T, num_heads, head_dim]
+//   k_cache  [batch, num_kv_heads, capacity, head_dim]   (slot = token position)
+//   v_cache  [batch, num_kv_heads, capacity, head_dim]
+//   topk     [batch, num_kv_heads, T, K]   raw block picks; -1 (or any id outside [0, capacity/block_size))
+//                                          = unused; no id repeated in a row
+//   pos      [batch, T]                    the query's position; -1 = inactive row (zeros out)
+//   out      [batch, T, num_heads, head_dim]
+// Attributes: block_size, init_blocks, window_blocks, gather_width (non-forced picks kept: the smallest
+// ids, as compact_topk), scale.
+// A query at position p in block qb = p / block_size attends, over the keys at slots <= p, the blocks
+// [0, init_blocks), the window (qb - window_blocks, qb] (blocks >= init_blocks), and its picks that are
+// valid and not forced (the gather_width smallest). window_blocks >= capacity / block_size with K = 0 is
+// dense decoding.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Geometry {
+  int64_t block_size, init_blocks, window_blocks, gather_width;
+  float scale;
+};
+
+// exp(x) for x <= 0 (softmax weights after the max is subtracted): Cody-Waite range reduction and a
+// degree-6 polynomial on [-ln2/2, ln2/2], ~2 ulp; inputs below -87 give ~1e-38 instead of 0. Written
+// branch-free so that GCC vectorises the loops that call it.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The blocks one query attends, in the order init, window, picks. Returns the count.
+int64_t block_list(const int32_t* picks, int64_t k, int64_t pos, int64_t num_blocks, const Geometry& geo,
+                   int32_t* out, std::vector<int32_t>& scratch) {
+  const int64_t qb = pos / geo.block_size;
+  const int64_t init = std::min(geo.init_blocks, num_blocks);
+  int64_t n = 0;
+  for (int64_t j = 0; j < init && j <= qb; ++j) out[n++] = static_cast<int32_t>(j);
+  const int64_t w_lo = std::max<int64_t>({qb - geo.window_blocks + 1, init, 0});
+  for (int64_t j = w_lo; j <= qb && j < num_blocks; ++j) out[n++] = static_cast<int32_t>(j);
+  scratch.clear();
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t j = picks[i];
+    const bool forced = j < geo.init_blocks || (j > qb - geo.window_blocks && j <= qb);
+    if (j >= 0 && j < num_blocks && !forced) scratch.push_back(static_cast<int32_t>(j));
+  }
+  if (static_cast<int64_t>(scratch.size()) > geo.gather_width) {  // compact_topk keeps the smallest ids
+    std::nth_element(scratch.begin(), scratch.begin() + geo.gather_width, scratch.end());
+    scratch.resize(geo.gather_width);
+  }
+  for (int32_t j : scratch) out[n++] = j;
+  return n;
+}
+
+// Scratch of one worker thread.
+struct Work {
+  std::vector<float> acc, m, l, s, p, qt;
+  std::vector<int32_t> list, picks;
+};
+
+// Scores of one block, stored [key, head], scaled: G query heads (transposed, pre-scaled: qt [D, G]) against
+// n key rows, vectorised over the heads, 4 keys at a time so each q column is loaded once per 4 keys.
+template <int G, int D>
+inline void scores_heads_inner(const float* qt, const float* kb, int64_t n, float* s) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    float a0[G] = {}, a1[G] = {}, a2[G] = {}, a3[G] = {};
+    const float *k0 = kb + i * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+    for (int e = 0; e < D; ++e) {
+      const float* qe = qt + e * G;
+#pragma omp simd
+      for (int h = 0; h < G; ++h) {
+        a0[h] += qe[h] * k0[e];
+        a1[h] += qe[h] * k1[e];
+        a2[h] += qe[h] * k2[e];
+        a3[h] += qe[h] * k3[e];
+      }
+    }
+    for (int h = 0; h < G; ++h) {
+      s[i * G + h] = a0[h];
+      s[(i + 1) * G + h] = a1[h];
+      s[(i + 2) * G + h] = a2[h];
+      s[(i + 3) * G + h] = a3[h];
+    }
+  }
+  for (; i < n; ++i) {
+    float a0[G] = {};
+    const float* k0 = kb + i * D;
+    for (int e = 0; e < D; ++e) {
+#pragma omp simd
+      for (int h = 0; h < G; ++h) a0[h] += qt[e * G + h] * k0[e];
+    }
+    for (int h = 0; h < G; ++h) s[i * G + h] = a0[h];
+  }
+}
+
+// Scores of one block, stored [key, head], scaled: one dot product over head_dim per (key, head).
+inline void scores_dim_inner(const float* q, int64_t g, int64_t d, const float* kb, int64_t n, float scale,
+                             float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* kr = kb + i * d;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qr = q + h * d;
+      float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t e = 0; e < d; ++e) a += qr[e] * kr[e];
+      s[i * g + h] = a * scale;
+    }
+  }
+}
+
+// acc[D] = alpha * acc + sum_i p[i] * v[i] (the row stays in registers for a compile-time D).
+template <int D>
+inline void accumulate(float* acc, float alpha, const float* p, const float* vb, int64_t n) {
+  float a[D];
+#pragma omp simd
+  for (int e = 0; e < D; ++e) a[e] = acc[e] * alpha;
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float* vr = vb + i * D;
+#pragma omp simd
+    for (int e = 0; e < D; ++e) a[e] += pi * vr[e];
+  }
+#pragma omp simd
+  for (int e = 0; e < D; ++e) acc[e] = a[e];
+}
+
+inline void accumulate_any(float* acc, int64_t d, float alpha, const float* p, const float* vb, int64_t n) {
+#pragma omp simd
+  for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
+  for (int64_t i = 0; i < n; ++i) {
+    const float pi = p[i];
+    const float* vr = vb + i * d;
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) acc[e] += pi * vr[e];
+  }
+}
+
+// Online-softmax update of G heads over one block's scores s [n, G] (vectorised over the heads), then the
+// value products two heads at a time (two [D] accumulator rows in registers, each value row loaded once).
+template <int G, int D>
+inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* acc, const float* vb) {
+  float mx[G], alpha[G], sum[G];
+#pragma omp simd
+  for (int h = 0; h < G; ++h) {
+    mx[h] = m[h];
+    sum[h] = 0.0f;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+#pragma omp simd
+    for (int h = 0; h < G; ++h) mx[h] = std::max(mx[h], s[i * G + h]);
+  }
+  for (int h = 0; h < G; ++h) alpha[h] = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx[h]);
+  for (int64_t i = 0; i < n; ++i) {
+#pragma omp simd
+    for (int h = 0; h < G; ++h) {
+      const float e = exp_nonpositive(s[i * G + h] - mx[h]);
+      s[i * G + h] = e;
+      sum[h] += e;
+    }
+  }
+  for (int h = 0; h < G; ++h) {
+    l[h] = l[h] * alpha[h] + sum[h];
+    m[h] = mx[h];
+  }
+  for (int h = 0; h < G; h += 2) {
+    float a0[D], a1[D];
+    float* r0 = acc + h * D;
+    float* r1 = r0 + D;
+#pragma omp simd
+    for (int e = 0; e < D; ++e) {
+      a0[e] = r0[e] * alpha[h];
+      a1[e] = r1[e] * alpha[h + 1];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float p0 = s[i * G + h], p1 = s[i * G + h + 1];
+      const float* vr = vb + i * D;
+#pragma omp simd
+      for (int e = 0; e < D; ++e) {
+        a0[e] += p0 * vr[e];
+        a1[e] += p1 * vr[e];
+      }
+    }
+#pragma omp simd
+    for (int e = 0; e < D; ++e) {
+      r0[e] = a0[e];
+      r1[e] = a1[e];
+    }
+  }
+}
+
+// One (sequence, KV head, token): the g query heads of the group over the listed blocks. G / D are the
+// group size / head_dim when known at compile time (0 = use g / d).
+template <int G, int D>
+void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* vc, const int32_t* blocks,
+            int64_t nblk, int64_t pos, const Geometry& geo, float* out, Work& w) {
+  const int64_t bs = geo.block_size;
+  w.acc.assign(g * d, 0.0f);
+  w.m.assign(g, -INFINITY);
+  w.l.assign(g, 0.0f);
+  w.s.resize(g * bs);
+  w.p.resize(bs);
+  if (G) {
+    w.qt.resize(d * g);
+    for (int64_t h = 0; h < g; ++h)
+      for (int64_t e = 0; e < d; ++e) w.qt[e * g + h] = q[h * d + e] * geo.scale;
+  }
+  float* acc = w.acc.data();
+  float* s = w.s.data();
+  float* p = w.p.data();
+  for (int64_t j = 0; j < nblk; ++j) {
+    const int64_t lo = static_cast<int64_t>(blocks[j]) * bs;
+    const int64_t n = std::min<int64_t>(bs, pos - lo + 1);  // keys of the block at slots <= pos
+    if (n <= 0) continue;
+    const float* kb = kc + lo * d;
+    const float* vb = vc + lo * d;
+    if (j + 1 < nblk) {  // the next block's first rows
+      const float* nk = kc + static_cast<int64_t>(blocks[j + 1]) * bs * d;
+      for (int64_t c = 0; c < 8 * d; c += 16) __builtin_prefetch(nk + c);
+    }
+    if constexpr (G > 0 && D > 0) {
+      scores_heads_inner<G, D>(w.qt.data(), kb, n, s);
+    } else {
+      scores_dim_inner(q, g, d, kb, n, geo.scale, s);
+    }
+    if constexpr (G > 0 && D > 0) {
+      softmax_heads_inner<G, D>(s, n, w.m.data(), w.l.data(), acc, vb);
+    } else {
+      for (int64_t h = 0; h < g; ++h) {
+        float mx = w.m[h];
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i * g + h]);
+        const float alpha = w.m[h] == -INFINITY ? 0.0f : std::exp(w.m[h] - mx);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          p[i] = exp_nonpositive(s[i * g + h] - mx);
+          sum += p[i];
+        }
+        w.l[h] = w.l[h] * alpha + sum;
+        w.m[h] = mx;
+        if constexpr (D > 0) {
+          accumulate<D>(acc + h * d, alpha, p, vb, n);
+        } else {
+          accumulate_any(acc + h * d, d, alpha, p, vb, n);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;
+    for (int64_t e = 0; e < d; ++e) out[h * d + e] = acc[h * d + e] * inv;
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int32_t*, int64_t,
+                          int64_t, const Geometry&, float*, Work&);
+
+// Specialisations: scores over heads for groups of 8 / 16 (the MiniCPM4-8B layout), compile-time
+// head_dim 64 / 128 for the value products; anything else runs the generic loops.
+AttendFn pick_attend(int64_t g, int64_t d) {
+  if (d == 128) {
+    if (g == 16) return attend<16, 128>;
+    if (g == 8) return attend<8, 128>;
+    return attend<0, 128>;
+  }
+  if (d == 64) {
+    if (g == 16) return attend<16, 64>;
+    if (g == 8) return attend<8, 64>;
+    return attend<0, 64>;
+  }
+  return attend<0, 0>;
+}
+
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+};
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                      ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t block_size, int64_t init_blocks,
+                      int64_t window_blocks, int64_t gather_width, float scale) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto td = topk.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 4 || positions.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("minicpm4_infllm_decode_f32: expected q/k/v/topk rank 4, positions rank 2");
+  const int64_t b = qd[0], t = qd[1], nq = qd[2], d = qd[3], nkv = kd[1], cap = kd[2], kk = td[3];
+  if (kd[0] != b || kd[3] != d || nkv <= 0 || nq % nkv != 0 || td[0] != b || td[1] != nkv || td[2] != t ||
+      block_size <= 0 || cap % block_size != 0 || gather_width < 0)
+    return ffi::Error::InvalidArgument("minicpm4_infllm_decode_f32: inconsistent shapes or attributes");
+  const int64_t g = nq / nkv, nb = cap / block_size;
+  const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale};
+  const float* qp = q.typed_data();
+  const float* kp = k_cache.typed_data();
+  const float* vp = v_cache.typed_data();
+  const int32_t* tp = topk.typed_data();
+  const int32_t* pp = positions.typed_data();
+  float* op = out->typed_data();
+  const int64_t items = b * nkv * t;
+  const int64_t max_list = std::min(init_blocks, nb) + std::min(window_blocks, nb) + kk;
+  const AttendFn attend_fn = pick_attend(g, d);
+
+  auto run = [=](int64_t it, Work& w) {
+    const int64_t ti = it % t, h = (it / t) % nkv, bi = it / (t * nkv);
+    const int64_t pos = pp[bi * t + ti];
+    const int64_t qoff = ((bi * t + ti) * nq + h * g) * d;
+    if (pos < 0) {
+      std::memset(op + qoff, 0, sizeof(float) * g * d);
+      return;
+    }
+    w.list.resize(max_list);
+    const int64_t n = block_list(tp + ((bi * nkv + h) * t + ti) * kk, kk, pos, nb, geo, w.list.data(), w.picks);
+    const int64_t kvoff = (bi * nkv + h) * cap * d;
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
+  };
+
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
+  if (threads <= 1) {
+    Work w;
+    for (int64_t i = 0; i < items; ++i) run(i, w);
+    return ffi::Error::Success();
+  }
+  // Helpers claim items until none is left; the caller works too and then waits only for claimed items,
+  // so a helper that starts late (a busy pool) finds nothing to do and never blocks the call.
+  auto shared = std::make_shared<Shared>();
+  auto worker = [shared, run, items]() {
+    Work w;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < items;) {
+      run(i, w);
+      shared->finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker]() { worker(); });
+  worker();
+  while (shared->finished.load(std::memory_order_acquire) < items) {
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmDecodeF32, DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("init_blocks")
+                                  .Attr<int64_t>("window_blocks")
+                                  .Attr<int64_t>("gather_width")
+                                  .Attr<float>("scale"));

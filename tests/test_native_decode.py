@@ -1,0 +1,83 @@
+"""The native CPU decode kernel (ops/native) against the XLA references it replaces under ``attention_impl=auto``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minicpm4_jax.ops import native
+from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
+from minicpm4_jax.ops.dispatch import native_decode
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel unavailable: {native.build_error()}")
+
+
+def _case(rng, b, nkv, g, d, bs, nb, t, k):
+    q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
+    kc = jnp.asarray(2 * rng.standard_normal((b, nkv, nb * bs, d)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((b, nkv, nb * bs, d)), jnp.float32)
+    base = rng.integers(-1, nb * bs - t, size=b)
+    pos = np.stack([base + i for i in range(t)], 1)
+    pos[pos < 0] = -1
+    pos[rng.random(b) < 0.25] = -1  # inactive sequences
+    # raw picks: distinct ids in [-1, nb], so unused slots, out-of-range ids and forced blocks all occur
+    idx = np.stack([np.stack([np.stack([rng.choice(np.arange(-1, nb + 1), size=k, replace=False)
+                                        for _ in range(t)]) for _ in range(nkv)]) for _ in range(b)])
+    return q, kc, vc, jnp.asarray(idx, jnp.int32).reshape(b, nkv, t, k), jnp.asarray(pos, jnp.int32)
+
+
+# (batch, kv heads, group, head_dim, block, blocks, tokens, picks, init, window, gather_width)
+CASES = [
+    (1, 2, 2, 64, 64, 12, 1, 8, 1, 3, 4),     # cpu_tiny layout, gen-2 split (width bounds the other picks)
+    (2, 2, 16, 128, 16, 9, 1, 6, 1, 2, 6),    # MiniCPM4-8B group (scores vectorised over heads)
+    (3, 1, 8, 64, 32, 7, 2, 5, 2, 1, 2),      # group of 8, two tokens, width drops picks
+    (2, 4, 1, 16, 16, 10, 4, 11, 0, 2, 11),   # MHA, generic head_dim, four tokens (a verify chunk)
+    (1, 2, 3, 64, 32, 8, 1, 9, 0, 0, 9),      # gen-1 style: no forced blocks, every pick gathered
+    (2, 1, 2, 128, 64, 6, 3, 0, 1, 2, 0),     # no picks at all: init + window only
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_native_sparse_decode_matches_reference(case):
+    b, nkv, g, d, bs, nb, t, k, init, win, width = CASES[case]
+    q, kc, vc, idx, pos = _case(np.random.default_rng(case), b, nkv, g, d, bs, nb, t, k)
+    kw = dict(q_positions=pos, block_size=bs, window_blocks=win, init_blocks=init, gather_width=width)
+    for single in (False, True) if t == 1 else (False,):
+        args = (q[:, 0], kc, vc, idx[:, :, 0]) if single else (q, kc, vc, idx)
+        kws = dict(kw, q_positions=pos[:, 0]) if single else kw
+        ref = sparse_decode_attention(*args, **kws)
+        got = native.decode_attention(*args, **kws)
+        assert got.shape == ref.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)
+        if not single:  # inactive rows are exactly zero
+            assert np.all(np.asarray(got)[np.asarray(pos) < 0] == 0.0)
+
+
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_native_dense_decode_matches_reference(case):
+    b, nkv, g, d, bs, nb, t, k, *_ = CASES[case]
+    q, kc, vc, _, pos = _case(np.random.default_rng(100 + case), b, nkv, g, d, bs, nb, t, k)
+    ref = dense_decode_attention(q, kc, vc, q_positions=pos)
+    for blk in (bs, 3):  # 3 does not divide the capacity: walked one slot at a time, same result
+        got = native.dense_decode_attention(q, kc, vc, q_positions=pos, block_size=blk)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)
+
+
+def test_native_decode_bad_input_is_one_line_error():
+    q, kc, vc, idx, pos = _case(np.random.default_rng(0), 1, 2, 2, 64, 64, 4, 1, 3)
+    kw = dict(q_positions=pos, block_size=64)
+    with pytest.raises(ValueError, match="float32 only"):
+        native.decode_attention(q.astype(jnp.bfloat16), kc, vc, idx, **kw)
+    with pytest.raises(ValueError, match="not a multiple of block_size=48"):
+        native.decode_attention(q, kc, vc, idx, q_positions=pos, block_size=48)
+    with pytest.raises(ValueError, match="topk_idx shape"):
+        native.decode_attention(q, kc, vc, idx[:, :1], **kw)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        native.decode_attention(q, kc[..., :32], vc, idx, **kw)
+
+
+def test_native_decode_dispatch_rule():
+    assert native_decode("auto", jnp.float32)  # this CPU builds the kernel (the module is skipped otherwise)
+    assert not native_decode("xla", jnp.float32)  # the reference when asked for
+    assert not native_decode("auto", jnp.bfloat16)  # float32 caches only
