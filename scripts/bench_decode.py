@@ -14,7 +14,13 @@ topk 64 + window 2048 = 96 blocks = 6144 keys, dense_len 8192): below 8192 the s
 by design, and at 4K the 96 blocks cover the whole context anyway.
 
 Timing: after one compile-and-warm-up step per variant, ``--rounds`` rounds alternate dense and sparse,
-each timing ``--steps`` consecutive decode steps; the median per-step time is reported. The bound is the
+each running ``--warmup`` untimed steps (speculative variants: ``max(1, warmup // (num_draft + 1))`` untimed
+rounds) and then timing ``--steps`` consecutive decode steps; the median per-step time is reported. The
+untimed steps refill the CPU caches with the variant's own cache blocks after the other variants ran: a
+decode loop never has another model's 200 MB cache run between its steps. Timed one by one on the 2-core
+CPU at 32K, sparse steps right after 36 dense steps took 6.9, 6.1, 5.6, ... ms and settled at ~4.5 ms after
+8-16 steps, dense steps were steady from the first (``docs/benchmarks.md``); ``--warmup 0`` measures the
+cold rounds too. The bound is the
 ratio of KV-cache values read per step per KV head: dense ``2 N`` (K and V) against sparse
 ``2 * min(K * block, N) + Nc1 + Nc2`` (selected K and V plus the fine and coarse compressed keys stage 1
 reads); the rest of the step (projections, MLP, head) is the same for both and lowers the real ratio.
@@ -201,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768], help="context lengths")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (alternating)")
+    ap.add_argument("--warmup", type=int, default=16,
+                    help="untimed decode steps per round before the timed ones (module docstring; default 16)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--checkpoint", default=None,
                     help="a run trained with its MTP head: its weights, and the speculative measurements")
@@ -231,7 +239,7 @@ def main(argv=None) -> int:
         base = trained.cfg
     else:
         base = load_config(args.config).model
-    longest = max(args.lengths) + (args.rounds + 1) * args.steps * (args.num_draft + 1) + 1
+    longest = max(args.lengths) + (args.rounds + 1) * (args.steps + args.warmup) * (args.num_draft + 1) + 1
     cfg = dataclasses.replace(base, max_position_embeddings=max(base.max_position_embeddings, longest),
                               attention="dense", dtype="float32")
     model = MiniCPM4(cfg, rngs=nnx.Rngs(0))
@@ -243,7 +251,7 @@ def main(argv=None) -> int:
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}, head_dim {cfg.resolved_head_dim}; sparse "
           f"{sparse_model.cfg.sparse_config}", flush=True)
     print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch 1, fp32, "
-          f"{args.rounds} rounds x {args.steps} steps", flush=True)
+          f"{args.rounds} rounds x {args.steps} steps after {args.warmup} untimed", flush=True)
     rows = []
     spec = args.checkpoint is not None and cfg.mtp
     fr_ids = None
@@ -259,7 +267,7 @@ def main(argv=None) -> int:
             head += f" {'+FR tok/s':>10} {'x sparse':>8} {'acc':>5}"
     print(head)
     for n in args.lengths:
-        cap = cache_capacity(cfg, n + (args.rounds + 1) * args.steps * (args.num_draft + 1) + 1)
+        cap = cache_capacity(cfg, n + (args.rounds + 1) * (args.steps + args.warmup) * (args.num_draft + 1) + 1)
         runners = {"dense": Runner(dense_model, n, cap, 1), "sparse": Runner(sparse_model, n, cap, 1)}
         if spec:
             runners["spec"] = SpecRunner(sparse_model, n, cap, 1, args.num_draft)
@@ -271,9 +279,12 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for k, r in runners.items():
                 if isinstance(r, SpecRunner):
+                    r.run(max(1, args.warmup // (args.num_draft + 1)))  # untimed
                     secs, made = r.run(args.steps)
                     times[k].append(secs / made)  # seconds per generated token
                 else:
+                    if args.warmup:
+                        r.run(args.warmup)  # untimed
                     times[k].append(r.run(args.steps))
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["dense"] / med["sparse"]
@@ -293,6 +304,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=args.checkpoint or args.config, rows=rows, steps=args.steps, rounds=args.rounds,
+                           warmup=args.warmup,
                            trained_length=spec_rows), f, indent=1, default=str)
     return 0
 

@@ -81,3 +81,75 @@ def test_native_decode_dispatch_rule():
     assert native_decode("auto", jnp.float32)  # this CPU builds the kernel (the module is skipped otherwise)
     assert not native_decode("xla", jnp.float32)  # the reference when asked for
     assert not native_decode("auto", jnp.bfloat16)  # float32 caches only
+
+
+# (variant, block, stride, kernel, window, topk, init, kv heads, group, head_dim, blocks, tokens, nope, first
+# positions (one sequence each; None = the last T slots; -1 = inactive), keys: "random" | "constant")
+SELECT_CASES = [
+    ("gen2", 64, 16, 32, 128, 3, 1, 2, 2, 64, 20, 1, False, (None,), "random"),  # MiniCPM4.1 geometry, cpu_tiny
+    ("gen1", 64, 16, 32, 128, 3, 1, 1, 16, 64, 17, 1, False, (None, 197, 10), "random"),  # MiniCPM4, 8B group
+    ("gen2", 32, 16, 16, 0, 4, 0, 2, 3, 16, 23, 3, True, (None, 101), "random"),  # no window/init, chunk, nope
+    ("gen1", 16, 8, 16, 32, 2, 2, 2, 1, 32, 19, 3, False, (None, 20), "random"),  # a query in an init block
+    ("gen2", 16, 8, 8, 16, 5, 1, 1, 8, 16, 9, 1, False, (None, 0, -1), "random"),  # first token, inactive row
+    # equal keys: every kernel scores the same, so the top-k is decided by the tie rule (lower block first)
+    ("gen2", 32, 16, 32, 32, 3, 1, 2, 2, 16, 16, 1, False, (None, 300), "constant"),
+    ("gen1", 32, 16, 32, 32, 3, 0, 1, 4, 16, 16, 2, False, (None,), "constant"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SELECT_CASES)))
+def test_native_selection_equals_reference(case):
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+
+    variant, bs, st, ks, win, topk, init, nkv, g, d, nb, t, nope, firsts, keys = SELECT_CASES[case]
+    b = len(firsts)
+    rng = np.random.default_rng(200 + case)
+    p = select_params(SparseConfig(kernel_size=ks, kernel_stride=st, block_size=bs, window_size=win, topk=topk,
+                                   init_blocks=init, variant=variant, dense_len=-1))
+    cap = nb * bs
+    shape = (b, cap, nkv, d) if keys == "random" else (b, 1, nkv, d)
+    k = jnp.broadcast_to(jnp.asarray(rng.standard_normal(shape), jnp.float32), (b, cap, nkv, d))
+    vc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    ck1 = compress_keys(k, ks, st)
+    ck2 = compress_keys(k, *coarse_geometry(ks, st)) if variant == "gen2" else None
+    q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
+    q_sel = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32) if nope else q
+    base = np.array([cap - t if f is None else f for f in firsts])
+    pos = np.stack([base + i for i in range(t)], 1)
+    pos[base < 0] = -1
+    pos = jnp.asarray(pos, jnp.int32)
+    k_used = min(p.topk_cfg, nb)
+    init_b, win_b, width = stage2_forced_split(p, k_used)
+    sel = select_blocks_compressed(q_sel, ck1, ck2, q_positions=pos, params=p, num_blocks=nb,
+                                   kv_len=jnp.max(pos, axis=1) + 1, q_tile=t)
+    ref = sparse_decode_attention(q, k.transpose(0, 2, 1, 3), vc, sel.topk_idx[..., :k_used], q_positions=pos,
+                                  block_size=bs, window_blocks=win_b, init_blocks=init_b, gather_width=width)
+    out, idx = native.select_decode_attention(q, k.transpose(0, 2, 1, 3), vc, ck1, ck2, q_positions=pos, params=p,
+                                              init_blocks=init_b, window_blocks=win_b, gather_width=width,
+                                              q_sel=q_sel if nope else None)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
+    assert np.sum(np.asarray(sel.counts)) > 0  # something was selected
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+
+
+def test_native_selection_refuses_what_it_does_not_compute():
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.select import select_params
+
+    q, kc, vc, _, pos = _case(np.random.default_rng(0), 1, 2, 2, 64, 64, 4, 1, 3)
+    ck = jnp.zeros((1, 15, 2, 64), jnp.float32)
+    p = select_params(SparseConfig())
+    kw = dict(q_positions=pos, init_blocks=1, window_blocks=2, gather_width=1)
+    for bad, msg in ((select_params(SparseConfig(), kernel_offby1_quirk=True), "kernel_offby1_quirk=True"),
+                     (select_params(SparseConfig(), score_dtype="bfloat16"), "score_dtype='bfloat16'")):
+        assert not native.supports_selection(bad)
+        with pytest.raises(ValueError, match=msg):
+            native.select_decode_attention(q, kc, vc, ck, ck, params=bad, **kw)
+    with pytest.raises(ValueError, match="needs the coarse compressed keys"):
+        native.select_decode_attention(q, kc, vc, ck, None, params=p, **kw)
+    with pytest.raises(ValueError, match="ck1 shape"):
+        native.select_decode_attention(q, kc, vc, ck[:, :, :1], ck, params=p, **kw)
+    assert native.supports_selection(p)

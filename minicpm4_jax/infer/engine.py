@@ -211,6 +211,7 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
     cap = lc.k.shape[2]
     one = jnp.float32(1.0)
     impl = resolve_impl(cfg.attention_impl)
+    native_select = None  # selection + stage 2 in one native call (decode on CPU, see below)
     if impl == "pallas":
         backend, interpret = pallas_target()
         blk = cfg.sparse_config.block_size if cfg.attention == "infllmv2" else 64
@@ -222,6 +223,7 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
         blk = cfg.sparse_config.block_size if cfg.attention == "infllmv2" else 64
         dense_decode = partial(native.dense_decode_attention, block_size=blk)
         sparse_decode = native.decode_attention
+        native_select = native.select_decode_attention
     else:
         dense_decode, sparse_decode = dense_decode_attention, sparse_decode_attention
     if mode == "prefill":
@@ -247,12 +249,20 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
     k_used = min(params.topk_cfg, nb)
     window = params.local_blocks if params.variant == "gen1" else 0
     q_sel = q_nope if sc.use_nope else q
-    sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
-                                   kv_len=jnp.max(positions, axis=1) + 1, q_tile=t, impl=impl)
-    idx = sel.topk_idx[..., :k_used]  # [b, kv, t, K]
     init, win, width = stage2_forced_split(params, k_used)
-    out = sparse_decode(q, lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, positions),
-                        block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
+    if native_select is not None and native.supports_selection(params):
+        # rows decoded densely get position -1 here: no picks, zero output (replaced below); their attended
+        # fraction is 1 whatever their picks
+        out, idx = native_select(q, lc.k, lc.v, lc.ck1, lc.ck2, q_positions=jnp.where(use_dense, -1, positions),
+                                 params=params, init_blocks=init, window_blocks=win, gather_width=width,
+                                 q_sel=q_sel if sc.use_nope else None)
+        idx = idx[..., :k_used]
+    else:
+        sel = select_blocks_compressed(q_sel, lc.ck1, lc.ck2, q_positions=positions, params=params, num_blocks=nb,
+                                       kv_len=jnp.max(positions, axis=1) + 1, q_tile=t, impl=impl)
+        idx = sel.topk_idx[..., :k_used]  # [b, kv, t, K]
+        out = sparse_decode(q, lc.k, lc.v, idx, q_positions=jnp.where(use_dense, -1, positions),
+                            block_size=sc.block_size, window_blocks=win, init_blocks=init, gather_width=width)
     keys = attended_keys(idx, positions, block_size=sc.block_size, window_blocks=window).astype(jnp.float32)
     if mode == "mixed":
         dense = dense_decode(q, lc.k, lc.v, q_positions=jnp.where(use_dense, positions, -1))

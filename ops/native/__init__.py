@@ -29,10 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["available", "build_error", "decode_attention", "dense_decode_attention", "library_path"]
+__all__ = ["available", "build_error", "decode_attention", "dense_decode_attention", "library_path",
+           "select_decode_attention", "supports_selection"]
 
 _SOURCE = Path(__file__).with_name("infllm_cpu.cc")
 _TARGET = "minicpm4_infllm_decode_f32"
+_SELECT_TARGET = "minicpm4_infllm_select_decode_f32"
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
 _lock = threading.Lock()
 _state: dict = {}
@@ -93,6 +95,8 @@ def _load() -> bool:
                 _build(path)
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmDecodeF32), platform="cpu")
+            jax.ffi.register_ffi_target(_SELECT_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmSelectDecodeF32),
+                                        platform="cpu")
             _state["lib"] = lib  # keep the library loaded
             _state["ok"] = True
         except Exception as e:  # noqa: BLE001 (any build or load failure means: use the XLA reference)
@@ -179,3 +183,85 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     none = jnp.full((b, nkv, t, 0), -1, jnp.int32)
     return decode_attention(q, k_cache, v_cache, none[:, :, 0] if single else none, q_positions=q_positions,
                             block_size=blk, window_blocks=cap // blk, scale=scale)
+
+
+def supports_selection(params) -> bool:
+    """Whether :func:`select_decode_attention` computes this selection exactly as the reference: float32 scores
+    and the clean causal rule (the official off-by-one quirk and bfloat16 score storage stay on XLA)."""
+    return params.score_dtype == "float32" and not params.kernel_offby1_quirk
+
+
+def select_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, ck1: jax.Array,
+                            ck2: jax.Array | None, *, q_positions: jax.Array, params, init_blocks: int,
+                            window_blocks: int, gather_width: int, q_sel: jax.Array | None = None,
+                            scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """InfLLM v2 selection (stage 1, pooling, top-k) and stage 2 of decode queries in one native call.
+
+    The selection is :func:`~minicpm4_jax.infllm.select.select_blocks_compressed` (clean rule, float32 scores:
+    :func:`supports_selection`) computed per (sequence, KV head, token) from the compressed-key caches; its
+    ``topk_idx`` then feeds :func:`decode_attention` with ``init_blocks`` / ``window_blocks`` /
+    ``gather_width`` (:func:`~minicpm4_jax.infllm.attention.stage2_forced_split`). Scores are summed in a
+    different order than XLA's, so a pick can differ from the reference where two block scores tie to float
+    rounding (either is a top-k block); exact ties (one kernel pooled into two blocks) go to the lower index
+    as in ``lax.top_k``.
+
+    Args:
+        q: float32 ``[batch, num_heads, head_dim]`` or ``[batch, T, num_heads, head_dim]`` post-RoPE queries.
+        k_cache, v_cache: float32 ``[batch, num_kv_heads, capacity, head_dim]``.
+        ck1, ck2: float32 ``[batch, Nc, num_kv_heads, head_dim]`` fine / coarse compressed-key caches (``ck2``
+            ``None`` for gen-1).
+        q_positions: int ``[batch]`` / ``[batch, T]``; ``-1`` = inactive (no picks, zeros out).
+        params: :class:`~minicpm4_jax.infllm.select.SelectParams`.
+        init_blocks, window_blocks, gather_width: stage 2's forced split.
+        q_sel: selection queries when ``use_nope`` (pre-RoPE), default ``q``.
+        scale: softmax scale of both stages, default ``head_dim ** -0.5``.
+
+    Returns:
+        ``(out, topk_idx)``: the shape of ``q`` (float32) and int32 ``[batch, num_kv_heads, (T,) topk_cfg]`` in
+        the :class:`~minicpm4_jax.infllm.select.Selection` format.
+
+    Raises:
+        ValueError: bad shapes or dtypes, or a selection :func:`supports_selection` rejects.
+        RuntimeError: the kernel is not available.
+    """
+    if not supports_selection(params):
+        raise ValueError(f"native selection needs float32 scores and the clean rule (score_dtype="
+                         f"{params.score_dtype!r}, kernel_offby1_quirk={params.kernel_offby1_quirk}); use the "
+                         "XLA selection")
+    single = q.ndim == 3
+    q4 = q[:, None] if single else q
+    qs = q4 if q_sel is None else (q_sel[:, None] if single else q_sel)
+    pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
+    b, t, nq, d = q4.shape
+    nkv, cap = k_cache.shape[1], k_cache.shape[2]
+    gen2 = params.variant == "gen2"
+    if gen2 and ck2 is None:
+        raise ValueError("gen2 selection needs the coarse compressed keys ck2")
+    ck2 = ck1 if ck2 is None else ck2  # unread by gen-1
+    for name, x in (("ck1", ck1), ("ck2", ck2)):
+        if x.ndim != 4 or x.shape[0] != b or x.shape[2:] != (nkv, d):
+            raise ValueError(f"{name} shape {x.shape} does not match [batch={b}, Nc, kv_heads={nkv}, head_dim={d}]")
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d or nq % nkv:
+        raise ValueError(f"shape mismatch: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}")
+    if qs.shape != q4.shape or pos.shape != (b, t):
+        raise ValueError(f"q_sel {None if q_sel is None else q_sel.shape} / q_positions {q_positions.shape} do "
+                         f"not match q {q.shape}")
+    if cap % params.block_size:
+        raise ValueError(f"cache capacity {cap} is not a multiple of block_size={params.block_size}")
+    if any(x.dtype != jnp.float32 for x in (q4, qs, k_cache, v_cache, ck1, ck2)):
+        raise ValueError("the native decode kernel is float32 only; use the XLA reference "
+                         "(model.attention_impl='xla')")
+    if not available():
+        raise RuntimeError(f"native decode kernel unavailable: {build_error()}")
+    sc = np.float32(d**-0.5 if scale is None else scale)
+    out, idx = jax.ffi.ffi_call(
+        _SELECT_TARGET, (jax.ShapeDtypeStruct(q4.shape, jnp.float32),
+                         jax.ShapeDtypeStruct((b, nkv, t, params.topk_cfg), jnp.int32)), vmap_method="sequential")(
+        q4, qs, k_cache, v_cache, ck1, ck2, pos, block_size=np.int64(params.block_size),
+        kernel_size=np.int64(params.kernel_size), kernel_stride=np.int64(params.kernel_stride),
+        coarse_size=np.int64(params.coarse_size), coarse_stride=np.int64(params.coarse_stride),
+        sel_init_blocks=np.int64(params.init_blocks), local_blocks=np.int64(params.local_blocks),
+        topk_cfg=np.int64(params.topk_cfg), variant=np.int64(2 if gen2 else 1), sel_scale=sc,
+        init_blocks=np.int64(init_blocks), window_blocks=np.int64(window_blocks),
+        gather_width=np.int64(gather_width), scale=sc)
+    return (out[:, 0], idx[:, :, 0]) if single else (out, idx)

@@ -84,7 +84,8 @@ int64_t block_list(const int32_t* picks, int64_t k, int64_t pos, int64_t num_blo
 // Scratch of one worker thread.
 struct Work {
   std::vector<float> acc, m, l, s, p, qt;
-  std::vector<int32_t> list, picks;
+  std::vector<int32_t> list, picks, order;
+  std::vector<float> z, score, pooled;
 };
 
 // Scores of one block, stored [key, head], scaled: G query heads (transposed, pre-scaled: qt [D, G]) against
@@ -237,15 +238,25 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
   float* acc = w.acc.data();
   float* s = w.s.data();
   float* p = w.p.data();
+  for (int64_t j = 0; j < std::min<int64_t>(nblk, 2); ++j) {
+    const int64_t first = static_cast<int64_t>(blocks[j]) * bs * d;
+    for (int64_t c = 0; c < bs * d; c += 16) {
+      __builtin_prefetch(kc + first + c);
+      __builtin_prefetch(vc + first + c);
+    }
+  }
   for (int64_t j = 0; j < nblk; ++j) {
     const int64_t lo = static_cast<int64_t>(blocks[j]) * bs;
     const int64_t n = std::min<int64_t>(bs, pos - lo + 1);  // keys of the block at slots <= pos
     if (n <= 0) continue;
     const float* kb = kc + lo * d;
     const float* vb = vc + lo * d;
-    if (j + 1 < nblk) {  // the next block's first rows
-      const float* nk = kc + static_cast<int64_t>(blocks[j + 1]) * bs * d;
-      for (int64_t c = 0; c < 8 * d; c += 16) __builtin_prefetch(nk + c);
+    if (j + 2 < nblk) {  // the keys and values two blocks ahead (64-byte lines), while this one is computed
+      const int64_t next = static_cast<int64_t>(blocks[j + 2]) * bs * d;
+      for (int64_t c = 0; c < bs * d; c += 16) {
+        __builtin_prefetch(kc + next + c);
+        __builtin_prefetch(vc + next + c);
+      }
     }
     if constexpr (G > 0 && D > 0) {
       scores_heads_inner<G, D>(w.qt.data(), kb, n, s);
@@ -300,10 +311,130 @@ AttendFn pick_attend(int64_t g, int64_t d) {
   return attend<0, 0>;
 }
 
+// ---------------------------------------------------------------------------------------------- selection
+// InfLLM v2 stage 1 + pooling + top-k of one (sequence, KV head, token), the clean causal rule (spec §5.2-§5.4;
+// reference minicpm4_jax/infllm/select.py: stage1_scores, pool_block_scores, topk_blocks, whose docstrings
+// give each rule).
+
+struct SelectGeometry {
+  int64_t kernel_size, kernel_stride, coarse_size, coarse_stride, block_size, init_blocks, local_blocks, topk_cfg;
+  int64_t variant;  // 1 = gen-1 (exact softmax over fine kernels), 2 = gen-2 (LSE from coarse kernels)
+  float scale;
+};
+
+inline int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// Kernels visible at position pos (kernel j ends at st*j + ks - 1 <= pos), clipped to [0, n].
+inline int64_t visible_kernels(int64_t pos, int64_t ks, int64_t st, int64_t n) {
+  return std::clamp<int64_t>(floor_div(pos + 1 - ks, st) + 1, 0, n);
+}
+
+// z[j] = scale * q . ck[j] for j < count (ck rows strided by row_stride floats); returns their log-sum-exp
+// (-inf for none) when want_lse.
+float kernel_logits(const float* q, int64_t d, const float* ck, int64_t row_stride, int64_t count, float scale,
+                    float* z, bool want_lse) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < count; ++j) {
+    const float* c = ck + j * row_stride;
+    float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t e = 0; e < d; ++e) a += q[e] * c[e];
+    z[j] = a * scale;
+    mx = std::max(mx, z[j]);
+  }
+  if (count == 0 || !want_lse) return -INFINITY;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < count; ++j) sum += std::exp(z[j] - mx);
+  return sum > 0.0f ? std::log(sum) + mx : -INFINITY;
+}
+
+// Writes the row's topk_idx (valid ids ascending, then -1, topk_cfg entries) and returns the valid count.
+int64_t select_blocks(const float* q, int64_t g, int64_t d, const float* ck1, int64_t nc1, const float* ck2,
+                      int64_t nc2, int64_t row_stride, int64_t pos, int64_t num_blocks, const SelectGeometry& sg,
+                      int32_t* topk, Work& w) {
+  std::fill(topk, topk + sg.topk_cfg, -1);
+  if (pos < 0) return 0;
+  const int64_t cnt1 = visible_kernels(pos, sg.kernel_size, sg.kernel_stride, nc1);
+  const int64_t cnt2 = sg.variant == 2 ? visible_kernels(pos, sg.coarse_size, sg.coarse_stride, nc2) : 0;
+  w.score.assign(nc1, 0.0f);  // invisible kernels score exactly 0
+  w.z.resize(std::max<int64_t>(nc1, nc2));
+  for (int64_t h = 0; h < g; ++h) {
+    const float* qh = q + h * d;
+    float lse;
+    if (sg.variant == 2) {
+      lse = kernel_logits(qh, d, ck2, row_stride, cnt2, sg.scale, w.z.data(), true);
+      kernel_logits(qh, d, ck1, row_stride, cnt1, sg.scale, w.z.data(), false);
+    } else {
+      lse = kernel_logits(qh, d, ck1, row_stride, cnt1, sg.scale, w.z.data(), true);
+    }
+    for (int64_t j = 0; j < cnt1; ++j) w.score[j] += std::exp(w.z[j] - lse);  // lse = -inf -> +inf (§5.2)
+  }
+  // max-pool: block b takes kernels [r*b - lo, r*b + r - 1] (every kernel overlapping it), -inf if none
+  const int64_t r = sg.block_size / sg.kernel_stride, lo = (sg.kernel_size - 1) / sg.kernel_stride;
+  const int64_t qb = floor_div(pos, sg.block_size);
+  w.pooled.resize(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    float m = -INFINITY;
+    const int64_t j1 = std::min(r * b + r - 1, nc1 - 1);
+    for (int64_t j = std::max<int64_t>(r * b - lo, 0); j <= j1; ++j) m = std::max(m, w.score[j]);
+    m = std::min(m, std::numeric_limits<float>::max());  // forced blocks win every tie
+    const bool init = b < sg.init_blocks;
+    if (sg.variant == 2) {
+      if (init || (b >= qb - sg.local_blocks && b <= qb)) m = INFINITY;
+    } else if (init) {
+      m = INFINITY;
+    } else if (b > qb - sg.local_blocks && b <= qb) {
+      m = -INFINITY;
+    }
+    w.pooled[b] = m;
+  }
+  // top-k, ties to the lower block index (lax.top_k), then invalidation and ascending order
+  const int64_t k = std::min(sg.topk_cfg, num_blocks);
+  w.order.resize(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) w.order[b] = static_cast<int32_t>(b);
+  const float* pooled = w.pooled.data();
+  std::partial_sort(w.order.begin(), w.order.begin() + k, w.order.end(), [pooled](int32_t a, int32_t b) {
+    return pooled[a] > pooled[b] || (pooled[a] == pooled[b] && a < b);
+  });
+  int64_t n = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int32_t b = w.order[i];
+    const bool late = sg.variant == 2 ? b > qb : b >= qb;
+    if (!late && pooled[b] != -INFINITY) topk[n++] = b;
+  }
+  std::sort(topk, topk + n);
+  return n;
+}
+
 struct Shared {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 };
+
+// run(item, work) for item in [0, items) on the caller and up to num_threads - 1 pool threads. Helpers claim
+// items until none is left; the caller works too and then waits only for claimed items, so a helper that
+// starts late (a busy pool) finds nothing to do and never blocks the call.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t items, const F& run) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
+  if (threads <= 1) {
+    Work w;
+    for (int64_t i = 0; i < items; ++i) run(i, w);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  auto worker = [shared, run, items]() {
+    Work w;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < items;) {
+      run(i, w);
+      shared->finished.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker]() { worker(); });
+  worker();
+  while (shared->finished.load(std::memory_order_acquire) < items) {
+  }
+}
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                       ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
@@ -344,26 +475,63 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
     attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
   };
 
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
-  if (threads <= 1) {
-    Work w;
-    for (int64_t i = 0; i < items; ++i) run(i, w);
-    return ffi::Error::Success();
-  }
-  // Helpers claim items until none is left; the caller works too and then waits only for claimed items,
-  // so a helper that starts late (a busy pool) finds nothing to do and never blocks the call.
-  auto shared = std::make_shared<Shared>();
-  auto worker = [shared, run, items]() {
-    Work w;
-    for (int64_t i; (i = shared->next.fetch_add(1)) < items;) {
-      run(i, w);
-      shared->finished.fetch_add(1, std::memory_order_release);
+  parallel_for(pool, items, run);
+  return ffi::Error::Success();
+}
+
+
+// Selection and attention of decode queries in one call: the row's topk_idx (also returned) feeds stage 2.
+ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> q_sel,
+                            ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::F32> ck1,
+                            ffi::Buffer<ffi::F32> ck2, ffi::Buffer<ffi::S32> positions,
+                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::S32> topk_out,
+                            int64_t block_size, int64_t kernel_size, int64_t kernel_stride, int64_t coarse_size,
+                            int64_t coarse_stride, int64_t sel_init_blocks, int64_t local_blocks, int64_t topk_cfg,
+                            int64_t variant, float sel_scale, int64_t init_blocks, int64_t window_blocks,
+                            int64_t gather_width, float scale) {
+  const auto qd = q.dimensions();
+  const auto kd = k_cache.dimensions();
+  const auto c1 = ck1.dimensions();
+  const auto c2 = ck2.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || c1.size() != 4 || c2.size() != 4 || positions.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("minicpm4_infllm_select_decode_f32: bad ranks");
+  const int64_t b = qd[0], t = qd[1], nq = qd[2], d = qd[3], nkv = kd[1], cap = kd[2];
+  if (kd[0] != b || kd[3] != d || nkv <= 0 || nq % nkv != 0 || c1[0] != b || c1[2] != nkv || c1[3] != d ||
+      c2[0] != b || c2[2] != nkv || c2[3] != d || block_size <= 0 || cap % block_size != 0 || kernel_stride <= 0 ||
+      coarse_stride <= 0 || block_size % kernel_stride != 0 || topk_cfg <= 0 || (variant != 1 && variant != 2))
+    return ffi::Error::InvalidArgument("minicpm4_infllm_select_decode_f32: inconsistent shapes or attributes");
+  const int64_t g = nq / nkv, nb = cap / block_size, nc1 = c1[1], nc2 = c2[1];
+  const SelectGeometry sg{kernel_size, kernel_stride, coarse_size, coarse_stride, block_size, sel_init_blocks,
+                          local_blocks, topk_cfg, variant, sel_scale};
+  const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale};
+  const float* qp = q.typed_data();
+  const float* qsp = q_sel.typed_data();
+  const float* kp = k_cache.typed_data();
+  const float* vp = v_cache.typed_data();
+  const float* c1p = ck1.typed_data();
+  const float* c2p = ck2.typed_data();
+  const int32_t* pp = positions.typed_data();
+  float* op = out->typed_data();
+  int32_t* tp = topk_out->typed_data();
+  const int64_t max_list = std::min(init_blocks, nb) + std::min(window_blocks, nb) + topk_cfg;
+  const AttendFn attend_fn = pick_attend(g, d);
+  auto run = [=](int64_t it, Work& w) {
+    const int64_t ti = it % t, h = (it / t) % nkv, bi = it / (t * nkv);
+    const int64_t pos = pp[bi * t + ti];
+    const int64_t qoff = ((bi * t + ti) * nq + h * g) * d;
+    int32_t* row = tp + ((bi * nkv + h) * t + ti) * topk_cfg;
+    select_blocks(qsp + qoff, g, d, c1p + (bi * nc1 * nkv + h) * d, nc1, c2p + (bi * nc2 * nkv + h) * d, nc2,
+                  nkv * d, pos, nb, sg, row, w);
+    if (pos < 0) {
+      std::memset(op + qoff, 0, sizeof(float) * g * d);
+      return;
     }
+    w.list.resize(max_list);
+    const int64_t n = block_list(row, topk_cfg, pos, nb, geo, w.list.data(), w.picks);
+    const int64_t kvoff = (bi * nkv + h) * cap * d;
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
   };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker]() { worker(); });
-  worker();
-  while (shared->finished.load(std::memory_order_acquire) < items) {
-  }
+  parallel_for(pool, b * nkv * t, run);
   return ffi::Error::Success();
 }
 
@@ -379,6 +547,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmDecodeF32, DecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
                                   .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("init_blocks")
+                                  .Attr<int64_t>("window_blocks")
+                                  .Attr<int64_t>("gather_width")
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmSelectDecodeF32, SelectDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q_sel
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ck1 [batch, Nc1, kv_heads, head_dim]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // ck2 [batch, Nc2, kv_heads, head_dim]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // topk_idx [batch, kv_heads, T, topk_cfg]
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("kernel_size")
+                                  .Attr<int64_t>("kernel_stride")
+                                  .Attr<int64_t>("coarse_size")
+                                  .Attr<int64_t>("coarse_stride")
+                                  .Attr<int64_t>("sel_init_blocks")
+                                  .Attr<int64_t>("local_blocks")
+                                  .Attr<int64_t>("topk_cfg")
+                                  .Attr<int64_t>("variant")
+                                  .Attr<float>("sel_scale")
                                   .Attr<int64_t>("init_blocks")
                                   .Attr<int64_t>("window_blocks")
                                   .Attr<int64_t>("gather_width")
