@@ -62,6 +62,11 @@ def test_native_dense_decode_matches_reference(case):
     for blk in (bs, 3):  # 3 does not divide the capacity: walked one slot at a time, same result
         got = native.dense_decode_attention(q, kc, vc, q_positions=pos, block_size=blk)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    if t == 1:  # the sliding window of the speculative draft layer: windows inside a block, across blocks, all
+        for window in (1, 5, bs, 2 * bs + 7, nb * bs):
+            ref = dense_decode_attention(q[:, 0], kc, vc, q_positions=pos[:, 0], window=window)
+            got = native.dense_decode_attention(q[:, 0], kc, vc, q_positions=pos[:, 0], window=window, block_size=bs)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=f"{window}")
 
 
 def test_native_decode_bad_input_is_one_line_error():

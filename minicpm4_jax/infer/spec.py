@@ -50,6 +50,7 @@ from minicpm4_jax.nn.model import dense_rows
 from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention
+from minicpm4_jax.ops.dispatch import native_decode
 
 __all__ = ["SpeculativeDecoder", "SpecState", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
            "load_frequency_ranking", "run_ranking_file"]
@@ -182,7 +183,12 @@ def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfi
     b, t = positions.shape
     cap = lc.k.shape[2]
     if t == 1:
-        a = dense_decode_attention(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0], window=window)[:, None]
+        decode = dense_decode_attention
+        if native_decode(cfg_mtp.attention_impl, lc.k.dtype):
+            from minicpm4_jax.ops import native  # noqa: PLC0415
+
+            decode = native.dense_decode_attention
+        a = decode(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0], window=window)[:, None]
     else:
         kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         a = dense_attention(q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions,

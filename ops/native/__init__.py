@@ -116,7 +116,7 @@ def build_error() -> str | None:
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_idx: jax.Array, *,
                      q_positions: jax.Array, block_size: int, window_blocks: int = 0, init_blocks: int = 0,
-                     gather_width: int | None = None, scale: float | None = None) -> jax.Array:
+                     gather_width: int | None = None, scale: float | None = None, _window_keys: int = 0) -> jax.Array:
     """:func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention` by the native CPU kernel (same arguments
     and result; float32 only).
 
@@ -167,22 +167,32 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
     out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q4.shape, jnp.float32), vmap_method="sequential")(
         q4, k_cache, v_cache, idx, pos, block_size=np.int64(block_size), init_blocks=np.int64(init_blocks),
         window_blocks=np.int64(window_blocks), gather_width=np.int64(width),
-        scale=np.float32(d**-0.5 if scale is None else scale))
+        scale=np.float32(d**-0.5 if scale is None else scale), window_keys=np.int64(_window_keys))
     return out[:, 0] if single else out
 
 
 def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *, q_positions: jax.Array,
-                           scale: float | None = None, block_size: int = 64) -> jax.Array:
-    """:func:`~minicpm4_jax.ops.decode_ref.dense_decode_attention` (no window) by the native kernel: every
-    cache slot ``<= q_position``, walked in blocks of ``block_size`` (a divisor of the capacity; any value
-    gives the same result up to float rounding). Same shapes as :func:`decode_attention`; float32 only."""
+                           scale: float | None = None, window: int | None = None, block_size: int = 64) -> jax.Array:
+    """:func:`~minicpm4_jax.ops.decode_ref.dense_decode_attention` by the native kernel: every cache slot
+    ``<= q_position`` (with ``window = W``: only the last ``W`` positions ``q_position - W + 1 .. q_position``),
+    walked in blocks of ``block_size`` (a divisor of the capacity; any value gives the same result up to
+    float rounding). Same shapes as :func:`decode_attention`; float32 only.
+
+    Raises:
+        ValueError: as :func:`decode_attention`, or ``window < 1``.
+    """
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be >= 1 (positions attended, the query's own included)")
     single = q.ndim == 3
     b, nkv, cap = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     t = 1 if single else q.shape[1]
     blk = block_size if block_size >= 1 and cap % block_size == 0 else 1
+    nb = cap // blk
+    window_blocks = nb if window is None else min(nb, -(-window // blk) + 1)  # blocks the window can touch
     none = jnp.full((b, nkv, t, 0), -1, jnp.int32)
     return decode_attention(q, k_cache, v_cache, none[:, :, 0] if single else none, q_positions=q_positions,
-                            block_size=blk, window_blocks=cap // blk, scale=scale)
+                            block_size=blk, window_blocks=window_blocks, scale=scale,
+                            _window_keys=0 if window is None or window >= cap else int(window))
 
 
 def supports_selection(params) -> bool:

@@ -14,7 +14,8 @@
 //   pos      [batch, T]                    the query's position; -1 = inactive row (zeros out)
 //   out      [batch, T, num_heads, head_dim]
 // Attributes: block_size, init_blocks, window_blocks, gather_width (non-forced picks kept: the smallest
-// ids, as compact_topk), scale.
+// ids, as compact_topk), scale, window_keys (> 0: only the slots pos - window_keys + 1 .. pos, as the
+// windowed dense_decode_attention).
 // A query at position p in block qb = p / block_size attends, over the keys at slots <= p, the blocks
 // [0, init_blocks), the window (qb - window_blocks, qb] (blocks >= init_blocks), and its picks that are
 // valid and not forced (the gather_width smallest). window_blocks >= capacity / block_size with K = 0 is
@@ -36,6 +37,7 @@ namespace {
 struct Geometry {
   int64_t block_size, init_blocks, window_blocks, gather_width;
   float scale;
+  int64_t window_keys;  // > 0: attend only the slots pos - window_keys + 1 .. pos (a sliding-window decode)
 };
 
 // exp(x) for x <= 0 (softmax weights after the max is subtracted): Cody-Waite range reduction and a
@@ -245,9 +247,11 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
       __builtin_prefetch(vc + first + c);
     }
   }
+  const int64_t min_slot = geo.window_keys > 0 ? pos - geo.window_keys + 1 : 0;
   for (int64_t j = 0; j < nblk; ++j) {
-    const int64_t lo = static_cast<int64_t>(blocks[j]) * bs;
-    const int64_t n = std::min<int64_t>(bs, pos - lo + 1);  // keys of the block at slots <= pos
+    const int64_t first = static_cast<int64_t>(blocks[j]) * bs;
+    const int64_t lo = std::max(first, min_slot);
+    const int64_t n = std::min<int64_t>(first + bs, pos + 1) - lo;  // keys of the block at slots min_slot .. pos
     if (n <= 0) continue;
     const float* kb = kc + lo * d;
     const float* vb = vc + lo * d;
@@ -415,8 +419,11 @@ struct Shared {
 // items until none is left; the caller works too and then waits only for claimed items, so a helper that
 // starts late (a busy pool) finds nothing to do and never blocks the call.
 template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t items, const F& run) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
+void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t cache_floats, const F& run) {
+  // a call that reads little of the cache (e.g. a 4-token verify at a short context) runs on the caller:
+  // waking a pool thread costs more than the work
+  const bool small = cache_floats < (int64_t{1} << 18);
+  const int64_t threads = small ? 1 : std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), items));
   if (threads <= 1) {
     Work w;
     for (int64_t i = 0; i < items; ++i) run(i, w);
@@ -439,7 +446,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, const F& run) {
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                       ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
                       ffi::ResultBuffer<ffi::F32> out, int64_t block_size, int64_t init_blocks,
-                      int64_t window_blocks, int64_t gather_width, float scale) {
+                      int64_t window_blocks, int64_t gather_width, float scale, int64_t window_keys) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = topk.dimensions();
@@ -450,7 +457,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
       block_size <= 0 || cap % block_size != 0 || gather_width < 0)
     return ffi::Error::InvalidArgument("minicpm4_infllm_decode_f32: inconsistent shapes or attributes");
   const int64_t g = nq / nkv, nb = cap / block_size;
-  const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale};
+  const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale, window_keys};
   const float* qp = q.typed_data();
   const float* kp = k_cache.typed_data();
   const float* vp = v_cache.typed_data();
@@ -475,7 +482,9 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
     attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
   };
 
-  parallel_for(pool, items, run);
+  int64_t cache_floats = 0;  // cache values the call can read: visible slots per item, K and V
+  for (int64_t i = 0; i < b * t; ++i) cache_floats += 2 * nkv * d * std::max<int64_t>(0, std::min<int64_t>(pp[i] + 1, cap));
+  parallel_for(pool, items, cache_floats, run);
   return ffi::Error::Success();
 }
 
@@ -503,7 +512,7 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t g = nq / nkv, nb = cap / block_size, nc1 = c1[1], nc2 = c2[1];
   const SelectGeometry sg{kernel_size, kernel_stride, coarse_size, coarse_stride, block_size, sel_init_blocks,
                           local_blocks, topk_cfg, variant, sel_scale};
-  const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale};
+  const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale, 0};
   const float* qp = q.typed_data();
   const float* qsp = q_sel.typed_data();
   const float* kp = k_cache.typed_data();
@@ -531,7 +540,11 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     const int64_t kvoff = (bi * nkv + h) * cap * d;
     attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
   };
-  parallel_for(pool, b * nkv * t, run);
+  int64_t cache_floats = 0;  // compressed keys and the selected blocks, K and V, per item
+  for (int64_t i = 0; i < b * t; ++i)
+    if (pp[i] >= 0)
+      cache_floats += nkv * d * (nc1 + nc2 + 2 * block_size * std::min(max_list, pp[i] / block_size + 1));
+  parallel_for(pool, b * nkv * t, cache_floats, run);
   return ffi::Error::Success();
 }
 
@@ -550,7 +563,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmDecodeF32, DecodeImpl,
                                   .Attr<int64_t>("init_blocks")
                                   .Attr<int64_t>("window_blocks")
                                   .Attr<int64_t>("gather_width")
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_keys"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmSelectDecodeF32, SelectDecodeImpl,
                               ffi::Ffi::Bind()
