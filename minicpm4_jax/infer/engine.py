@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig, validate_model
@@ -501,12 +502,12 @@ class InferenceEngine:
         steps, fracs = 0, []
         lengths = list(lens)  # cached tokens per sequence, tracked on the host for the static decode mode
         while any(active):
-            act = jnp.asarray(active)
+            act = np.asarray(active)  # numpy: the jitted call takes it without a dispatch of its own
             mode = decode_mode(cfg, [lengths[r] + 1 for r in range(b) if active[r]])
             decode = self.decode_fn(sampling, vocab_limit, mode)
             for r in range(b):
                 lengths[r] += int(active[r])
-            cache, tok, frac = decode(self.weights, cache, tok, act, seeds_arr, jnp.int32(steps + 1))
+            cache, tok, frac = decode(self.weights, cache, tok, act, seeds_arr, np.int32(steps + 1))
             fracs.append(frac)
             steps += 1
             tok_host = [int(x) for x in jax.device_get(tok)]

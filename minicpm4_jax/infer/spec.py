@@ -395,8 +395,8 @@ class SpeculativeDecoder:
         n = list(st.lengths)
         mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
         cache, dcache, h_last, a, drafts, nxt, frac = self._round_fn(sampling, vocab_limit, mode)(
-            eng.weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, jnp.asarray(n, jnp.int32),
-            jnp.asarray(active), seeds, jnp.int32(rnd))
+            eng.weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32),
+            np.asarray(active), seeds, np.int32(rnd))  # numpy: no per-argument dispatch on the host
         a_host, d_host, nxt_host = jax.device_get((a, drafts, nxt))
         acc = [int(x) for x in a_host]
         for r in range(b):
@@ -451,11 +451,11 @@ class SpeculativeDecoder:
         tok, steps = st.tok, 0
         while any(active):
             mode = decode_mode(cfg, [n[r] + 1 for r in range(b) if active[r]])
-            act = jnp.asarray(active)
+            act = np.asarray(active)
             for r in range(b):
                 n[r] += int(active[r])
             cache, tok, frac = eng.decode_fn(sampling, vocab_limit, mode)(eng.weights, cache, tok, act, seeds,
-                                                                           jnp.int32(step0 + steps))
+                                                                           np.int32(step0 + steps))
             fracs.append(frac)
             steps += 1
             for r, t in enumerate(jax.device_get(tok)):
