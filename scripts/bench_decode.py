@@ -23,7 +23,9 @@ CPU at 32K, sparse steps right after 36 dense steps took 6.9, 6.1, 5.6, ... ms a
 cold rounds too. The bound is the
 ratio of KV-cache values read per step per KV head: dense ``2 N`` (K and V) against sparse
 ``2 * min(K * block, N) + Nc1 + Nc2`` (selected K and V plus the fine and coarse compressed keys stage 1
-reads); the rest of the step (projections, MLP, head) is the same for both and lowers the real ratio.
+reads). The rest of the step (projections, MLP, head) is the same for both and lowers the real ratio: the
+"+weights" bound adds the weights a step reads (every parameter but the MTP head's, once per step) to both
+sides, the ratio of all bytes a memory-bound step moves.
 
 Speculative decoding (``--checkpoint RUN`` of a model trained with its MTP head, e.g. ``make train``):
 
@@ -89,8 +91,9 @@ def synthetic_cache(cfg, n: int, capacity: int, seed: int) -> KVCache:
     return KVCache(layers=tuple(layers), lengths=jnp.full((1,), n, jnp.int32))
 
 
-def bound(cfg, n: int) -> float:
-    """KV values read per step per KV head, dense / sparse (module docstring)."""
+def bound(cfg, n: int, weight_bytes: int = 0) -> float:
+    """Bytes read per decode step, dense / sparse (module docstring): the KV values of every layer and KV head
+    (float32), plus ``weight_bytes`` (the weights a step reads, the same for both; 0 = the KV-only bound)."""
     sc = cfg.sparse_config
     p = select_params(sc)
     if 0 < sc.dense_len and n < sc.dense_len:
@@ -98,7 +101,15 @@ def bound(cfg, n: int) -> float:
     sparse = 2 * min(p.topk_cfg * sc.block_size, n) + num_kernels(n, sc.kernel_size, sc.kernel_stride)
     if sc.variant == "gen2":
         sparse += num_kernels(n, *coarse_geometry(sc.kernel_size, sc.kernel_stride))
-    return 2 * n / sparse
+    per_value = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.resolved_head_dim * 4
+    return (2 * n * per_value + weight_bytes) / (sparse * per_value + weight_bytes)
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of the weights one plain decode step reads: every parameter but the MTP draft head's."""
+    state = nnx.state(model, nnx.Param)
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return sum(x.nbytes for path, x in leaves if "mtp" not in jax.tree_util.keystr(path))
 
 
 class Runner:
@@ -260,7 +271,8 @@ def main(argv=None) -> int:
 
         fr_ids = load_frequency_ranking(run_ranking_file(args.checkpoint, args.fr_spec_vocab),
                                         cfg.vocab_size)[:args.fr_spec_vocab]
-    head = f"{'context':>8} {'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'bound':>6} {'attended':>9}"
+    head = (f"{'context':>8} {'dense tok/s':>12} {'sparse tok/s':>13} {'ratio':>6} {'bound':>6} {'+weights':>8} "
+            f"{'attended':>9}")
     if spec:
         head += f" {'+spec tok/s':>12} {'x sparse':>8} {'acc':>5}"
         if fr_ids is not None:
@@ -289,10 +301,13 @@ def main(argv=None) -> int:
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["dense"] / med["sparse"]
         b = bound(sparse_model.cfg, n)
+        bw = bound(sparse_model.cfg, n, step_weight_bytes(sparse_model))
         frac = statistics.mean(runners["sparse"].fracs[1:])
         row = dict(context=n, dense_tok_s=1 / med["dense"], sparse_tok_s=1 / med["sparse"], ratio=ratio, bound=b,
+                   bound_with_weights=bw,
                    attended_fraction=frac, times=times)
-        line = f"{n:>8} {1 / med['dense']:>12.1f} {1 / med['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {frac:>9.3f}"
+        line = (f"{n:>8} {1 / med['dense']:>12.1f} {1 / med['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {bw:>7.2f}x "
+                f"{frac:>9.3f}")
         for k in ("spec", "fr"):
             if k in runners:
                 acc = runners[k].produced / runners[k].rounds
