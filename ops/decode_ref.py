@@ -146,7 +146,7 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         q: ``[batch, num_heads, head_dim]`` (one new token per sequence) or ``[batch, T, num_heads, head_dim]``
             (a few, e.g. a speculative verify chunk), post-RoPE.
         k_cache, v_cache: ``[batch, num_kv_heads, capacity, head_dim]``; ``capacity`` a multiple of
-            ``block_size`` and at least the window slice.
+            ``block_size`` (any number of blocks, also fewer than the window).
         topk_idx: int ``[batch, num_kv_heads, K]`` (or ``[batch, num_kv_heads, T, K]``) block ids, ``-1`` unused
             (so is any id outside ``[0, capacity / block_size)``, as in the Pallas kernels), no id repeated in a
             row (:class:`~minicpm4_jax.infllm.select.Selection` format).
@@ -161,7 +161,8 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         * block_size`` keys and values per (new token, KV head) (the window slice is shared by the tokens).
 
     Raises:
-        ValueError: mismatched shapes, a capacity that is not a multiple of ``block_size`` or too small.
+        ValueError: mismatched shapes, a capacity that is not a multiple of ``block_size``, negative
+            ``window_blocks`` / ``init_blocks`` / ``gather_width``.
     """
     single = q.ndim == 3
     q4 = q[:, None] if single else q
@@ -174,17 +175,20 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     if idx.ndim != 4 or idx.shape[:3] != (b, nkv, t):
         raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, (T={t},) K]")
     nb = s // block_size
+    if min(window_blocks, init_blocks) < 0 or (gather_width is not None and gather_width < 0):
+        raise ValueError(f"window_blocks={window_blocks}, init_blocks={init_blocks}, gather_width={gather_width} "
+                         "must be >= 0")
+    init_blocks = min(init_blocks, nb)
     span = -(-(t - 1) // block_size) + 1  # query blocks the new tokens of one sequence can touch
-    n_win = window_blocks + span - 1 if window_blocks else 0
-    if n_win + init_blocks > nb:
-        raise ValueError(f"window_blocks={window_blocks} (+{span - 1} for {t} tokens) + init_blocks={init_blocks} "
-                         f"exceed the cache's {nb} blocks")
+    # the window slice: every window block of the tokens, never more than the blocks after the init ones (a
+    # short cache, e.g. 2 blocks against a 33-block window, is then read whole)
+    n_win = min(window_blocks + span - 1, nb - init_blocks) if window_blocks else 0
     g = nq // nkv
     rows = b * nkv
     scale = d**-0.5 if scale is None else scale
     qb = jnp.floor_divide(pos, block_size)  # [b, t]
     width = idx.shape[-1] if gather_width is None else gather_width
-    if window_blocks or init_blocks or width < idx.shape[-1]:
+    if window_blocks or init_blocks or width != idx.shape[-1]:
         idx = compact_topk(idx, pos, block_size=block_size, init_blocks=init_blocks, window_blocks=window_blocks,
                            width=width)
     qr = q4.reshape(b, t, nkv, g, d).transpose(0, 2, 1, 3, 4).reshape(rows, t * g, d)  # rows of (token, head)
@@ -200,10 +204,11 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         ok = per_query(kp[None, None, :] <= pos[:, :, None])
         state = _softmax_state(qr, k_cache[:, :, :n].reshape(rows, n, d), v_cache[:, :, :n].reshape(rows, n, d), ok,
                                scale)
-    if window_blocks:
+    if n_win:
         n = n_win * block_size
         lo_blk = jnp.min(jnp.where(pos >= 0, qb, nb), axis=1)  # [b] first query block of the sequence's tokens
-        start = jnp.clip((lo_blk - window_blocks + 1) * block_size, 0, s - n)
+        # blocks below init_blocks are never window blocks: starting at them still covers the window
+        start = jnp.clip((lo_blk - window_blocks + 1) * block_size, init_blocks * block_size, s - n)
 
         kp = start[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]  # [b, n]
         kblk = jnp.floor_divide(kp, block_size)[:, None, :]

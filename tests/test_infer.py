@@ -379,3 +379,16 @@ def test_windowed_dense_decode_attention():
         dense_decode_attention(q[:, None], k, v, q_positions=pos[:, None], window=w)
     with pytest.raises(ValueError, match="window=0 must be >= 1"):
         dense_decode_attention(q, k, v, q_positions=pos, window=0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+def test_sparse_decode_of_a_cache_shorter_than_the_window(weights, impl):
+    """The MiniCPM4.1 geometry (window 33 blocks of 64) over a 128-slot cache: the XLA decode refused a cache of
+    fewer blocks than the window, so a short sparse generation failed without the native kernel."""
+    cfg = dataclasses.replace(BASE, attention="infllmv2", sparse_config=SparseConfig(dense_len=-1),
+                              attention_impl=impl)
+    model = _model(weights, cfg)
+    seq = _ids(90, seed=3)
+    got, _ = _stepwise_logits(InferenceEngine(model), seq[:70], seq[70:])
+    full = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray([seq], jnp.int32)))[0, 69:-1]
+    np.testing.assert_allclose(got, full, atol=1e-4, rtol=1e-4)

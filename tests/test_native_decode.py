@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -158,3 +160,62 @@ def test_native_selection_refuses_what_it_does_not_compute():
     with pytest.raises(ValueError, match="ck1 shape"):
         native.select_decode_attention(q, kc, vc, ck[:, :, :1], ck, params=p, **kw)
     assert native.supports_selection(p)
+
+
+def test_native_rejects_negative_and_malformed_arguments():
+    import dataclasses
+
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.select import select_params
+
+    q, kc, vc, idx, pos = _case(np.random.default_rng(1), 1, 2, 2, 64, 64, 4, 1, 3)
+    ck = jnp.zeros((1, 15, 2, 64), jnp.float32)
+    p = select_params(SparseConfig(window_size=64, topk=3))
+    for kw in (dict(window_blocks=-5), dict(gather_width=-1), dict(init_blocks=-10)):  # once a segfault
+        args = dict(init_blocks=1, window_blocks=2, gather_width=1) | kw
+        with pytest.raises(ValueError, match="must be >= 0"):
+            native.select_decode_attention(q, kc, vc, ck, ck, q_positions=pos, params=p, **args)
+        with pytest.raises(ValueError, match="must be >= 0"):
+            native.decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, **args)
+    with pytest.raises(ValueError, match="bad selection geometry"):
+        native.select_decode_attention(q, kc, vc, ck, ck, q_positions=pos, params=dataclasses.replace(p, variant="gen3"),
+                                       init_blocks=1, window_blocks=2, gather_width=1)
+    with pytest.raises(ValueError, match=r"q shape \(4, 64\)"):
+        native.decode_attention(q[0, 0], kc, vc, idx, q_positions=pos, block_size=64)
+    with pytest.raises(ValueError, match="takes one token per sequence"):
+        native.dense_decode_attention(q, kc, vc, q_positions=pos, window=5)
+    with pytest.raises(ValueError, match="must be a Python number"):
+        native.decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, scale=jnp.float32(0.1))
+
+
+def test_damaged_library_is_rebuilt_not_loaded(tmp_path):
+    """A truncated library in the cache killed the process in dlopen (SIGBUS): it is now rebuilt."""
+    import subprocess
+    import sys
+
+    code = ("from minicpm4_jax.ops import native; p = native.library_path(); "
+            "print(native.available(), p.stat().st_mode & 0o777, p.stat().st_size)")
+    env = {**os.environ, "MINICPM4_JAX_CACHE": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0 and first.stdout.split()[:2] == ["True", str(0o755)], first.stderr[-2000:]
+    size = int(first.stdout.split()[2])
+    lib = next((tmp_path / "native").glob("*.so"))
+    lib.write_bytes(lib.read_bytes()[: size // 3])  # damaged after it was built
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.split() == ["True", str(0o755), str(size)], again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_short_cache_and_wide_gather_match_between_kernel_and_reference(t):
+    """A cache of fewer blocks than the window (the 4.1 window of 33 blocks over 2 blocks): the reference
+    refused it, so every non-native decode of a short sparse cache failed; and a gather wider than the picks."""
+    q, kc, vc, idx, pos = _case(np.random.default_rng(7 + t), 2, 2, 2, 16, 64, 2, t, 2)
+    for kw in (dict(window_blocks=33, init_blocks=1, gather_width=0), dict(window_blocks=3, init_blocks=4),
+               dict(gather_width=5)):  # gather_width > K without forced blocks: a reshape error before
+        ref = sparse_decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, **kw)
+        got = native.decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=str(kw))
+    # the 33-block window covers both blocks: dense attention over every slot <= position
+    win = sparse_decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, window_blocks=33, init_blocks=1)
+    np.testing.assert_allclose(np.asarray(win), np.asarray(dense_decode_attention(q, kc, vc, q_positions=pos)),
+                               atol=2e-6, rtol=1e-5)

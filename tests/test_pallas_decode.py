@@ -157,8 +157,8 @@ def test_bad_inputs_raise():
         sparse_decode_attention_pallas(q, kc, vc, idx, q_positions=pos, block_size=24, interpret=True)
     with pytest.raises(ValueError, match="topk_idx shape"):
         sparse_decode_attention_pallas(q, kc, vc, idx[:, :1], q_positions=pos, block_size=16, interpret=True)
-    with pytest.raises(ValueError, match="exceed the cache"):
-        sparse_decode_attention_pallas(q, kc, vc, idx, q_positions=pos, block_size=16, window_blocks=4,
+    with pytest.raises(ValueError, match="must be >= 0"):
+        sparse_decode_attention_pallas(q, kc, vc, idx, q_positions=pos, block_size=16, window_blocks=-1,
                                        init_blocks=1, interpret=True)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         sparse_decode_attention_pallas(q[:, :15], kc, vc, idx, q_positions=pos, block_size=16, interpret=True)
@@ -261,3 +261,18 @@ def test_out_of_range_picks_are_unused_in_reference_and_kernels():
         out = sparse_decode_attention_pallas(q, kc, vc, bad, q_positions=pos, block_size=16, backend=backend,
                                              interpret=True)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref_good), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t", [1, 3])
+def test_sparse_decode_cache_shorter_than_forced_blocks(backend, t):
+    """A 2-block cache under a 33-block window (the MiniCPM4.1 geometry early in a generation), or fewer blocks
+    than init_blocks: refused before, now attended whole, as the reference."""
+    q, kc, vc = _inputs(2, t, 2, 2, 16, 128, seed=t)
+    pos = jnp.asarray([[100 + i for i in range(t)], [5 + i for i in range(t)]], jnp.int32)
+    idx = _picks(np.random.default_rng(t), 2, 2, t, 2, 1)
+    for kw in (dict(window_blocks=33, init_blocks=1, gather_width=0), dict(window_blocks=3, init_blocks=4)):
+        ref = sparse_decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, **kw)
+        got = sparse_decode_attention_pallas(q, kc, vc, idx, q_positions=pos, block_size=64, backend=backend,
+                                             interpret=True, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=str(kw))

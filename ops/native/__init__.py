@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,35 +51,71 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cxx() -> list[str]:
+    return shlex.split(os.environ.get("CXX") or "g++") or ["g++"]
+
+
 def library_path() -> Path:
     """Where the compiled kernel for this source, compiler, jaxlib and CPU lives (built or not)."""
-    cxx = os.environ.get("CXX") or "g++"
+    cxx = _cxx()
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "missing"
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), cxx, version, " ".join(_FLAGS), jax.ffi.include_dir(),
-                                    jax.__version__, _cpu_id()]).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(cxx), version, " ".join(_FLAGS),
+                                    jax.ffi.include_dir(), jax.__version__, _cpu_id()]).encode()).hexdigest()[:20]
     root = Path(os.environ.get("MINICPM4_JAX_CACHE") or Path.home() / ".cache" / "minicpm4_jax")
     return root / "native" / f"infllm_cpu_{key}.so"
 
 
-def _build(path: Path) -> None:
-    cxx = os.environ.get("CXX") or "g++"
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)  # then an atomic rename: safe for parallel builds
-    os.close(fd)
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
     try:
-        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if res.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-2000:]}")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _build(path: Path) -> None:
+    """Compile into a temporary file, then publish its SHA-256 (``.sha256``) and the library, each by an atomic
+    rename: a reader never sees a partial library, and :func:`_intact` rejects one damaged later."""
+    cxx = _cxx()
+    if shutil.which(cxx[0]) is None:
+        raise RuntimeError(f"no C++ compiler {cxx[0]!r} on PATH (set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [*cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # loadable by every user of a shared cache directory
+        _atomic_write(path.with_suffix(".sha256"), _digest(Path(tmp)).encode(), 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _intact(path: Path) -> bool:
+    """The library exists and matches the digest written when it was built (a truncated file would crash the
+    process in ``dlopen`` with SIGBUS instead of raising)."""
+    sha = path.with_suffix(".sha256")
+    try:
+        return path.exists() and sha.read_text().strip() == _digest(path)
+    except OSError:
+        return False
 
 
 def _load() -> bool:
@@ -86,12 +123,12 @@ def _load() -> bool:
         if "ok" in _state:
             return _state["ok"]
         _state["ok"], _state["error"] = False, None
-        if os.environ.get("MINICPM4_JAX_NATIVE", "1") == "0":
-            _state["error"] = "disabled by MINICPM4_JAX_NATIVE=0"
+        if os.environ.get("MINICPM4_JAX_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+            _state["error"] = f"disabled by MINICPM4_JAX_NATIVE={os.environ['MINICPM4_JAX_NATIVE']}"
             return False
         try:
             path = library_path()
-            if not path.exists():
+            if not _intact(path):  # missing, or damaged since it was built: (re)build it
                 _build(path)
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmDecodeF32), platform="cpu")
@@ -112,6 +149,30 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why :func:`available` is ``False`` (``None`` when it is ``True`` or was not asked yet)."""
     return _state.get("error")
+
+
+def _shapes(q, k_cache, v_cache):
+    """``(single, q4, batch, T, heads, head_dim, kv_heads, capacity)``; ValueError on bad ranks or shapes."""
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q shape {q.shape}: expected [batch, heads, head_dim] or [batch, T, heads, head_dim]")
+    single = q.ndim == 3
+    q4 = q[:, None] if single else q
+    b, t, nq, d = q4.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"shape mismatch: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape} "
+                         "[batch, kv_heads, capacity, head_dim]")
+    nkv, cap = k_cache.shape[1], k_cache.shape[2]
+    if nkv < 1 or nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    return single, q4, b, t, nq, d, nkv, cap
+
+
+def _static_scale(scale, d: int) -> np.float32:
+    if scale is None:
+        return np.float32(d**-0.5)
+    if not np.isscalar(scale):
+        raise ValueError(f"scale={scale!r} must be a Python number (a static kernel attribute), not an array")
+    return np.float32(scale)
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_idx: jax.Array, *,
@@ -136,17 +197,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
         ValueError: mismatched shapes, a dtype other than float32, or ``block_size`` not dividing the capacity.
         RuntimeError: the kernel is not available (:func:`build_error` says why).
     """
-    single = q.ndim == 3
-    q4 = q[:, None] if single else q
+    single, q4, b, t, nq, d, nkv, cap = _shapes(q, k_cache, v_cache)
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
     idx = (topk_idx[:, :, None] if single else topk_idx).astype(jnp.int32)
-    b, t, nq, d = q4.shape
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"shape mismatch: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape} "
-                         "[batch, kv_heads, capacity, head_dim]")
-    nkv, cap = k_cache.shape[1], k_cache.shape[2]
-    if nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
     if block_size < 1 or cap % block_size:
         raise ValueError(f"cache capacity {cap} is not a multiple of block_size={block_size}")
     if idx.ndim != 4 or idx.shape[:3] != (b, nkv, t):
@@ -159,6 +212,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
     if min(window_blocks, init_blocks) < 0 or (gather_width is not None and gather_width < 0):
         raise ValueError(f"window_blocks={window_blocks}, init_blocks={init_blocks}, gather_width={gather_width} "
                          "must be >= 0")
+    scale = _static_scale(scale, d)
     if not available():
         raise RuntimeError(f"native decode kernel unavailable: {build_error()}")
     if idx.shape[-1] == 0:  # a zero-size operand: pass one unused pick instead
@@ -167,7 +221,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
     out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q4.shape, jnp.float32), vmap_method="sequential")(
         q4, k_cache, v_cache, idx, pos, block_size=np.int64(block_size), init_blocks=np.int64(init_blocks),
         window_blocks=np.int64(window_blocks), gather_width=np.int64(width),
-        scale=np.float32(d**-0.5 if scale is None else scale), window_keys=np.int64(_window_keys))
+        scale=scale, window_keys=np.int64(_window_keys))
     return out[:, 0] if single else out
 
 
@@ -181,6 +235,8 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     Raises:
         ValueError: as :func:`decode_attention`, or ``window < 1``.
     """
+    if window is not None and q.ndim != 3:
+        raise ValueError(f"window={window} takes one token per sequence (q [batch, heads, head_dim]), got q {q.shape}")
     if window is not None and window < 1:
         raise ValueError(f"window={window} must be >= 1 (positions attended, the query's own included)")
     single = q.ndim == 3
@@ -238,12 +294,16 @@ def select_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         raise ValueError(f"native selection needs float32 scores and the clean rule (score_dtype="
                          f"{params.score_dtype!r}, kernel_offby1_quirk={params.kernel_offby1_quirk}); use the "
                          "XLA selection")
-    single = q.ndim == 3
-    q4 = q[:, None] if single else q
+    p = params
+    if p.variant not in ("gen1", "gen2") or min(p.block_size, p.kernel_size, p.kernel_stride, p.coarse_size,
+                                                 p.coarse_stride, p.topk_cfg) < 1 or p.block_size % p.kernel_stride:
+        raise ValueError(f"bad selection geometry {params}: build it with infllm.select.select_params")
+    if min(window_blocks, init_blocks, gather_width, p.init_blocks, p.local_blocks) < 0:
+        raise ValueError(f"window_blocks={window_blocks}, init_blocks={init_blocks}, gather_width={gather_width} "
+                         "must be >= 0 (infllm.attention.stage2_forced_split gives them)")
+    single, q4, b, t, nq, d, nkv, cap = _shapes(q, k_cache, v_cache)
     qs = q4 if q_sel is None else (q_sel[:, None] if single else q_sel)
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
-    b, t, nq, d = q4.shape
-    nkv, cap = k_cache.shape[1], k_cache.shape[2]
     gen2 = params.variant == "gen2"
     if gen2 and ck2 is None:
         raise ValueError("gen2 selection needs the coarse compressed keys ck2")
@@ -251,8 +311,6 @@ def select_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     for name, x in (("ck1", ck1), ("ck2", ck2)):
         if x.ndim != 4 or x.shape[0] != b or x.shape[2:] != (nkv, d):
             raise ValueError(f"{name} shape {x.shape} does not match [batch={b}, Nc, kv_heads={nkv}, head_dim={d}]")
-    if k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d or nq % nkv:
-        raise ValueError(f"shape mismatch: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}")
     if qs.shape != q4.shape or pos.shape != (b, t):
         raise ValueError(f"q_sel {None if q_sel is None else q_sel.shape} / q_positions {q_positions.shape} do "
                          f"not match q {q.shape}")
@@ -261,9 +319,9 @@ def select_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     if any(x.dtype != jnp.float32 for x in (q4, qs, k_cache, v_cache, ck1, ck2)):
         raise ValueError("the native decode kernel is float32 only; use the XLA reference "
                          "(model.attention_impl='xla')")
+    sc = _static_scale(scale, d)
     if not available():
         raise RuntimeError(f"native decode kernel unavailable: {build_error()}")
-    sc = np.float32(d**-0.5 if scale is None else scale)
     out, idx = jax.ffi.ffi_call(
         _SELECT_TARGET, (jax.ShapeDtypeStruct(q4.shape, jnp.float32),
                          jax.ShapeDtypeStruct((b, nkv, t, params.topk_cfg), jnp.int32)), vmap_method="sequential")(

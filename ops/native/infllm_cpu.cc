@@ -454,7 +454,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
     return ffi::Error::InvalidArgument("minicpm4_infllm_decode_f32: expected q/k/v/topk rank 4, positions rank 2");
   const int64_t b = qd[0], t = qd[1], nq = qd[2], d = qd[3], nkv = kd[1], cap = kd[2], kk = td[3];
   if (kd[0] != b || kd[3] != d || nkv <= 0 || nq % nkv != 0 || td[0] != b || td[1] != nkv || td[2] != t ||
-      block_size <= 0 || cap % block_size != 0 || gather_width < 0)
+      block_size <= 0 || cap % block_size != 0 || gather_width < 0 || init_blocks < 0 || window_blocks < 0 ||
+      window_keys < 0)
     return ffi::Error::InvalidArgument("minicpm4_infllm_decode_f32: inconsistent shapes or attributes");
   const int64_t g = nq / nkv, nb = cap / block_size;
   const Geometry geo{block_size, init_blocks, window_blocks, gather_width, scale, window_keys};
@@ -507,7 +508,9 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t b = qd[0], t = qd[1], nq = qd[2], d = qd[3], nkv = kd[1], cap = kd[2];
   if (kd[0] != b || kd[3] != d || nkv <= 0 || nq % nkv != 0 || c1[0] != b || c1[2] != nkv || c1[3] != d ||
       c2[0] != b || c2[2] != nkv || c2[3] != d || block_size <= 0 || cap % block_size != 0 || kernel_stride <= 0 ||
-      coarse_stride <= 0 || block_size % kernel_stride != 0 || topk_cfg <= 0 || (variant != 1 && variant != 2))
+      coarse_stride <= 0 || block_size % kernel_stride != 0 || kernel_size <= 0 || coarse_size <= 0 ||
+      topk_cfg <= 0 || (variant != 1 && variant != 2) || sel_init_blocks < 0 || local_blocks < 0 ||
+      init_blocks < 0 || window_blocks < 0 || gather_width < 0)
     return ffi::Error::InvalidArgument("minicpm4_infllm_select_decode_f32: inconsistent shapes or attributes");
   const int64_t g = nq / nkv, nb = cap / block_size, nc1 = c1[1], nc2 = c2[1];
   const SelectGeometry sg{kernel_size, kernel_stride, coarse_size, coarse_stride, block_size, sel_init_blocks,

@@ -495,8 +495,8 @@ def sparse_decode_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: ja
 
     Raises:
         ValueError: unknown backend, mismatched shapes, heads not a multiple of kv heads, ``T > 30``, a capacity
-            that is not a multiple of ``block_size`` or smaller than the forced blocks, a non-power-of-two
-            ``block_size`` on Triton.
+            that is not a multiple of ``block_size``, negative forced blocks, a non-power-of-two ``block_size``
+            on Triton.
     """
     single, q4, pos = _normalise(q, k_cache, v_cache, q_positions, backend)
     b, t = q4.shape[:2]
@@ -506,11 +506,10 @@ def sparse_decode_attention_pallas(q: jax.Array, k_cache: jax.Array, v_cache: ja
     if idx.ndim != 4 or idx.shape[:3] != (b, nkv, t):
         raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, (T={t},) K]")
     nb = cap // block_size
-    span = -(-(t - 1) // block_size) + 1
-    n_win = window_blocks + span - 1 if window_blocks else 0
-    if n_win + init_blocks > nb:
-        raise ValueError(f"window_blocks={window_blocks} (+{span - 1} for {t} tokens) + init_blocks={init_blocks} "
-                         f"exceed the cache's {nb} blocks")
+    if min(window_blocks, init_blocks) < 0:
+        raise ValueError(f"window_blocks={window_blocks}, init_blocks={init_blocks} must be >= 0")
+    # a cache of fewer blocks than the window (or the init blocks) is attended whole: the lists mask block ids
+    window_blocks, init_blocks = min(window_blocks, nb), min(init_blocks, nb)
     width = idx.shape[-1] if gather_width is None else gather_width
     if t == 1 and backend == "triton":  # a decode step: elementwise lists, no sort (fewer launches per layer)
         blocks, bits, count = single_token_lists(idx[:, :, 0], pos[:, 0], num_blocks=nb, block_size=block_size,
