@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from minicpm4_jax.ops.infllm_ref import _merge, compact_topk  # one online-softmax merge for every stage 2
 
-__all__ = ["dense_decode_attention", "sparse_decode_attention"]
+__all__ = ["decode_shapes", "dense_decode_attention", "sparse_decode_attention"]
 
 
 def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int, int, int]:
@@ -31,6 +31,31 @@ def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, i
     if nq % nkv:
         raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
     return b, nq, d, nkv, s
+
+
+def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple:
+    """Checks of a decode call's operands, shared by the reference and the kernels.
+
+    Returns:
+        ``(single, q4, batch, T, num_heads, head_dim, num_kv_heads, capacity)``: ``single`` when ``q`` is the
+        one-token ``[batch, heads, head_dim]`` form, ``q4`` the ``[batch, T, heads, head_dim]`` view.
+
+    Raises:
+        ValueError: ``q`` not 3-D/4-D, caches not ``[batch, num_kv_heads, capacity, head_dim]`` matching ``q``,
+            or heads not a multiple of KV heads.
+    """
+    if q.ndim not in (3, 4):
+        raise ValueError(f"q shape {q.shape}: expected [batch, heads, head_dim] or [batch, T, heads, head_dim]")
+    single = q.ndim == 3
+    q4 = q[:, None] if single else q
+    b, t, nq, d = q4.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
+        raise ValueError(f"shape mismatch: q {q.shape} [batch, (T,) heads, head_dim], k_cache {k_cache.shape}, "
+                         f"v_cache {v_cache.shape} [batch, kv_heads, capacity, head_dim]")
+    nkv, cap = k_cache.shape[1], k_cache.shape[2]
+    if nkv < 1 or nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    return single, q4, b, t, nq, d, nkv, cap
 
 
 def _softmax_state(q: jax.Array, kg: jax.Array, vg: jax.Array, ok: jax.Array, scale: float):

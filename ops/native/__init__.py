@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from minicpm4_jax.ops.decode_ref import decode_shapes
+
 __all__ = ["available", "build_error", "decode_attention", "dense_decode_attention", "library_path",
            "select_decode_attention", "supports_selection"]
 
@@ -151,22 +153,6 @@ def build_error() -> str | None:
     return _state.get("error")
 
 
-def _shapes(q, k_cache, v_cache):
-    """``(single, q4, batch, T, heads, head_dim, kv_heads, capacity)``; ValueError on bad ranks or shapes."""
-    if q.ndim not in (3, 4):
-        raise ValueError(f"q shape {q.shape}: expected [batch, heads, head_dim] or [batch, T, heads, head_dim]")
-    single = q.ndim == 3
-    q4 = q[:, None] if single else q
-    b, t, nq, d = q4.shape
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"shape mismatch: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape} "
-                         "[batch, kv_heads, capacity, head_dim]")
-    nkv, cap = k_cache.shape[1], k_cache.shape[2]
-    if nkv < 1 or nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
-    return single, q4, b, t, nq, d, nkv, cap
-
-
 def _static_scale(scale, d: int) -> np.float32:
     if scale is None:
         return np.float32(d**-0.5)
@@ -197,7 +183,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
         ValueError: mismatched shapes, a dtype other than float32, or ``block_size`` not dividing the capacity.
         RuntimeError: the kernel is not available (:func:`build_error` says why).
     """
-    single, q4, b, t, nq, d, nkv, cap = _shapes(q, k_cache, v_cache)
+    single, q4, b, t, nq, d, nkv, cap = decode_shapes(q, k_cache, v_cache)
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
     idx = (topk_idx[:, :, None] if single else topk_idx).astype(jnp.int32)
     if block_size < 1 or cap % block_size:
@@ -301,7 +287,7 @@ def select_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     if min(window_blocks, init_blocks, gather_width, p.init_blocks, p.local_blocks) < 0:
         raise ValueError(f"window_blocks={window_blocks}, init_blocks={init_blocks}, gather_width={gather_width} "
                          "must be >= 0 (infllm.attention.stage2_forced_split gives them)")
-    single, q4, b, t, nq, d, nkv, cap = _shapes(q, k_cache, v_cache)
+    single, q4, b, t, nq, d, nkv, cap = decode_shapes(q, k_cache, v_cache)
     qs = q4 if q_sel is None else (q_sel[:, None] if single else q_sel)
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)
     gen2 = params.variant == "gen2"

@@ -52,6 +52,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from minicpm4_jax.ops.decode_ref import decode_shapes
 from minicpm4_jax.ops.infllm_ref import compact_topk, forced_blocks
 
 __all__ = ["sparse_decode_attention_pallas", "dense_decode_attention_pallas", "decode_block_lists",
@@ -77,16 +78,7 @@ def _normalise(q, k_cache, v_cache, q_positions, backend):
     """Shared checks; returns ``(single, q4 [b, T, nq, d], pos [b, T] int32)``."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {_BACKENDS}")
-    if q.ndim not in (3, 4):
-        raise ValueError(f"q must be [batch, heads, head_dim] or [batch, T, heads, head_dim], got {q.shape}")
-    single = q.ndim == 3
-    q4 = q[:, None] if single else q
-    b, t, nq, d = q4.shape
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"shape mismatch: q {q.shape} [batch, (T,) heads, head_dim], k_cache {k_cache.shape}, "
-                         f"v_cache {v_cache.shape} [batch, kv_heads, capacity, head_dim]")
-    if nq % k_cache.shape[1]:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={k_cache.shape[1]}")
+    single, q4, b, t, *_ = decode_shapes(q, k_cache, v_cache)
     want = (b,) if single else (b, t)
     if tuple(q_positions.shape) != want:
         raise ValueError(f"q_positions shape {q_positions.shape} != {want}")
