@@ -36,7 +36,7 @@ def native_decode(attention_impl: str, cache_dtype) -> bool:
     reference: ``attention_impl="auto"``, the CPU backend, a float32 cache, and the kernel builds (it is
     compiled at the first call; ``MINICPM4_JAX_NATIVE=0`` turns it off). On the 2-core CPU of
     ``docs/benchmarks.md`` ("Decode") a sparse decode step of the tiny model at 32K took ~4.5 ms against
-    12.4 ms with the XLA references."""
+    10.5 ms with the XLA references."""
     if attention_impl != "auto" or jax.default_backend() != "cpu" or jax.numpy.dtype(cache_dtype) != jax.numpy.float32:
         return False
     from minicpm4_jax.ops import native  # noqa: PLC0415 (compiles on first use)
