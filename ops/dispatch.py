@@ -6,11 +6,12 @@
 * ``pallas``: the Pallas kernels of :mod:`minicpm4_jax.ops.pallas` -- Mosaic TPU kernels on TPU, the Triton
   lowering on NVIDIA GPUs, and the TPU kernels in Pallas's interpreter on CPU (exact, slow: for tests).
 * ``auto``: the XLA references, except for the decode attention of a float32 KV cache on the CPU backend,
-  which runs the native CPU kernel of :mod:`minicpm4_jax.ops.native` when it builds (:func:`native_decode`). The kernels are tested in interpret mode and cross-lowered for TPU and
-  CUDA in CI; the Triton kernels passed every correctness check compiled on an H200 (2026-11-29,
-  ``docs/benchmarks.md``), the TPU kernels have not run on a TPU. ``auto`` stays on XLA until a hardware run
-  times the XLA references against the kernels on the same machine (the H200 runs timed the kernels against
-  cuDNN dense attention, not against the XLA sparse path).
+  which runs the native CPU kernel of :mod:`minicpm4_jax.ops.native` when it builds (:func:`native_decode`).
+  The Pallas kernels are tested in interpret mode and cross-lowered for TPU and CUDA in CI; the Triton
+  kernels passed every correctness check compiled on an H200 (2026-11-29, ``docs/benchmarks.md``), the TPU
+  kernels have not run on a TPU. ``auto`` stays on XLA for them until a hardware run times the XLA references
+  against the kernels on the same machine (the H200 runs timed the kernels against cuDNN dense attention,
+  not against the XLA sparse path).
 
 Nothing TPU- or GPU-specific is imported here or at package import.
 """
@@ -34,10 +35,10 @@ def resolve_impl(attention_impl: str) -> str:
 def native_decode(attention_impl: str, cache_dtype) -> bool:
     """Whether decode steps use the native CPU kernel (:mod:`minicpm4_jax.ops.native`) instead of the XLA
     reference: ``attention_impl="auto"``, the CPU backend, a float32 cache, and the kernel builds (it is
-    compiled at the first call; ``MINICPM4_JAX_NATIVE=0`` turns it off). On the 2-core CPU of
-    ``docs/benchmarks.md`` ("Decode") a sparse decode step of the tiny model at 32K took ~4.5 ms against
-    10.5 ms with the XLA references."""
-    if attention_impl != "auto" or jax.default_backend() != "cpu" or jax.numpy.dtype(cache_dtype) != jax.numpy.float32:
+    compiled at the first call; ``MINICPM4_JAX_NATIVE=0`` (or ``false``/``no``/``off``) turns it off). On the
+    2-core CPU of ``docs/benchmarks.md`` ("Decode") a sparse decode step of the tiny model at 32K took ~4.5 ms
+    against 10.5 ms with the XLA references."""
+    if attention_impl != "auto" or jax.default_backend() != "cpu" or jax.numpy.dtype(cache_dtype) != "float32":
         return False
     from minicpm4_jax.ops import native  # noqa: PLC0415 (compiles on first use)
 
