@@ -22,17 +22,6 @@ from minicpm4_jax.ops.infllm_ref import _merge, compact_topk  # one online-softm
 __all__ = ["decode_shapes", "dense_decode_attention", "sparse_decode_attention"]
 
 
-def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int, int, int]:
-    b, nq, d = q.shape
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"shape mismatch: q {q.shape} [batch, heads, head_dim], k_cache {k_cache.shape}, "
-                         f"v_cache {v_cache.shape} [batch, kv_heads, capacity, head_dim]")
-    nkv, s = k_cache.shape[1], k_cache.shape[2]
-    if nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
-    return b, nq, d, nkv, s
-
-
 def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple:
     """Checks of a decode call's operands, shared by the reference and the kernels.
 
@@ -56,6 +45,13 @@ def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple
     if nkv < 1 or nq % nkv:
         raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
     return single, q4, b, t, nq, d, nkv, cap
+
+
+def _check(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[int, int, int, int, int]:
+    """:func:`decode_shapes` of a one-token ``q [batch, heads, head_dim]`` -> ``(batch, heads, head_dim,
+    kv_heads, capacity)``."""
+    _, _, b, _, nq, d, nkv, s = decode_shapes(q, k_cache, v_cache)
+    return b, nq, d, nkv, s
 
 
 def _softmax_state(q: jax.Array, kg: jax.Array, vg: jax.Array, ok: jax.Array, scale: float):

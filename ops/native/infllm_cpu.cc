@@ -141,30 +141,40 @@ inline void scores_dim_inner(const float* q, int64_t g, int64_t d, const float* 
   }
 }
 
-// acc[D] = alpha * acc + sum_i p[i] * v[i] (the row stays in registers for a compile-time D).
+// acc = alpha * acc + sum_i p[i] * v[i] over one head's [head_dim] row; a compile-time D keeps the row in
+// registers (D = 0: the runtime d, accumulated in place).
 template <int D>
-inline void accumulate(float* acc, float alpha, const float* p, const float* vb, int64_t n) {
-  float a[D];
+inline void accumulate(float* acc, int64_t d, float alpha, const float* p, const float* vb, int64_t n) {
+  if constexpr (D > 0) {
+    float a[D];
 #pragma omp simd
-  for (int e = 0; e < D; ++e) a[e] = acc[e] * alpha;
-  for (int64_t i = 0; i < n; ++i) {
-    const float pi = p[i];
-    const float* vr = vb + i * D;
+    for (int e = 0; e < D; ++e) a[e] = acc[e] * alpha;
+    for (int64_t i = 0; i < n; ++i) {
+      const float pi = p[i];
+      const float* vr = vb + i * D;
 #pragma omp simd
-    for (int e = 0; e < D; ++e) a[e] += pi * vr[e];
+      for (int e = 0; e < D; ++e) a[e] += pi * vr[e];
+    }
+#pragma omp simd
+    for (int e = 0; e < D; ++e) acc[e] = a[e];
+  } else {
+#pragma omp simd
+    for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
+    for (int64_t i = 0; i < n; ++i) {
+      const float pi = p[i];
+      const float* vr = vb + i * d;
+#pragma omp simd
+      for (int64_t e = 0; e < d; ++e) acc[e] += pi * vr[e];
+    }
   }
-#pragma omp simd
-  for (int e = 0; e < D; ++e) acc[e] = a[e];
 }
 
-inline void accumulate_any(float* acc, int64_t d, float alpha, const float* p, const float* vb, int64_t n) {
-#pragma omp simd
-  for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
-  for (int64_t i = 0; i < n; ++i) {
-    const float pi = p[i];
-    const float* vr = vb + i * d;
-#pragma omp simd
-    for (int64_t e = 0; e < d; ++e) acc[e] += pi * vr[e];
+// Prefetch one block's keys and values (64-byte lines) while another is computed.
+inline void prefetch_block(const float* kc, const float* vc, int64_t block, int64_t bs, int64_t d) {
+  const int64_t first = block * bs * d;
+  for (int64_t c = 0; c < bs * d; c += 16) {
+    __builtin_prefetch(kc + first + c);
+    __builtin_prefetch(vc + first + c);
   }
 }
 
@@ -172,6 +182,7 @@ inline void accumulate_any(float* acc, int64_t d, float alpha, const float* p, c
 // value products two heads at a time (two [D] accumulator rows in registers, each value row loaded once).
 template <int G, int D>
 inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* acc, const float* vb) {
+  static_assert(G % 2 == 0, "the value products take the heads two at a time");
   float mx[G], alpha[G], sum[G];
 #pragma omp simd
   for (int h = 0; h < G; ++h) {
@@ -240,13 +251,7 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
   float* acc = w.acc.data();
   float* s = w.s.data();
   float* p = w.p.data();
-  for (int64_t j = 0; j < std::min<int64_t>(nblk, 2); ++j) {
-    const int64_t first = static_cast<int64_t>(blocks[j]) * bs * d;
-    for (int64_t c = 0; c < bs * d; c += 16) {
-      __builtin_prefetch(kc + first + c);
-      __builtin_prefetch(vc + first + c);
-    }
-  }
+  for (int64_t j = 0; j < std::min<int64_t>(nblk, 2); ++j) prefetch_block(kc, vc, blocks[j], bs, d);
   const int64_t min_slot = geo.window_keys > 0 ? pos - geo.window_keys + 1 : 0;
   for (int64_t j = 0; j < nblk; ++j) {
     const int64_t first = static_cast<int64_t>(blocks[j]) * bs;
@@ -255,13 +260,7 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
     if (n <= 0) continue;
     const float* kb = kc + lo * d;
     const float* vb = vc + lo * d;
-    if (j + 2 < nblk) {  // the keys and values two blocks ahead (64-byte lines), while this one is computed
-      const int64_t next = static_cast<int64_t>(blocks[j + 2]) * bs * d;
-      for (int64_t c = 0; c < bs * d; c += 16) {
-        __builtin_prefetch(kc + next + c);
-        __builtin_prefetch(vc + next + c);
-      }
-    }
+    if (j + 2 < nblk) prefetch_block(kc, vc, blocks[j + 2], bs, d);  // two blocks ahead
     if constexpr (G > 0 && D > 0) {
       scores_heads_inner<G, D>(w.qt.data(), kb, n, s);
     } else {
@@ -282,11 +281,7 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
         }
         w.l[h] = w.l[h] * alpha + sum;
         w.m[h] = mx;
-        if constexpr (D > 0) {
-          accumulate<D>(acc + h * d, alpha, p, vb, n);
-        } else {
-          accumulate_any(acc + h * d, d, alpha, p, vb, n);
-        }
+        accumulate<D>(acc + h * d, d, alpha, p, vb, n);
       }
     }
   }
