@@ -224,24 +224,29 @@ def stage1_scores(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_posi
     num_q = t if num_q is None else num_q
     p = params
     qg = q.reshape(b, t, nkv, g, d)
-    z1 = jnp.einsum("btkgd,bjkd->bkgtj", qg, ck1, preferred_element_type=jnp.float32) * scale
+    # Scores are laid out [b, kv, t, head, kernel]: the head sum then adds contiguous rows, and the visibility
+    # mask (the same for every head of a token) is applied once, to the sum. With [b, kv, head, t, kernel] and
+    # the mask on every exp, XLA:CPU's fusion of the exp and the head sum ran ~4.5x slower (a 128-query tile
+    # against 2047 kernels: 53 ms against 12 ms) and dominated the selection at long lengths.
+    z1 = jnp.einsum("btkgd,bjkd->bktgj", qg, ck1, preferred_element_type=jnp.float32) * scale
     cnt1 = visible_kernel_count(q_positions, kv_len, num_q, nc1, p.kernel_size, p.kernel_stride,
                                 p.kernel_offby1_quirk)
-    vis1 = (jnp.arange(nc1, dtype=jnp.int32)[None, None, :] < cnt1[:, :, None])[:, None, None]  # [b,1,1,t,j]
+    vis1 = jnp.arange(nc1, dtype=jnp.int32)[None, None, :] < cnt1[:, :, None]  # [b, t, j]
     if p.variant == "gen1":
-        lse = _masked_lse(z1, vis1)
+        lse = _masked_lse(z1, vis1[:, None, :, None, :])
     else:
         if ck2 is None:
             raise ValueError("gen2 stage 1 needs the coarse compressed keys ck2")
         nc2 = ck2.shape[1]
-        z2 = jnp.einsum("btkgd,bjkd->bkgtj", qg, ck2, preferred_element_type=jnp.float32) * scale
+        z2 = jnp.einsum("btkgd,bjkd->bktgj", qg, ck2, preferred_element_type=jnp.float32) * scale
         cnt2 = visible_kernel_count(q_positions, kv_len, num_q, nc2, p.coarse_size, p.coarse_stride,
                                     p.kernel_offby1_quirk)
-        vis2 = (jnp.arange(nc2, dtype=jnp.int32)[None, None, :] < cnt2[:, :, None])[:, None, None]
-        lse = _masked_lse(z2, vis2)
-    # z1 is finite and lse is finite or -inf, so z1 - lse is never NaN.
-    probs = jnp.where(vis1, jnp.exp(z1 - lse), 0.0)
-    s = jnp.sum(probs, axis=2)  # [b, nkv, t, nc1], fp32 sum over the group's heads
+        vis2 = (jnp.arange(nc2, dtype=jnp.int32)[None, None, :] < cnt2[:, :, None])[:, None, :, None, :]
+        lse = _masked_lse(z2, vis2)  # [b, kv, t, g, 1]
+    # z1 is finite and lse is finite or -inf, so z1 - lse is never NaN: an overflow to +inf on an invisible kernel
+    # is masked below, on a visible one it is the documented +inf of a row without coarse kernels.
+    s = jnp.sum(jnp.exp(z1 - lse), axis=3)  # [b, nkv, t, nc1], fp32 sum over the group's heads
+    s = jnp.where(vis1[:, None], s, 0.0)
     return s.astype(jnp.dtype(p.score_dtype))
 
 
