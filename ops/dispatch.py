@@ -5,8 +5,10 @@
 * ``xla``: the references of :mod:`minicpm4_jax.ops` on every backend.
 * ``pallas``: the Pallas kernels of :mod:`minicpm4_jax.ops.pallas` -- Mosaic TPU kernels on TPU, the Triton
   lowering on NVIDIA GPUs, and the TPU kernels in Pallas's interpreter on CPU (exact, slow: for tests).
-* ``auto``: the XLA references, except for the decode attention of a float32 KV cache on the CPU backend,
-  which runs the native CPU kernel of :mod:`minicpm4_jax.ops.native` when it builds (:func:`native_decode`).
+* ``auto``: the XLA references, except on the CPU backend in float32 when the native CPU kernel of
+  :mod:`minicpm4_jax.ops.native` builds (:func:`native_decode`): the decode attention of the KV cache, and the
+  non-forced picks of InfLLM v2's stage 2 in prefill and training forwards
+  (:func:`minicpm4_jax.infllm.attention.native_stage2`, :func:`sparse_impl`; the backward stays XLA's).
   The Pallas kernels are tested in interpret mode and cross-lowered for TPU and CUDA in CI; the Triton
   kernels passed every correctness check compiled on an H200 (2026-11-29, ``docs/benchmarks.md``), the TPU
   kernels have not run on a TPU. ``auto`` stays on XLA for them until a hardware run times the XLA references
@@ -22,7 +24,7 @@ import jax
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["native_decode", "on_mesh", "pallas_target", "resolve_impl"]
+__all__ = ["native_decode", "on_mesh", "pallas_target", "resolve_impl", "sparse_impl"]
 
 
 def resolve_impl(attention_impl: str) -> str:
@@ -43,6 +45,18 @@ def native_decode(attention_impl: str, cache_dtype) -> bool:
     from minicpm4_jax.ops import native  # noqa: PLC0415 (compiles on first use)
 
     return native.available()
+
+
+def sparse_impl(attention_impl: str, dtype) -> str:
+    """The ``impl`` of :func:`~minicpm4_jax.infllm.attention.infllmv2_attention` for a config's
+    ``attention_impl`` and the compute dtype: ``"pallas"``, ``"native"`` (``auto`` on the CPU backend in
+    float32 when the native kernel builds, :func:`native_decode`'s rule) or ``"xla"``. On the 2-core CPU of
+    ``docs/benchmarks.md`` the native stage 2 made one 8B-layout sparse attention layer at 32K tokens 2.2x
+    faster than the XLA reference's forward."""
+    impl = resolve_impl(attention_impl)
+    if impl == "xla" and native_decode(attention_impl, dtype):
+        return "native"
+    return impl
 
 
 def pallas_target() -> tuple[str, bool]:

@@ -107,7 +107,7 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
                     kv_positions: jax.Array, block_size: int, window_blocks: int = 0, init_blocks: int = 0,
                     gather_width: int | None = None, kv_valid: jax.Array | None = None,
                     scale: float | None = None, q_tile: int = 64, gather_tile: int | None = None,
-                    remat: bool = True) -> jax.Array:
+                    remat: bool = True, gathered_fn=None) -> jax.Array:
     """Block-sparse attention over a given selection (§5.5), differentiable in q, k, v.
 
     Each query attends, with token-level causality, the union of its KV group's ``topk_idx`` blocks, the
@@ -139,6 +139,14 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
             layout, the whole tile for small models).
         remat: ``jax.checkpoint`` tiles and sub-tiles so the backward re-gathers K/V instead of storing
             them (default). ``False`` only for tools that cannot trace ``checkpoint``.
+        gathered_fn: another implementation of the non-forced picks' part (the native CPU kernel,
+            :func:`minicpm4_jax.infllm.attention.native_stage2`), called per query tile as
+            ``gathered_fn(q_t, pos_t, idx_t, kc, vc, offset)``: ``q_t`` ``[batch, tile, num_heads, head_dim]``,
+            ``pos_t`` ``[batch, tile]``, the compacted picks ``idx_t`` ``[batch, kv_heads, tile, gather_width]``
+            (:func:`compact_topk`), and K/V KV-major ``[batch, kv_heads, slots, head_dim]`` where position ``p``
+            is slot ``p + offset * block_size``. Returns each head's output over its picks and the logsumexp,
+            ``([batch, tile, num_heads, head_dim], [batch, tile, num_heads])`` (zeros and ``-inf`` for a head
+            without picks). ``None``: gathered here in XLA.
 
     Returns:
         ``[batch, T, num_heads, head_dim]`` in ``q.dtype``; fp32 logits/softmax; a row with no visible
@@ -208,7 +216,7 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     # --- forced part: one contiguous K/V slice per tile, [b, kv, S, d] with S padded at the front
     span = -(-(tile - 1) // block_size) + 1  # query blocks one tile can touch (contiguous positions)
     n_win = window_blocks + span - 1 if window_blocks else 0
-    if forced:
+    if forced or gathered_fn is not None:
         front = n_win * block_size
 
         def kv_major(x):
@@ -260,11 +268,18 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     gbody = jax.checkpoint(gathered) if remat else gathered
 
     def one(q_t, pos_t, idx_t):
+        q_in = q_t
         q_t = q_t.reshape(b, tile, nkv, g, d)
         state = None
         if forced:
             state = dense_forced(q_t, pos_t)
-        if width:
+        if width and gathered_fn is not None:
+            o_g, lse_g = gathered_fn(q_in, pos_t, idx_t, kd, vd, n_win)
+            lse_g = lse_g.reshape(b, tile, nkv, g, 1).transpose(0, 2, 1, 3, 4)
+            o_g = o_g.astype(jnp.float32).reshape(b, tile, nkv, g, d).transpose(0, 2, 1, 3, 4)
+            gs = (lse_g, jnp.isfinite(lse_g).astype(jnp.float32), o_g)  # (lse, 1, out): one softmax state
+            state = gs if state is None else _merge(state, gs)
+        elif width:
             n_sub = tile // sub
             qs = q_t.reshape(b, n_sub, sub, nkv, g, d).swapaxes(0, 1)
             ps = pos_t.reshape(b, n_sub, sub).swapaxes(0, 1)

@@ -5,7 +5,10 @@ q/k/v, positions ``0 .. T-1``, CPU. Compared per length:
 
 * **sparse**: the real entry :func:`minicpm4_jax.infllm.attention.infllmv2_attention` with the MiniCPM4.1
   defaults (gen-2, topk 64 + window 2048 -> 96 blocks of 64) and ``dense_len=-1`` (always sparse):
-  stage-1 selection + stage-2 block-gather attention, exactly as the model runs it.
+  stage-1 selection + stage-2 block-sparse attention, exactly as the model runs it with
+  ``attention_impl: auto`` (``--impl``, default ``auto``: on the CPU in float32 the non-forced picks of
+  stage 2 run in the native kernel, :func:`~minicpm4_jax.infllm.attention.native_stage2`; ``xla`` forces the
+  references). The native kernel's scratch (a few KiB per thread) is outside XLA's memory analysis.
 * **dense**: :func:`causal_flash_attention` below, a query-tiled causal attention in XLA that never
   does upper-triangle work: ``lax.map`` over query tiles, and inside a ``lax.scan`` over key tiles whose
   ``lax.switch`` skips tiles that are fully masked, runs fully visible tiles without a mask and masks only
@@ -54,6 +57,7 @@ from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.infllm.select import select_blocks, select_params
 from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.dispatch import sparse_impl
 
 NQ, NKV, D = 32, 2, 128
 GIB = 1024**3
@@ -141,12 +145,12 @@ def _time(compiled, args, repeats) -> float:
     return statistics.median(ts)
 
 
-def _fns(t, cfg, attn_q_tile, gather_tile):
+def _fns(t, cfg, attn_q_tile, gather_tile, impl):
     pos = jnp.arange(t, dtype=jnp.int32)[None]
 
     def sparse(q, k, v):
         return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, attn_q_tile=attn_q_tile,
-                                  gather_tile=gather_tile)
+                                  gather_tile=gather_tile, impl=impl)
 
     def dense(q, k, v):
         return causal_flash_attention(q, k, v, q_positions=pos, kv_positions=pos)
@@ -188,12 +192,16 @@ def main(argv=None):
     ap.add_argument("--attn-q-tile", type=int, default=64, help="stage-2 query tile (dense forced part)")
     ap.add_argument("--gather-tile", type=int, default=None,
                     help="stage-2 sub-tile of the gathered top-k part (default: automatic, 2 for this layout)")
+    ap.add_argument("--impl", default="auto", choices=["auto", "xla", "native", "pallas"],
+                    help="sparse implementation: auto = what attention_impl=auto runs here (ops.dispatch.sparse_impl)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     a = ap.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
+    impl = sparse_impl("auto", dtype) if a.impl == "auto" else a.impl
     cfg = dataclasses.replace(SparseConfig(), dense_len=-1)  # MiniCPM4.1 defaults, always sparse
     print(f"jax {jax.__version__} {jax.devices()[0].platform}, 8B head layout (32 q / 2 kv heads, d 128), batch 1, "
-          f"{a.dtype}, gen2 topk {cfg.topk} + window {cfg.window_size}, repeats {a.repeats}", flush=True)
+          f"{a.dtype}, gen2 topk {cfg.topk} + window {cfg.window_size}, sparse impl {impl}, repeats {a.repeats}",
+          flush=True)
     results = []
     for mode in ("fwd", "fwd+bwd"):
         lens = [t for t in a.lengths if mode == "fwd" or t <= a.bwd_max]
@@ -206,9 +214,9 @@ def main(argv=None):
         for t in lens:
             q, k, v, gout = _inputs(t, dtype)
             frac, sel_mean, causal_mean, bound = _attended(t, q, k, cfg)
-            fns = _fns(t, cfg, a.attn_q_tile, a.gather_tile)
+            fns = _fns(t, cfg, a.attn_q_tile, a.gather_tile, impl)
             args = (q, k, v) if mode == "fwd" else (q, k, v, gout)
-            row = dict(mode=mode, T=t, dtype=a.dtype, attended_fraction=frac, selected_keys_per_query=sel_mean,
+            row = dict(mode=mode, T=t, dtype=a.dtype, impl=impl, attended_fraction=frac, selected_keys_per_query=sel_mean,
                        causal_keys_per_query=causal_mean, bound=bound)
             for name in ("sparse", "dense", "naive"):
                 f = fns[name] if mode == "fwd" else _fwd_bwd(fns[name])

@@ -46,7 +46,7 @@ from minicpm4_jax.nn.model import head_logits
 from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
-from minicpm4_jax.ops.dispatch import native_decode, pallas_target, resolve_impl
+from minicpm4_jax.ops.dispatch import native_decode, pallas_target, resolve_impl, sparse_impl
 from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas
 
 __all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention"]
@@ -236,7 +236,7 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
         out, stats = infllmv2_attention(
             q, kt, vt, q_positions=positions, kv_positions=kvp, sparse_cfg=sc, kv_len=dispatch_len,
             q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True,
-            impl=impl)
+            impl=sparse_impl(cfg.attention_impl, q.dtype))
         return out, stats["attended_fraction"]
     # decode modes: every query row dispatches on its own length (position + 1), as token-by-token decoding does
     if mode == "dense":

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.ops.attention_ref import dense_attention
-from minicpm4_jax.ops.dispatch import resolve_impl
+from minicpm4_jax.ops.dispatch import sparse_impl
 
 __all__ = ["attend"]
 
@@ -64,6 +64,6 @@ def attend(
             q, k, v, q_positions=q_positions, kv_positions=kv_positions, sparse_cfg=sc, kv_valid=kv_valid,
             q_sel=q_nope if sc.use_nope else None, k_sel=k_nope if sc.use_nope else None,
             kernel_offby1_quirk=sc.kernel_offby1_quirk, return_stats=return_stats,
-            impl=resolve_impl(cfg.attention_impl),
+            impl=sparse_impl(cfg.attention_impl, q.dtype),
         )
     raise ConfigError(f"model.attention={cfg.attention!r}; use 'dense' or 'infllmv2'")

@@ -1,10 +1,14 @@
-"""Native CPU kernel for decode attention (dense and InfLLM v2 block-sparse), as an XLA FFI custom call.
+"""Native CPU kernel for InfLLM v2 block-sparse (and dense) attention over a KV-major cache, as XLA FFI custom
+calls: decode steps, and the non-forced picks of stage 2 in prefill and training forwards.
 
-On XLA:CPU the reference :func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention` has to gather copies
-of the selected cache blocks before its products, and the products over those copies ran at a third of the
-bandwidth of the dense path (``docs/benchmarks.md``, "Decode"). ``infllm_cpu.cc`` reads the selected blocks
-straight from the cache with an fp32 online softmax, one (sequence, KV head, token) per task on XLA's
-intra-op thread pool. Same block set and masking as the reference (spec ``minicpm4_model.md`` §5.5, §5.7).
+On XLA:CPU the references (:func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention`,
+:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`) have to gather copies of the selected blocks before
+their products, and the products over those copies ran at a third of the bandwidth of the dense path
+(``docs/benchmarks.md``). ``infllm_cpu.cc`` reads the selected blocks in place with an fp32 online softmax
+(vectorised over the heads of a GQA group), one (sequence, KV head, token) per task on XLA's intra-op thread
+pool, and can return each head's logsumexp for merging with another part of the attention
+(:func:`decode_attention` ``return_lse``; :func:`minicpm4_jax.infllm.attention.native_stage2`). Same block
+set and masking as the references (spec ``minicpm4_model.md`` §5.5, §5.7).
 
 The source is compiled at first use with the system C++ compiler (``$CXX``, else ``g++``; ``-O3
 -march=native``) into ``$MINICPM4_JAX_CACHE/native`` (default ``~/.cache/minicpm4_jax/native``), keyed by
@@ -38,7 +42,10 @@ __all__ = ["available", "build_error", "decode_attention", "dense_decode_attenti
 _SOURCE = Path(__file__).with_name("infllm_cpu.cc")
 _TARGET = "minicpm4_infllm_decode_f32"
 _SELECT_TARGET = "minicpm4_infllm_select_decode_f32"
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
+_LSE_TARGET = "minicpm4_infllm_attention_lse_f32"
+# 512-bit vectors where the CPU has them (GCC's default for -march=native on x86 stops at 256)
+_X86_FLAGS = ["-mprefer-vector-width=512"] if platform.machine().lower() in ("x86_64", "amd64") else []
+_FLAGS = ["-O3", "-march=native", *_X86_FLAGS, "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-w"]
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -136,6 +143,8 @@ def _load() -> bool:
             jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmDecodeF32), platform="cpu")
             jax.ffi.register_ffi_target(_SELECT_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmSelectDecodeF32),
                                         platform="cpu")
+            jax.ffi.register_ffi_target(_LSE_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmAttentionLseF32),
+                                        platform="cpu")
             _state["lib"] = lib  # keep the library loaded
             _state["ok"] = True
         except Exception as e:  # noqa: BLE001 (any build or load failure means: use the XLA reference)
@@ -163,7 +172,8 @@ def _static_scale(scale, d: int) -> np.float32:
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_idx: jax.Array, *,
                      q_positions: jax.Array, block_size: int, window_blocks: int = 0, init_blocks: int = 0,
-                     gather_width: int | None = None, scale: float | None = None, _window_keys: int = 0) -> jax.Array:
+                     gather_width: int | None = None, scale: float | None = None, return_lse: bool = False,
+                     _window_keys: int = 0) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`~minicpm4_jax.ops.decode_ref.sparse_decode_attention` by the native CPU kernel (same arguments
     and result; float32 only).
 
@@ -175,9 +185,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
             unused (so is any id outside ``[0, capacity / block_size)``); forced blocks may appear.
         q_positions: int ``[batch]`` (or ``[batch, T]``); ``-1`` = inactive row (zeros out).
         block_size, window_blocks, init_blocks, gather_width, scale: as the reference.
+        return_lse: also return each head's logsumexp over its attended keys (``-inf`` for none, e.g. an
+            inactive row), to merge this attention with another part (the sparse prefill's picks).
 
     Returns:
-        the shape of ``q``, float32.
+        the shape of ``q``, float32; with ``return_lse`` also float32 ``[batch, (T,) num_heads]``.
 
     Raises:
         ValueError: mismatched shapes, a dtype other than float32, or ``block_size`` not dividing the capacity.
@@ -204,10 +216,16 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, topk_
     if idx.shape[-1] == 0:  # a zero-size operand: pass one unused pick instead
         idx = jnp.full((b, nkv, t, 1), -1, jnp.int32)
     width = idx.shape[-1] if gather_width is None else gather_width
+    attrs = dict(block_size=np.int64(block_size), init_blocks=np.int64(init_blocks),
+                 window_blocks=np.int64(window_blocks), gather_width=np.int64(width), scale=scale,
+                 window_keys=np.int64(_window_keys))
+    if return_lse:
+        out, lse = jax.ffi.ffi_call(_LSE_TARGET, (jax.ShapeDtypeStruct(q4.shape, jnp.float32),
+                                                  jax.ShapeDtypeStruct(q4.shape[:3], jnp.float32)),
+                                    vmap_method="sequential")(q4, k_cache, v_cache, idx, pos, **attrs)
+        return (out[:, 0], lse[:, 0]) if single else (out, lse)
     out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q4.shape, jnp.float32), vmap_method="sequential")(
-        q4, k_cache, v_cache, idx, pos, block_size=np.int64(block_size), init_blocks=np.int64(init_blocks),
-        window_blocks=np.int64(window_blocks), gather_width=np.int64(width),
-        scale=scale, window_keys=np.int64(_window_keys))
+        q4, k_cache, v_cache, idx, pos, **attrs)
     return out[:, 0] if single else out
 
 

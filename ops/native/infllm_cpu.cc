@@ -4,8 +4,10 @@
 // ops/decode_ref.py: sparse_decode_attention (same block set, same masking, fp32 online softmax); this
 // kernel reads the selected blocks straight from the cache instead of gathering copies of them.
 //
-// Built at first use by ops/native/__init__.py (g++ -O3 -march=native), registered as the CPU target
-// "minicpm4_infllm_decode_f32". Layouts (row-major, float32 / int32):
+// Built at first use by ops/native/__init__.py (g++ -O3 -march=native), registered as the CPU targets
+// "minicpm4_infllm_decode_f32" (out), "minicpm4_infllm_attention_lse_f32" (out and each head's logsumexp
+// [batch, T, num_heads], -inf for none: the non-forced picks of a prefill's stage 2, merged with its dense
+// forced part) and "minicpm4_infllm_select_decode_f32" (below). Layouts (row-major, float32 / int32):
 //   q        [batch, T, num_heads, head_dim]
 //   k_cache  [batch, num_kv_heads, capacity, head_dim]   (slot = token position)
 //   v_cache  [batch, num_kv_heads, capacity, head_dim]
@@ -60,6 +62,48 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// GCC vector-extension types: L float / int32 lanes (one AVX-512 register for L = 16; any ISA compiles them).
+template <int L>
+struct Vec {
+  typedef float F __attribute__((vector_size(4 * L)));
+  typedef int32_t I __attribute__((vector_size(4 * L)));
+};
+
+template <int L>
+inline typename Vec<L>::F vload(const float* p) {
+  typename Vec<L>::F v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int L>
+inline void vstore(float* p, typename Vec<L>::F v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// exp_nonpositive on L lanes (the same operations, lane by lane).
+template <int L>
+inline typename Vec<L>::F vexp_nonpositive(typename Vec<L>::F x) {
+  using F = typename Vec<L>::F;
+  using I = typename Vec<L>::I;
+  x = x < -87.0f ? F{} - 87.0f : x;
+  const F t = x * 1.44269504088896341f + 0.5f;
+  F n = __builtin_convertvector(__builtin_convertvector(t, I), F);  // truncation ...
+  n = n > t ? n - 1.0f : n;                                          // ... to floor
+  const F r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // The blocks one query attends, in the order init, window, picks. Returns the count.
 int64_t block_list(const int32_t* picks, int64_t k, int64_t pos, int64_t num_blocks, const Geometry& geo,
                    int32_t* out, std::vector<int32_t>& scratch) {
@@ -95,6 +139,22 @@ struct Work {
 template <int G, int D>
 inline void scores_heads_inner(const float* qt, const float* kb, int64_t n, float* s) {
   int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // eight independent accumulator chains hide the FMA latency
+    float a[8][G] = {};
+    const float* k0 = kb + i * D;
+    for (int e = 0; e < D; ++e) {
+      const float* qe = qt + e * G;
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        const float kr = k0[r * D + e];
+#pragma omp simd
+        for (int h = 0; h < G; ++h) a[r][h] += qe[h] * kr;
+      }
+    }
+    for (int r = 0; r < 8; ++r)
+#pragma omp simd
+      for (int h = 0; h < G; ++h) s[(i + r) * G + h] = a[r][h];
+  }
   for (; i + 4 <= n; i += 4) {
     float a0[G] = {}, a1[G] = {}, a2[G] = {}, a3[G] = {};
     const float *k0 = kb + i * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
@@ -178,56 +238,59 @@ inline void prefetch_block(const float* kc, const float* vc, int64_t block, int6
   }
 }
 
-// Online-softmax update of G heads over one block's scores s [n, G] (vectorised over the heads), then the
-// value products two heads at a time (two [D] accumulator rows in registers, each value row loaded once).
+// Online-softmax update of G heads over one block's scores s [n, G] (one vector over the heads per key), then
+// the value products two heads at a time: both heads' [D] accumulator rows stay in registers (2 x D / 16
+// vectors) while each value row is loaded once per pair.
 template <int G, int D>
 inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* acc, const float* vb) {
-  static_assert(G % 2 == 0, "the value products take the heads two at a time");
-  float mx[G], alpha[G], sum[G];
-#pragma omp simd
-  for (int h = 0; h < G; ++h) {
-    mx[h] = m[h];
-    sum[h] = 0.0f;
-  }
+  static_assert(G % 2 == 0 && D % 16 == 0, "heads two at a time, value rows in 16-lane vectors");
+  using F = typename Vec<G>::F;
+  const F m_old = vload<G>(m);
+  F mx = m_old;
   for (int64_t i = 0; i < n; ++i) {
-#pragma omp simd
-    for (int h = 0; h < G; ++h) mx[h] = std::max(mx[h], s[i * G + h]);
+    const F x = vload<G>(s + i * G);
+    mx = x > mx ? x : mx;
   }
+  float alpha[G];
   for (int h = 0; h < G; ++h) alpha[h] = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx[h]);
+  const F base = mx == -INFINITY ? F{} : mx;  // 0 while a row has seen only masked (-inf) scores
+  F sum = F{};
   for (int64_t i = 0; i < n; ++i) {
-#pragma omp simd
-    for (int h = 0; h < G; ++h) {
-      const float e = exp_nonpositive(s[i * G + h] - mx[h]);
-      s[i * G + h] = e;
-      sum[h] += e;
-    }
+    const F x = vload<G>(s + i * G);
+    F e = vexp_nonpositive<G>(x - base);
+    e = x == -INFINITY ? F{} : e;  // masked keys weigh exactly 0
+    vstore<G>(s + i * G, e);
+    sum += e;
   }
   for (int h = 0; h < G; ++h) {
     l[h] = l[h] * alpha[h] + sum[h];
     m[h] = mx[h];
   }
+  using W = typename Vec<16>::F;
+  constexpr int C = D / 16;
   for (int h = 0; h < G; h += 2) {
-    float a0[D], a1[D];
+    W a0[C], a1[C];
     float* r0 = acc + h * D;
     float* r1 = r0 + D;
-#pragma omp simd
-    for (int e = 0; e < D; ++e) {
-      a0[e] = r0[e] * alpha[h];
-      a1[e] = r1[e] * alpha[h + 1];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      a0[c] = vload<16>(r0 + 16 * c) * alpha[h];
+      a1[c] = vload<16>(r1 + 16 * c) * alpha[h + 1];
     }
     for (int64_t i = 0; i < n; ++i) {
       const float p0 = s[i * G + h], p1 = s[i * G + h + 1];
       const float* vr = vb + i * D;
-#pragma omp simd
-      for (int e = 0; e < D; ++e) {
-        a0[e] += p0 * vr[e];
-        a1[e] += p1 * vr[e];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const W v = vload<16>(vr + 16 * c);
+        a0[c] += p0 * v;
+        a1[c] += p1 * v;
       }
     }
-#pragma omp simd
-    for (int e = 0; e < D; ++e) {
-      r0[e] = a0[e];
-      r1[e] = a1[e];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      vstore<16>(r0 + 16 * c, a0[c]);
+      vstore<16>(r1 + 16 * c, a1[c]);
     }
   }
 }
@@ -236,7 +299,7 @@ inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* 
 // group size / head_dim when known at compile time (0 = use g / d).
 template <int G, int D>
 void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* vc, const int32_t* blocks,
-            int64_t nblk, int64_t pos, const Geometry& geo, float* out, Work& w) {
+            int64_t nblk, int64_t pos, const Geometry& geo, float* out, float* lse, Work& w) {
   const int64_t bs = geo.block_size;
   w.acc.assign(g * d, 0.0f);
   w.m.assign(g, -INFINITY);
@@ -288,11 +351,12 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
   for (int64_t h = 0; h < g; ++h) {
     const float inv = w.l[h] > 0.0f ? 1.0f / w.l[h] : 0.0f;
     for (int64_t e = 0; e < d; ++e) out[h * d + e] = acc[h * d + e] * inv;
+    if (lse != nullptr) lse[h] = w.l[h] > 0.0f ? w.m[h] + std::log(w.l[h]) : -INFINITY;
   }
 }
 
 using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, const Geometry&, float*, Work&);
+                          int64_t, const Geometry&, float*, float*, Work&);
 
 // Specialisations: scores over heads for groups of 8 / 16 (the MiniCPM4-8B layout), compile-time
 // head_dim 64 / 128 for the value products; anything else runs the generic loops.
@@ -438,10 +502,12 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t cache_floats, co
   }
 }
 
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                      ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
-                      ffi::ResultBuffer<ffi::F32> out, int64_t block_size, int64_t init_blocks,
-                      int64_t window_blocks, int64_t gather_width, float scale, int64_t window_keys) {
+// Stage 2 of every (sequence, KV head, token); lse (nullable) [batch, T, num_heads] receives each head's
+// logsumexp over its attended keys (-inf for none), for merging with another part of the attention.
+ffi::Error DecodeCommon(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                        ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
+                        float* op, float* lp, int64_t block_size, int64_t init_blocks, int64_t window_blocks,
+                        int64_t gather_width, float scale, int64_t window_keys) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = topk.dimensions();
@@ -459,7 +525,6 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
   const float* vp = v_cache.typed_data();
   const int32_t* tp = topk.typed_data();
   const int32_t* pp = positions.typed_data();
-  float* op = out->typed_data();
   const int64_t items = b * nkv * t;
   const int64_t max_list = std::min(init_blocks, nb) + std::min(window_blocks, nb) + kk;
   const AttendFn attend_fn = pick_attend(g, d);
@@ -468,20 +533,43 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer
     const int64_t ti = it % t, h = (it / t) % nkv, bi = it / (t * nkv);
     const int64_t pos = pp[bi * t + ti];
     const int64_t qoff = ((bi * t + ti) * nq + h * g) * d;
+    float* lse = lp == nullptr ? nullptr : lp + (bi * t + ti) * nq + h * g;
     if (pos < 0) {
       std::memset(op + qoff, 0, sizeof(float) * g * d);
+      if (lse != nullptr) std::fill(lse, lse + g, -INFINITY);
       return;
     }
     w.list.resize(max_list);
     const int64_t n = block_list(tp + ((bi * nkv + h) * t + ti) * kk, kk, pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, lse, w);
   };
 
   int64_t cache_floats = 0;  // cache values the call can read: visible slots per item, K and V
   for (int64_t i = 0; i < b * t; ++i) cache_floats += 2 * nkv * d * std::max<int64_t>(0, std::min<int64_t>(pp[i] + 1, cap));
   parallel_for(pool, items, cache_floats, run);
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                      ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t block_size, int64_t init_blocks,
+                      int64_t window_blocks, int64_t gather_width, float scale, int64_t window_keys) {
+  return DecodeCommon(pool, q, k_cache, v_cache, topk, positions, out->typed_data(), nullptr, block_size,
+                      init_blocks, window_blocks, gather_width, scale, window_keys);
+}
+
+ffi::Error DecodeLseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                         ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> topk, ffi::Buffer<ffi::S32> positions,
+                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t block_size,
+                         int64_t init_blocks, int64_t window_blocks, int64_t gather_width, float scale,
+                         int64_t window_keys) {
+  const auto qd = q.dimensions();
+  const auto ld = lse->dimensions();
+  if (qd.size() != 4 || ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[1] || ld[2] != qd[2])
+    return ffi::Error::InvalidArgument("minicpm4_infllm_attention_lse_f32: lse must be [batch, T, num_heads]");
+  return DecodeCommon(pool, q, k_cache, v_cache, topk, positions, out->typed_data(), lse->typed_data(), block_size,
+                      init_blocks, window_blocks, gather_width, scale, window_keys);
 }
 
 
@@ -536,7 +624,7 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     w.list.resize(max_list);
     const int64_t n = block_list(row, topk_cfg, pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, w);
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, nullptr, w);
   };
   int64_t cache_floats = 0;  // compressed keys and the selected blocks, K and V, per item
   for (int64_t i = 0; i < b * t; ++i)
@@ -557,6 +645,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmDecodeF32, DecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // topk
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<int64_t>("init_blocks")
+                                  .Attr<int64_t>("window_blocks")
+                                  .Attr<int64_t>("gather_width")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window_keys"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmAttentionLseF32, DecodeLseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [batch, T, num_heads]
                                   .Attr<int64_t>("block_size")
                                   .Attr<int64_t>("init_blocks")
                                   .Attr<int64_t>("window_blocks")
