@@ -77,6 +77,7 @@ __all__ = [
     "select_params",
     "visible_kernel_count",
     "stage1_scores",
+    "stage1_scores_causal",
     "pool_block_scores",
     "topk_blocks",
     "select_blocks",
@@ -250,6 +251,54 @@ def stage1_scores(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_posi
     return s.astype(jnp.dtype(p.score_dtype))
 
 
+def stage1_scores_causal(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_positions: jax.Array,
+                         kv_len: jax.Array, params: SelectParams, scale: float | None = None,
+                         num_q: int | None = None, chunk: int = 256) -> jax.Array:
+    """:func:`stage1_scores` computing only the fine kernels the rows can see, in chunks of ``chunk``
+    kernels: a ``lax.fori_loop`` over ``ceil(max visible / chunk)`` chunks; the others stay 0 (invisible).
+
+    Same arguments and result as :func:`stage1_scores` (gen-2 only: gen-1's softmax normaliser is over the
+    fine kernels themselves). A query tile at position ``p`` of a ``T``-token prefill sees about ``p /
+    kernel_stride`` of the ``T / kernel_stride`` kernels, so a whole prefill does about half the products and
+    exponentials of the untiled rule (the 8B layout at 32K, 2-core CPU: ``docs/benchmarks.md``).
+
+    Raises:
+        ValueError: a gen-1 ``params``, missing ``ck2``, or ``num_heads`` not a multiple of the KV heads.
+    """
+    if params.variant != "gen2" or ck2 is None:
+        raise ValueError("stage1_scores_causal is for gen-2 selection (with ck2); use stage1_scores")
+    b, t, nq, d = q.shape
+    nc1, nkv = ck1.shape[1], ck1.shape[2]
+    if nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    g = nq // nkv
+    scale = d**-0.5 if scale is None else scale
+    num_q = t if num_q is None else num_q
+    p = params
+    qg = q.reshape(b, t, nkv, g, d)
+    nc2 = ck2.shape[1]
+    z2 = jnp.einsum("btkgd,bjkd->bktgj", qg, ck2, preferred_element_type=jnp.float32) * scale
+    cnt2 = visible_kernel_count(q_positions, kv_len, num_q, nc2, p.coarse_size, p.coarse_stride,
+                                p.kernel_offby1_quirk)
+    lse = _masked_lse(z2, (jnp.arange(nc2, dtype=jnp.int32)[None, None, :] < cnt2[:, :, None])[:, None, :, None, :])
+    cnt1 = visible_kernel_count(q_positions, kv_len, num_q, nc1, p.kernel_size, p.kernel_stride,
+                                p.kernel_offby1_quirk)  # [b, t]
+    c = max(1, min(chunk, nc1))
+    n_chunks = -(-nc1 // c)
+    ck1p = jnp.pad(ck1, [(0, 0), (0, n_chunks * c - nc1), (0, 0), (0, 0)])
+
+    def body(i, s):
+        ckc = jax.lax.dynamic_slice_in_dim(ck1p, i * c, c, axis=1)  # [b, c, kv, d]
+        z = jnp.einsum("btkgd,bjkd->bktgj", qg, ckc, preferred_element_type=jnp.float32) * scale
+        e = jnp.sum(jnp.exp(z - lse), axis=3)  # [b, kv, t, c]; never NaN, as in stage1_scores
+        vis = (i * c + jnp.arange(c, dtype=jnp.int32))[None, None, :] < cnt1[:, :, None]  # [b, t, c]
+        return jax.lax.dynamic_update_slice_in_dim(s, jnp.where(vis[:, None], e, 0.0), i * c, axis=3)
+
+    need = (jnp.max(cnt1) + c - 1) // c  # chunks holding a visible kernel of some row
+    s = jax.lax.fori_loop(0, need, body, jnp.zeros((b, nkv, t, n_chunks * c), jnp.float32))
+    return s[..., :nc1].astype(jnp.dtype(p.score_dtype))
+
+
 def pool_block_scores(scores: jax.Array, *, q_positions: jax.Array, num_blocks: int,
                       params: SelectParams) -> jax.Array:
     """Max-pool kernel scores onto KV blocks and apply the variant's forcing (§5.3).
@@ -325,6 +374,8 @@ def _compressed(k_sel: jax.Array, params: SelectParams):
 def _stage1(impl: str, q, ck1, ck2, **kw) -> jax.Array:
     """:func:`stage1_scores` (``impl="xla"``) or its Pallas kernel (``"pallas"``, :mod:`minicpm4_jax.ops.dispatch`)."""
     if impl == "xla":
+        if kw["params"].variant == "gen2" and ck2 is not None and ck1.shape[1] > 256:
+            return stage1_scores_causal(q, ck1, ck2, **kw)  # only the kernels the tile can see
         return stage1_scores(q, ck1, ck2, **kw)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}; use 'xla' or 'pallas'")
