@@ -608,3 +608,49 @@ def test_stage2_out_of_range_picks_are_unused():
     kw = dict(q_positions=pos, kv_positions=pos, block_size=bs)
     np.testing.assert_array_equal(np.asarray(infllmv2_stage2(q, k, v, bad, **kw)),
                                   np.asarray(infllmv2_stage2(q, k, v, good, **kw)))
+
+
+@pytest.mark.parametrize("quirk", [False, True])
+def test_stage1_causal_chunks_equal_full_scores(quirk):
+    """stage1_scores_causal (gen-2, only the kernels a tile can see, in chunks) equals stage1_scores exactly in
+    its 0 / +inf pattern and to rounding elsewhere, for chunks that do and do not divide the kernel count."""
+    from minicpm4_jax.infllm.select import stage1_scores, stage1_scores_causal
+
+    rng = np.random.default_rng(5)
+    p = select_params(dataclasses.replace(SparseConfig(), dense_len=-1, kernel_size=8, kernel_stride=4,
+                                          block_size=8), kernel_offby1_quirk=quirk)
+    for b, t, nq, nkv, d, s, off in [(1, 24, 8, 2, 32, 900, 600), (2, 17, 4, 2, 16, 700, 0), (1, 9, 2, 1, 16, 420, 0)]:
+        q = jnp.asarray(rng.standard_normal((b, t, nq, d)), jnp.float32)
+        k = jnp.asarray(rng.standard_normal((b, s, nkv, d)), jnp.float32)
+        ck1 = compress_keys(k, p.kernel_size, p.kernel_stride)
+        ck2 = compress_keys(k, p.coarse_size, p.coarse_stride)
+        pos = jnp.asarray(np.tile(np.arange(off, off + t), (b, 1)), jnp.int32).at[0, -1].set(-1)
+        kw = dict(q_positions=pos, kv_len=jnp.full((b,), off + t, jnp.int32), params=p, num_q=t)
+        full = np.asarray(stage1_scores(q, ck1, ck2, **kw))
+        assert np.isinf(full).any() or off > 0  # rows without a visible coarse kernel occur at the start
+        for chunk in (7, 100, 1000):
+            got = np.asarray(stage1_scores_causal(q, ck1, ck2, chunk=chunk, **kw))
+            np.testing.assert_array_equal(np.isinf(got), np.isinf(full))
+            np.testing.assert_array_equal(got == 0, full == 0)
+            fin = np.isfinite(full)
+            np.testing.assert_allclose(got[fin], full[fin], rtol=2e-6, atol=0)
+    with pytest.raises(ValueError, match="gen-2"):
+        stage1_scores_causal(q, ck1, None, **kw)
+
+
+def test_select_blocks_with_causal_stage1_equals_untiled_selection():
+    """Over 256 fine kernels select_blocks' XLA stage 1 runs by causal chunks; its selection equals the untiled
+    stage1_scores -> pooling -> top-k of selection_scores."""
+    from minicpm4_jax.infllm.select import select_blocks, selection_scores
+
+    rng = np.random.default_rng(6)
+    p = select_params(dataclasses.replace(SparseConfig(), dense_len=-1, kernel_size=8, kernel_stride=4,
+                                          block_size=8, topk=6, window_size=16))
+    t = 1200  # 299 fine kernels
+    q = jnp.asarray(rng.standard_normal((1, t, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, t, 2, 16)), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    assert compress_keys(k, p.kernel_size, p.kernel_stride).shape[1] > 256
+    got = select_blocks(q, k, q_positions=pos, params=p, q_tile=128).topk_idx
+    want = selection_scores(q, k, q_positions=pos, params=p)["topk_idx"]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
