@@ -20,11 +20,12 @@ from minicpm4_jax.config import SparseConfig
 from minicpm4_jax import infllm
 from minicpm4_jax.infllm import SENTINEL, compress_keys, num_kernels, select_params, visible_kernel_count
 from minicpm4_jax.infllm import attention as infllm_attention
-from minicpm4_jax.ops import attention_ref, infllm_ref
+from minicpm4_jax.infllm.attention import native_stage2
+from minicpm4_jax.ops import attention_ref, infllm_ref, native
 
 # Everything under test is called through jit (one compile per shape instead of op-by-op dispatch).
 _ATTN_STATIC = ("sparse_cfg", "kernel_offby1_quirk", "score_dtype", "select_q_tile", "attn_q_tile", "gather_tile", "remat",
-                "return_selection", "return_stats", "scale")
+                "return_selection", "return_stats", "scale", "impl")
 infllmv2_attention = jax.jit(infllm_attention.infllmv2_attention, static_argnames=_ATTN_STATIC)
 infllmv2_stage2 = jax.jit(infllm_ref.infllmv2_stage2,
                           static_argnames=("block_size", "window_blocks", "init_blocks", "gather_width", "scale",
@@ -422,16 +423,21 @@ def test_use_nope_requires_selection_inputs():
 
 
 # ------------------------------------------------------------------------------- field faults B02-B23
+# the XLA reference and the native CPU stage 2 (what attention_impl=auto runs on CPU in float32)
+IMPLS = ["xla", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available(), reason=f"native kernel unavailable: {native.build_error()}"))]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])
-def test_b02_causality_sparse_forced(variant):
+def test_b02_causality_sparse_forced(variant, impl):
     cfg = dataclasses.replace(TINY, variant=variant, dense_len=0)
     t_len = 256
     q, k, v = _qkv(50, 1, t_len, 8, 2, 32)
     q2, k2, v2 = _qkv(60, 1, t_len, 8, 2, 32)
     pos = _pos(1, t_len)
-    f = jax.jit(lambda q, k, v: infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg))
+    f = jax.jit(lambda q, k, v: infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg,
+                                                   impl=impl))
     base = np.asarray(f(q, k, v))
     for t in (0, 31, 47, 63, 100, 255):
         later = (jnp.arange(t_len) > t)[None, :, None, None]
@@ -480,9 +486,10 @@ def test_b03_causal_mask_before_topk(variant):
     assert not np.array_equal(att[:, 100], att[:, 500])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])
 @pytest.mark.parametrize("t_len", [1, 31, 32, 63, 64, 65, 100, 129])
-def test_b04_topk_larger_than_block_count(variant, t_len):
+def test_b04_topk_larger_than_block_count(variant, t_len, impl):
     cfg = dataclasses.replace(TINY, variant=variant, topk=16, dense_len=0)
     p = select_params(cfg)
     q, k, v = _qkv(80 + t_len, 1, t_len, 8, 2, 32)
@@ -490,7 +497,7 @@ def test_b04_topk_larger_than_block_count(variant, t_len):
 
     def f(q, k, v):
         return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, return_selection=True,
-                                  remat=False)  # checkify cannot trace jax.checkpoint (jax 0.12)
+                                  remat=False, impl=impl)  # checkify cannot trace jax.checkpoint (jax 0.12)
 
     err, (out, sel) = checkify.checkify(jax.jit(f), errors=checkify.index_checks)(q, k, v)
     err.throw()
@@ -506,8 +513,9 @@ def _rel(a, b):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d", [32, 64, 128])
-def test_b05_sparse_backward(d):
+def test_b05_sparse_backward(d, impl):
     t_len, nkv, g = 256, 2, 4
     q, k, v = _qkv(90 + d, 1, t_len, nkv * g, nkv, d)
     pos = _pos(1, t_len)
@@ -518,7 +526,7 @@ def test_b05_sparse_backward(d):
 
     # (a) every block selected -> dense causal attention
     cfg = dataclasses.replace(TINY, topk=16, dense_len=0)
-    ga = grads(lambda *a: infllmv2_attention(*a, q_positions=pos, kv_positions=pos, sparse_cfg=cfg))
+    ga = grads(lambda *a: infllmv2_attention(*a, q_positions=pos, kv_positions=pos, sparse_cfg=cfg, impl=impl))
     gd = grads(lambda *a: dense_attention(*a, q_positions=pos, kv_positions=pos))
     for a, w in zip(ga, gd):
         assert _rel(a, w) <= 1e-4
@@ -538,7 +546,10 @@ def test_b05_sparse_backward(d):
     idx_j = jax.lax.stop_gradient(jnp.asarray(idx))
     tok = ref.token_mask(ref.block_mask(idx[0], np.arange(t_len), num_blocks=nb, block_size=64, window_blocks=0),
                          np.arange(t_len), np.arange(t_len), 64)[None]
-    gb = grads(lambda *a: infllmv2_stage2(*a, idx_j, q_positions=pos, kv_positions=pos, block_size=64))
+    if impl == "native":  # the same selection through the native forward and its custom VJP
+        gb = grads(lambda *a: native_stage2(*a, idx_j, pos, (64, 0, 0, nb, None, 64)))
+    else:
+        gb = grads(lambda *a: infllmv2_stage2(*a, idx_j, q_positions=pos, kv_positions=pos, block_size=64))
     go = grads(lambda *a: naive_masked_attention(*a, jnp.asarray(tok)))
     for a, w in zip(gb, go):
         assert _rel(a, w) <= 1e-4
