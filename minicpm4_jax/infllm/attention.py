@@ -64,8 +64,8 @@ def native_stage2(q, k, v, topk_idx, q_positions, geometry: tuple) -> jax.Array:
     CPU kernel (the forced init/window blocks stay dense XLA slices); the backward is the reference's.
 
     On the 2-core CPU of ``docs/benchmarks.md`` the XLA reference gathered a copy of every token's 62 picked
-    blocks before its products; the kernel reads them in place (~2.8 us per token, KV head and block in the
-    8B layout). Float32 on the CPU backend; the kv index must be the token position (contiguous from 0) and
+    blocks before its products; the kernel reads them in place (~2.5 us per token, KV head and picked block
+    in the 8B layout). Float32 on the CPU backend; the kv index must be the token position (contiguous from 0) and
     every slot valid (no ``kv_valid``), as :func:`infllmv2_attention` guarantees when it picks this path.
 
     Args:
