@@ -547,7 +547,7 @@ def test_b05_sparse_backward(d, impl):
     tok = ref.token_mask(ref.block_mask(idx[0], np.arange(t_len), num_blocks=nb, block_size=64, window_blocks=0),
                          np.arange(t_len), np.arange(t_len), 64)[None]
     if impl == "native":  # the same selection through the native forward and its custom VJP
-        gb = grads(lambda *a: native_stage2(*a, idx_j, pos, (64, 0, 0, nb, None, 64)))
+        gb = grads(lambda *a: native_stage2(*a, idx_j, pos, pos, (64, 0, 0, nb, None, 64)))
     else:
         gb = grads(lambda *a: infllmv2_stage2(*a, idx_j, q_positions=pos, kv_positions=pos, block_size=64))
     go = grads(lambda *a: naive_masked_attention(*a, jnp.asarray(tok)))

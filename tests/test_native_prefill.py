@@ -65,7 +65,7 @@ def test_native_stage2_matches_reference_forward_and_gradients(case):
                                window_blocks=window, init_blocks=init, gather_width=width, q_tile=16)
 
     def nat(q, k, v):
-        return native_stage2(q, k, v, idx, pos, (p.block_size, window, init, width, None, 16))
+        return native_stage2(q, k, v, idx, pos, kvp, (p.block_size, window, init, width, None, 16))
 
     np.testing.assert_allclose(np.asarray(jax.jit(nat)(q, k, v)), np.asarray(jax.jit(ref)(q, k, v)), atol=2e-6,
                                rtol=1e-5)
@@ -120,3 +120,54 @@ def test_sparse_impl_rule():
     assert sparse_impl("xla", jnp.float32) == "xla"
     assert sparse_impl("auto", jnp.bfloat16) == "xla"
     assert sparse_impl("pallas", jnp.float32) == "pallas"
+
+
+def test_native_equals_reference_for_positions_with_an_offset():
+    """Keys at positions first + slot (outside InfLLM v2's contract, which wants the token index: the selection
+    then depends on later tokens in both paths): the native path masks by slot shifted by the first key's
+    position, so it still computes exactly what the reference computes, never something else."""
+    q, k, v, _, cfg = _case(2)
+    b, t = q.shape[:2]
+    pos = jnp.broadcast_to(200 + jnp.arange(t, dtype=jnp.int32), (b, t))
+    kw = dict(q_positions=pos, kv_positions=pos, sparse_cfg=cfg)
+    np.testing.assert_allclose(np.asarray(infllmv2_attention(q, k, v, impl="native", **kw)),
+                               np.asarray(infllmv2_attention(q, k, v, impl="xla", **kw)), atol=2e-6, rtol=1e-5)
+
+
+def test_native_falls_back_for_an_array_scale_and_checks_its_geometry():
+    q, k, v, pos, cfg = _case(1)
+    kvp = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), pos.shape)
+    kw = dict(q_positions=pos, kv_positions=kvp, sparse_cfg=cfg, scale=jnp.float32(0.2))
+    np.testing.assert_array_equal(np.asarray(infllmv2_attention(q, k, v, impl="native", **kw)),
+                                  np.asarray(infllmv2_attention(q, k, v, impl="xla", **kw)))
+    idx = jnp.full((q.shape[0], k.shape[2], q.shape[1], 3), -1, jnp.int32)
+    for geometry in ((0, 0, 0, 3, None, 16), (8, 0, 0, 3, None), (8, 0, -1, 3, None, 16), (8, 0, 0, 3, q, 16)):
+        with pytest.raises(ValueError, match="geometry|scale"):
+            native_stage2(q, k, v, idx, pos, kvp, geometry)
+
+
+def test_impl_native_without_the_kernel_runs_the_reference(tmp_path):
+    """MINICPM4_JAX_NATIVE=0: sparse_impl picks xla, and an explicit impl="native" runs the reference too."""
+    code = """
+import dataclasses, jax.numpy as jnp, numpy as np
+from minicpm4_jax.config import SparseConfig
+from minicpm4_jax.infllm.attention import infllmv2_attention
+from minicpm4_jax.ops.dispatch import sparse_impl
+cfg = dataclasses.replace(SparseConfig(), kernel_size=8, kernel_stride=4, block_size=8, init_blocks=1,
+                          window_size=16, topk=5, dense_len=-1)
+r = np.random.default_rng(0)
+q, k, v = (jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((1, 150, 4, 32), (1, 150, 2, 32), (1, 150, 2, 32)))
+pos = jnp.arange(150, dtype=jnp.int32)[None]
+kw = dict(q_positions=pos, kv_positions=pos, sparse_cfg=cfg)
+assert sparse_impl("auto", jnp.float32) == "xla"
+np.testing.assert_array_equal(np.asarray(infllmv2_attention(q, k, v, impl="native", **kw)),
+                              np.asarray(infllmv2_attention(q, k, v, impl="xla", **kw)))
+print("ok")
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MINICPM4_JAX_NATIVE="0")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -46,61 +46,92 @@ def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, in
     return p.init_blocks, p.local_blocks, max(0, k_used - p.init_blocks)
 
 
-def _native_picks(q_t, pos_t, idx_t, kc, vc, offset: int, *, block_size: int, scale):
+def _native_picks(q_t, pos_t, idx_t, kc, vc, offset: int, *, first_pos, block_size: int, scale):
     """One query tile's non-forced picks by the native CPU kernel: ``(out, lse)`` (the ``gathered_fn`` of
     :func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`), reading each picked block of the KV-major ``kc``/``vc``
-    (position ``p`` at slot ``p + offset * block_size``) in place instead of gathering copies of them."""
+    (key slot ``s`` at ``s + offset * block_size``) in place instead of gathering copies of them.
+
+    The kernel sees key slots, not positions: a query at position ``p`` of a sequence whose keys hold the
+    positions ``first_pos + s`` (``[batch]``; 0 for a prefill from scratch) sees the slots ``<= p - first_pos``,
+    which is the reference's ``kv_position <= p`` for such contiguous keys."""
     from minicpm4_jax.ops import native  # noqa: PLC0415 (compiled at first use)
 
+    rel = pos_t - first_pos[:, None]
     idx = jnp.where(idx_t >= 0, idx_t + offset, -1)
-    pos = jnp.where(pos_t >= 0, pos_t + offset * block_size, -1)
+    pos = jnp.where((pos_t >= 0) & (rel >= 0), rel + offset * block_size, -1)
     return native.decode_attention(q_t, kc, vc, idx, q_positions=pos, block_size=block_size, window_blocks=0,
                                    init_blocks=0, gather_width=idx.shape[-1], scale=scale, return_lse=True)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def native_stage2(q, k, v, topk_idx, q_positions, geometry: tuple) -> jax.Array:
+def _check_geometry(geometry) -> dict:
+    if not isinstance(geometry, tuple) or len(geometry) != 6:
+        raise ValueError(f"geometry={geometry!r} must be (block_size, window_blocks, init_blocks, gather_width, "
+                         "scale, q_tile)")
+    block_size, window_blocks, init_blocks, gather_width, scale, q_tile = geometry
+    if block_size < 1 or q_tile < 1 or min(window_blocks, init_blocks, gather_width) < 0:
+        raise ValueError(f"geometry={geometry!r}: block_size and q_tile must be >= 1, the block counts >= 0")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise ValueError(f"scale={scale!r} must be a Python number or None for the native stage 2; use impl='xla'")
+    return dict(block_size=block_size, window_blocks=window_blocks, init_blocks=init_blocks,
+                gather_width=gather_width, scale=scale, q_tile=q_tile)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def native_stage2(q, k, v, topk_idx, q_positions, kv_positions, geometry: tuple) -> jax.Array:
     """:func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2` with the non-forced picks attended by the native
     CPU kernel (the forced init/window blocks stay dense XLA slices); the backward is the reference's.
 
     On the 2-core CPU of ``docs/benchmarks.md`` the XLA reference gathered a copy of every token's 62 picked
     blocks before its products; the kernel reads them in place (~2.5 us per token, KV head and picked block
-    in the 8B layout). Float32 on the CPU backend; the kv index must be the token position (contiguous from 0) and
-    every slot valid (no ``kv_valid``), as :func:`infllmv2_attention` guarantees when it picks this path.
+    in the 8B layout). Float32 on the CPU backend, every key slot valid (no ``kv_valid``), and, as for the
+    reference, each sequence's keys at contiguous positions (``kv_positions[b, s] = kv_positions[b, 0] + s``;
+    the kernel masks by slot). Reverse-mode first derivatives only (``jax.grad``/``vjp``): forward mode and
+    higher orders need ``impl="xla"``.
 
     Args:
-        q, k, v, topk_idx, q_positions: as :func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2` (float32).
-        geometry: ``(block_size, window_blocks, init_blocks, gather_width, scale, q_tile)``, static.
+        q, k, v, topk_idx, q_positions, kv_positions: as :func:`~minicpm4_jax.ops.infllm_ref.infllmv2_stage2`
+            (float32).
+        geometry: ``(block_size, window_blocks, init_blocks, gather_width, scale, q_tile)``, static; ``scale``
+            a Python number or ``None``.
 
     Returns:
         ``[batch, T, num_heads, head_dim]`` float32.
+
+    Raises:
+        ValueError: a malformed ``geometry`` or an array ``scale``; the reference's errors for bad shapes.
     """
-    return _native_stage2_fwd(q, k, v, topk_idx, q_positions, geometry)[0]
+    return _native_stage2_fwd(q, k, v, topk_idx, q_positions, kv_positions, geometry)[0]
 
 
-def _stage2_kwargs(geometry: tuple) -> dict:
-    block_size, window_blocks, init_blocks, gather_width, scale, q_tile = geometry
-    return dict(block_size=block_size, window_blocks=window_blocks, init_blocks=init_blocks,
-                gather_width=gather_width, scale=scale, q_tile=q_tile)
-
-
-def _native_stage2_fwd(q, k, v, topk_idx, q_positions, geometry):
-    kw = _stage2_kwargs(geometry)
-    kvp = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])
+def _native_stage2_fwd(q, k, v, topk_idx, q_positions, kv_positions, geometry):
+    kw = _check_geometry(geometry)
+    kvp = kv_positions.astype(jnp.int32)
+    picks = partial(_native_picks, first_pos=kvp[:, 0], block_size=kw["block_size"], scale=kw["scale"])
     out = infllmv2_stage2(q, k, v, topk_idx, q_positions=q_positions, kv_positions=kvp, remat=False,
-                          gathered_fn=partial(_native_picks, block_size=kw["block_size"], scale=kw["scale"]), **kw)
-    return out, (q, k, v, topk_idx, q_positions)
+                          gathered_fn=picks, **kw)
+    return out, (q, k, v, topk_idx, q_positions, kv_positions)
 
 
 def _native_stage2_bwd(geometry, res, g):
-    q, k, v, topk_idx, q_positions = res
-    kvp = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=jnp.int32), k.shape[:2])
-    _, vjp = jax.vjp(lambda q_, k_, v_: infllmv2_stage2(q_, k_, v_, topk_idx, q_positions=q_positions, kv_positions=kvp,
-                                                        **_stage2_kwargs(geometry)), q, k, v)
-    return (*vjp(g), None, None)
+    q, k, v, topk_idx, q_positions, kv_positions = res
+    kw = _check_geometry(geometry)
+    _, vjp = jax.vjp(lambda q_, k_, v_: infllmv2_stage2(q_, k_, v_, topk_idx, q_positions=q_positions,
+                                                        kv_positions=kv_positions, **kw), q, k, v)
+    return (*vjp(g), None, None, None)
 
 
 native_stage2.defvjp(_native_stage2_fwd, _native_stage2_bwd)
+
+
+def _native_applies(q, k, v, kv_valid, scale) -> bool:
+    """Whether ``impl="native"`` runs :func:`native_stage2` (else the reference does)."""
+    if kv_valid is not None or any(x.dtype != jnp.float32 for x in (q, k, v)):
+        return False
+    if scale is not None and not isinstance(scale, (int, float)):
+        return False
+    from minicpm4_jax.ops import native  # noqa: PLC0415
+
+    return native.available()
 
 
 def default_select_q_tile(impl: str) -> int:
@@ -164,9 +195,10 @@ def infllmv2_attention(
             GPU, else 128).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
         impl: ``"xla"`` (the references), ``"native"`` (the XLA selection, then :func:`native_stage2`: the
-            non-forced picks by the native CPU kernel, the backward the reference's; it reads key slot ``s`` as
-            position ``s``, the contract above; float32 without ``kv_valid``, else the reference runs) or
-            ``"pallas"`` (stage-1 scoring by
+            non-forced picks by the native CPU kernel, the backward the reference's, reverse-mode first
+            derivatives only; it runs for float32 inputs without ``kv_valid``, with ``scale`` ``None`` or a
+            Python number, when the kernel builds; otherwise the reference runs) or ``"pallas"`` (stage-1
+            scoring by
             :func:`~minicpm4_jax.ops.pallas.stage1.stage1_scores_pallas`, stage 2 by
             :func:`~minicpm4_jax.ops.pallas.sparse_attention.block_sparse_attention`, on the backend of
             :func:`~minicpm4_jax.ops.dispatch.pallas_target`); pooling, top-k and the dense fallback are XLA.
@@ -189,8 +221,8 @@ def infllmv2_attention(
     """
     if impl not in ("xla", "pallas", "native"):
         raise ValueError(f"impl={impl!r}; use 'xla', 'native' or 'pallas'")
-    native = impl == "native"
-    impl = "xla" if native else impl  # the selection of the native path is the XLA one
+    use_native = impl == "native"
+    impl = "xla" if use_native else impl  # the selection of the native path is the XLA one
     params = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk, score_dtype=score_dtype)
     b, t, nq, d = q.shape
     s = k.shape[1]
@@ -231,15 +263,15 @@ def infllmv2_attention(
         # a pallas_call is a single-device program: under a mesh each device runs its shard (on_mesh)
         out = on_mesh(kernel, (q, k, v, sel.topk_idx[..., :k_used], q_positions, kv_positions, kv_valid),
                       ("b.h.", "b.h.", "b.h.", "bh..", "b.", "b.", "b."), "b.h.")
-    elif native and kv_valid is None and all(x.dtype == jnp.float32 for x in (q, k, v)):
+    elif use_native and _native_applies(q, k, v, kv_valid, scale):
         from minicpm4_jax.ops.dispatch import on_mesh  # noqa: PLC0415
 
         init, window, width = stage2_forced_split(params, k_used)
         geometry = (params.block_size, window, init, width, scale, attn_q_tile)
         # a custom call is a single-device program: under a mesh each device runs its shard (on_mesh)
-        out = on_mesh(lambda q_, k_, v_, i_, p_: native_stage2(q_, k_, v_, i_, p_, geometry),
-                      (q, k, v, sel.topk_idx[..., :k_used], q_positions), ("b.h.", "b.h.", "b.h.", "bh..", "b."),
-                      "b.h.")
+        out = on_mesh(lambda q_, k_, v_, i_, p_, kp_: native_stage2(q_, k_, v_, i_, p_, kp_, geometry),
+                      (q, k, v, sel.topk_idx[..., :k_used], q_positions, kv_positions),
+                      ("b.h.", "b.h.", "b.h.", "bh..", "b.", "b."), "b.h.")
     else:
         init, window, width = stage2_forced_split(params, k_used)
         out = infllmv2_stage2(q, k, v, sel.topk_idx[..., :k_used], q_positions=q_positions,

@@ -231,7 +231,11 @@ class MiniCPM4(nnx.Module):
 
         Args:
             input_ids: int32 ``[batch, seq]``.
-            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row.
+            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row. With ``attention: infllmv2``
+                they must be the token index (``arange``; right padding may follow): InfLLM v2 compresses and
+                selects the keys by index (spec §5; ``infllm.attention.infllmv2_attention``'s contract), so
+                positions starting elsewhere let the selection of a token depend on later tokens (the XLA and
+                native paths alike). Continue a sequence through the inference engine's KV cache instead.
             return_stats: also return ``{"attended_fraction": float32 scalar}``, the mean over layers of
                 attended / causal keys per query (InfLLM v2; 1 for dense attention).
         """
