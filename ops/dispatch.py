@@ -52,7 +52,7 @@ def sparse_impl(attention_impl: str, dtype) -> str:
     ``attention_impl`` and the compute dtype: ``"pallas"``, ``"native"`` (``auto`` on the CPU backend in
     float32 when the native kernel builds, :func:`native_decode`'s rule) or ``"xla"``. On the 2-core CPU of
     ``docs/benchmarks.md`` one 8B-layout sparse attention layer's forward at 32K tokens took 20-22 s this way,
-    2.06-2.13x faster than a tile-skipping dense attention (58.5 s with the XLA stage 2 before)."""
+    2.06-2.20x faster than a tile-skipping dense attention (58.5 s with the XLA stage 2 before)."""
     impl = resolve_impl(attention_impl)
     if impl == "xla" and native_decode(attention_impl, dtype):
         return "native"
