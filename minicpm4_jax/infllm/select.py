@@ -197,6 +197,30 @@ def _masked_lse(z: jax.Array, vis: jax.Array) -> jax.Array:
     return jnp.where(s > 0, jnp.log(jnp.where(s > 0, s, 1.0)) + m_safe, -jnp.inf)
 
 
+def _grouped_queries(q: jax.Array, ck1: jax.Array, scale: float | None, num_q: int | None):
+    """``(q [b, t, kv_heads, group, d], logit scale, num_q)`` with stage 1's defaults and head-count check."""
+    b, t, nq, d = q.shape
+    nkv = ck1.shape[2]
+    if nq % nkv:
+        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    return q.reshape(b, t, nkv, nq // nkv, d), d**-0.5 if scale is None else scale, t if num_q is None else num_q
+
+
+def _scores(qg: jax.Array, ck: jax.Array, scale) -> jax.Array:
+    """fp32 scaled query-to-kernel logits ``[b, kv, t, group, kernels]`` of grouped queries ``qg``."""
+    return jnp.einsum("btkgd,bjkd->bktgj", qg, ck, preferred_element_type=jnp.float32) * scale
+
+
+def _coarse_lse(qg, ck2, q_positions, kv_len, num_q: int, p: SelectParams, scale) -> jax.Array:
+    """Gen-2's softmax normaliser ``[b, kv, t, group, 1]``: the logsumexp over the visible coarse kernels
+    (``-inf`` for a row without one)."""
+    nc2 = ck2.shape[1]
+    cnt2 = visible_kernel_count(q_positions, kv_len, num_q, nc2, p.coarse_size, p.coarse_stride,
+                                p.kernel_offby1_quirk)
+    vis2 = (jnp.arange(nc2, dtype=jnp.int32)[None, None, :] < cnt2[:, :, None])[:, None, :, None, :]
+    return _masked_lse(_scores(qg, ck2, scale), vis2)
+
+
 def stage1_scores(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_positions: jax.Array,
                   kv_len: jax.Array, params: SelectParams, scale: float | None = None,
                   num_q: int | None = None) -> jax.Array:
@@ -216,20 +240,14 @@ def stage1_scores(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_posi
         ``[batch, num_kv_heads, T, Nc1]`` in ``params.score_dtype``; exactly 0 on invisible kernels,
         ``+inf`` on visible kernels of gen-2 rows without a visible coarse kernel, never NaN.
     """
-    b, t, nq, d = q.shape
-    nc1, nkv = ck1.shape[1], ck1.shape[2]
-    if nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
-    g = nq // nkv
-    scale = d**-0.5 if scale is None else scale
-    num_q = t if num_q is None else num_q
+    qg, scale, num_q = _grouped_queries(q, ck1, scale, num_q)
     p = params
-    qg = q.reshape(b, t, nkv, g, d)
+    nc1 = ck1.shape[1]
     # Scores are laid out [b, kv, t, head, kernel]: the head sum then adds contiguous rows, and the visibility
     # mask (the same for every head of a token) is applied once, to the sum. With [b, kv, head, t, kernel] and
     # the mask on every exp, XLA:CPU's fusion of the exp and the head sum ran ~4.5x slower (a 128-query tile
     # against 2047 kernels: 53 ms against 12 ms) and dominated the selection at long lengths.
-    z1 = jnp.einsum("btkgd,bjkd->bktgj", qg, ck1, preferred_element_type=jnp.float32) * scale
+    z1 = _scores(qg, ck1, scale)
     cnt1 = visible_kernel_count(q_positions, kv_len, num_q, nc1, p.kernel_size, p.kernel_stride,
                                 p.kernel_offby1_quirk)
     vis1 = jnp.arange(nc1, dtype=jnp.int32)[None, None, :] < cnt1[:, :, None]  # [b, t, j]
@@ -238,12 +256,7 @@ def stage1_scores(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_posi
     else:
         if ck2 is None:
             raise ValueError("gen2 stage 1 needs the coarse compressed keys ck2")
-        nc2 = ck2.shape[1]
-        z2 = jnp.einsum("btkgd,bjkd->bktgj", qg, ck2, preferred_element_type=jnp.float32) * scale
-        cnt2 = visible_kernel_count(q_positions, kv_len, num_q, nc2, p.coarse_size, p.coarse_stride,
-                                    p.kernel_offby1_quirk)
-        vis2 = (jnp.arange(nc2, dtype=jnp.int32)[None, None, :] < cnt2[:, :, None])[:, None, :, None, :]
-        lse = _masked_lse(z2, vis2)  # [b, kv, t, g, 1]
+        lse = _coarse_lse(qg, ck2, q_positions, kv_len, num_q, p, scale)
     # z1 is finite and lse is finite or -inf, so z1 - lse is never NaN: an overflow to +inf on an invisible kernel
     # is masked below, on a visible one it is the documented +inf of a row without coarse kernels.
     s = jnp.sum(jnp.exp(z1 - lse), axis=3)  # [b, nkv, t, nc1], fp32 sum over the group's heads
@@ -267,20 +280,11 @@ def stage1_scores_causal(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
     """
     if params.variant != "gen2" or ck2 is None:
         raise ValueError("stage1_scores_causal is for gen-2 selection (with ck2); use stage1_scores")
-    b, t, nq, d = q.shape
-    nc1, nkv = ck1.shape[1], ck1.shape[2]
-    if nq % nkv:
-        raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
-    g = nq // nkv
-    scale = d**-0.5 if scale is None else scale
-    num_q = t if num_q is None else num_q
+    qg, scale, num_q = _grouped_queries(q, ck1, scale, num_q)
     p = params
-    qg = q.reshape(b, t, nkv, g, d)
-    nc2 = ck2.shape[1]
-    z2 = jnp.einsum("btkgd,bjkd->bktgj", qg, ck2, preferred_element_type=jnp.float32) * scale
-    cnt2 = visible_kernel_count(q_positions, kv_len, num_q, nc2, p.coarse_size, p.coarse_stride,
-                                p.kernel_offby1_quirk)
-    lse = _masked_lse(z2, (jnp.arange(nc2, dtype=jnp.int32)[None, None, :] < cnt2[:, :, None])[:, None, :, None, :])
+    b, t, nkv = q.shape[0], q.shape[1], ck1.shape[2]
+    nc1 = ck1.shape[1]
+    lse = _coarse_lse(qg, ck2, q_positions, kv_len, num_q, p, scale)
     cnt1 = visible_kernel_count(q_positions, kv_len, num_q, nc1, p.kernel_size, p.kernel_stride,
                                 p.kernel_offby1_quirk)  # [b, t]
     c = max(1, min(chunk, nc1))
@@ -289,8 +293,7 @@ def stage1_scores_causal(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
 
     def body(i, s):
         ckc = jax.lax.dynamic_slice_in_dim(ck1p, i * c, c, axis=1)  # [b, c, kv, d]
-        z = jnp.einsum("btkgd,bjkd->bktgj", qg, ckc, preferred_element_type=jnp.float32) * scale
-        e = jnp.sum(jnp.exp(z - lse), axis=3)  # [b, kv, t, c]; never NaN, as in stage1_scores
+        e = jnp.sum(jnp.exp(_scores(qg, ckc, scale) - lse), axis=3)  # [b, kv, t, c], never NaN
         vis = (i * c + jnp.arange(c, dtype=jnp.int32))[None, None, :] < cnt1[:, :, None]  # [b, t, c]
         return jax.lax.dynamic_update_slice_in_dim(s, jnp.where(vis[:, None], e, 0.0), i * c, axis=3)
 
