@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -643,38 +644,39 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
 
 }  // namespace
 
+namespace {
+
+// The operands and attributes both stage-2 targets share (DecodeImpl, DecodeLseImpl): thread pool, q, k/v
+// caches, picks and positions first; their results next; the block geometry last.
+template <typename B>
+auto decode_operands(B binding) {
+  return std::move(binding).template Ctx<ffi::ThreadPool>()
+      .template Arg<ffi::Buffer<ffi::F32>>()   // q
+      .template Arg<ffi::Buffer<ffi::F32>>()   // k_cache
+      .template Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()   // topk
+      .template Arg<ffi::Buffer<ffi::S32>>()   // positions
+      .template Ret<ffi::Buffer<ffi::F32>>();  // out
+}
+
+template <typename B>
+auto decode_attributes(B binding) {
+  return std::move(binding).template Attr<int64_t>("block_size")
+      .template Attr<int64_t>("init_blocks")
+      .template Attr<int64_t>("window_blocks")
+      .template Attr<int64_t>("gather_width")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_keys");
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmDecodeF32, DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int64_t>("init_blocks")
-                                  .Attr<int64_t>("window_blocks")
-                                  .Attr<int64_t>("gather_width")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window_keys"));
+                              decode_attributes(decode_operands(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmAttentionLseF32, DecodeLseImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [batch, T, num_heads]
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<int64_t>("init_blocks")
-                                  .Attr<int64_t>("window_blocks")
-                                  .Attr<int64_t>("gather_width")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("window_keys"));
+                              decode_attributes(decode_operands(ffi::Ffi::Bind())
+                                                    .Ret<ffi::Buffer<ffi::F32>>()));  // lse [batch, T, num_heads]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Minicpm4InfllmSelectDecodeF32, SelectDecodeImpl,
                               ffi::Ffi::Bind()
