@@ -17,7 +17,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError
 
-from minicpm4_jax.infer.sampling import SamplingParams, top_p_filter
+from minicpm4_jax.infer.sampling import SamplingParams, greedy_tokens, top_p_filter
 
 __all__ = ["generate", "generate_ids", "generate_ids_uncached", "top_p_filter", "sample_next"]
 
@@ -38,7 +38,7 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
     on ``logits / temperature`` after :func:`top_p_filter`.
     """
     if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits)
     scaled = logits.astype(jnp.float32) / temperature
     if top_p < 1.0:
         scaled = top_p_filter(scaled, top_p)

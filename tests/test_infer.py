@@ -219,6 +219,22 @@ def test_sampler_matches_softmax_distribution():
     assert int(sample_tokens(logits, keys[:1], SamplingParams())[0]) == 0
 
 
+def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules():
+    from minicpm4_jax.infer.sampling import greedy_tokens
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 257)).astype(np.float32)
+    x[0, 1, [7, 100, 200]] = 9.0  # ties: the first index wins
+    x[1, 2, :] = -np.inf  # a row with nothing allowed: index 0
+    x[2, 0, [5, 30]] = np.nan  # NaN: the first NaN, as jnp.argmax
+    x[2, 1, 40] = np.inf
+    x[2, 1, 9] = np.nan
+    got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(x)))
+    assert got.dtype == np.int32 and got.shape == (3, 5)
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    assert got[0, 1] == 7 and got[1, 2] == 0 and got[2, 0] == 5 and got[2, 1] == 9
+
+
 def test_vocab_limit_is_respected():
     logits = jnp.asarray([[0.0, 1.0, 5.0]], jnp.float32)
     assert int(sample_tokens(logits, jax.random.split(jax.random.key(0), 1), SamplingParams(), vocab_limit=2)[0]) == 1

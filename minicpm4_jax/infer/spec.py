@@ -43,12 +43,11 @@ from flax import nnx
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
 from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _forward, decode_mode
-from minicpm4_jax.infer.sampling import SamplingParams, row_keys, top_k_filter, top_p_filter
+from minicpm4_jax.infer.sampling import SamplingParams, greedy_tokens, row_keys, top_k_filter, top_p_filter
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
 from minicpm4_jax.nn.model import dense_rows
 from minicpm4_jax.nn.rope import rope_tables
-from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention
 from minicpm4_jax.ops.dispatch import native_decode
 
@@ -174,37 +173,36 @@ class _Draft:
 
 
 def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfig, window: int | None = None):
-    """The MTP decoder layer over ``u [b, T, H]`` at ``positions`` with its own (dense) cache; a single token per
-    sequence attends only its last ``window`` positions when given."""
+    """One draft step of the MTP decoder layer: ``u [b, 1, H]`` at ``positions [b, 1]`` (``-1`` = inactive) with
+    its own (dense) cache, attending only its last ``window`` positions when given. Returns ``(cache, out)``."""
     layer = mtp.layer
     cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_mtp)
     q, k, v, _, _ = layer.qkv(u, cos, sin, cfg_mtp)
     lc = jax.lax.optimization_barrier(write_tokens(lc, k, v, None, positions))
-    b, t = positions.shape
-    cap = lc.k.shape[2]
-    if t == 1:
-        decode = dense_decode_attention
-        if native_decode(cfg_mtp.attention_impl, lc.k.dtype):
-            from minicpm4_jax.ops import native  # noqa: PLC0415
+    decode = dense_decode_attention
+    if native_decode(cfg_mtp.attention_impl, lc.k.dtype):
+        from minicpm4_jax.ops import native  # noqa: PLC0415
 
-            decode = native.dense_decode_attention
-        a = decode(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0], window=window)[:, None]
-    else:
-        kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
-        a = dense_attention(q, lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3), q_positions=positions,
-                            kv_positions=kvp)
+        decode = native.dense_decode_attention
+    a = decode(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0], window=window)[:, None]
     return lc, layer.finish(u, a, cfg_mtp)
 
 
 def _draft_fill(weights, draft: _Draft, dcache: LayerCache, hidden, tokens, positions, *, cfg, graphdefs, mtp_gd):
-    """Write draft-cache entries ``u_i = f(h_i, x_{i+1})`` for ``hidden/tokens/positions [b, T(, H)]``."""
+    """Write draft-cache entries ``u_i = f(h_i, x_{i+1})`` for ``hidden/tokens/positions [b, T(, H)]``.
+
+    Only the draft layer's keys and values of ``u_i`` go into its cache; they do not depend on attention, so no
+    attention or MLP runs here (the layer's outputs at these positions are never read).
+    """
     emb = nnx.merge(graphdefs[0], weights.embed)
     mtp = nnx.merge(mtp_gd, draft.mtp)
+    cfg_m = mtp_layer_config(cfg)
     dt = dtype_of(cfg.dtype)
     e = emb.encode(tokens, dt) * jnp.asarray(cfg.scale_emb, dt)
     u = mtp.inputs(e, hidden.astype(dt), cfg)
-    dcache, _ = _draft_layer(mtp, dcache, u, positions, mtp_layer_config(cfg))
-    return dcache
+    cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_m)
+    _, k, v, _, _ = mtp.layer.qkv(u, cos, sin, cfg_m)
+    return write_tokens(dcache, k, v, None, positions)
 
 
 def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, seeds, rnd, *, cfg, graphdefs,
@@ -231,7 +229,7 @@ def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, s
         if limit_r is not None:
             lr = lr + limit_r
         if sampling.greedy:
-            idx = jnp.argmax(lr, axis=-1)
+            idx = greedy_tokens(lr)
         else:
             pl = processed_logits(lr, sampling)
             sub = jax.vmap(lambda kk: jax.random.fold_in(kk, 1000 + j))(keys)
@@ -250,7 +248,7 @@ def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
     k = k1 - 1
     pl = processed_logits(logits, sampling, vocab_limit)
     if sampling.greedy:
-        t = jnp.argmax(pl, axis=-1).astype(jnp.int32)  # [b, k+1]
+        t = greedy_tokens(pl)  # [b, k+1]
         ok = drafts == t[:, :k]
         a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
         return a, jnp.take_along_axis(t, a[:, None], axis=1)[:, 0]
