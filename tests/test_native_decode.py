@@ -71,6 +71,32 @@ def test_native_dense_decode_matches_reference(case):
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=f"{window}")
 
 
+@pytest.mark.parametrize("g,d,t", [(2, 64, 4), (2, 64, 8), (4, 128, 4), (16, 128, 2), (3, 32, 5), (1, 16, 3)])
+def test_native_dense_decode_of_several_tokens_matches_reference(g, d, t):
+    """Several tokens per sequence (a verify chunk) attend as one group of token x head rows, each masked after
+    its own position: vectorised (8 / 16 rows) and generic groups, positions in any order, repeated, in other
+    blocks, inactive tokens between active ones, a sequence with none active."""
+    rng = np.random.default_rng(1000 + g * t + d)
+    b, nkv, bs, nb = 3, 2, 16, 6
+    q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
+    kc = jnp.asarray(2 * rng.standard_normal((b, nkv, nb * bs, d)), jnp.float32)
+    vc = jnp.asarray(rng.standard_normal((b, nkv, nb * bs, d)), jnp.float32)
+    pos = np.stack([rng.permutation(rng.choice(nb * bs, size=t, replace=t > nb * bs)) for _ in range(b)])
+    pos[0] = 40 + np.arange(t)  # consecutive: the verify chunk's layout, across the block boundary at 48
+    pos[1, ::2] = -1  # inactive tokens between active ones
+    pos[1, 1] = pos[1, -1] if t > 2 else pos[1, 1]  # a repeated position
+    pos[2] = -1
+    pos = jnp.asarray(pos, jnp.int32)
+    ref = dense_decode_attention(q, kc, vc, q_positions=pos)
+    for blk in (bs, 3, 1):
+        got = np.asarray(native.dense_decode_attention(q, kc, vc, q_positions=pos, block_size=blk))
+        np.testing.assert_allclose(got, np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=f"block {blk}")
+        assert np.all(got[np.asarray(pos) < 0] == 0.0)
+        one = [np.asarray(native.dense_decode_attention(q[:, i], kc, vc, q_positions=pos[:, i], block_size=blk))
+               for i in range(t)]  # token by token: the per-token path
+        np.testing.assert_allclose(got, np.stack(one, 1), atol=2e-6, rtol=1e-5)
+
+
 def test_native_decode_bad_input_is_one_line_error():
     q, kc, vc, idx, pos = _case(np.random.default_rng(0), 1, 2, 2, 64, 64, 4, 1, 3)
     kw = dict(q_positions=pos, block_size=64)

@@ -138,6 +138,8 @@ struct Work {
   std::vector<float> acc, m, l, s, p, qt;
   std::vector<int32_t> list, picks, order;
   std::vector<float> z, score, pooled;
+  std::vector<float> qg, og;            // dense_tokens: the group's query rows and outputs, [rows, head_dim]
+  std::vector<int64_t> head_pos, tokens;
 };
 
 // Scores of one block, stored [key, head], scaled: G query heads (transposed, pre-scaled: qt [D, G]) against
@@ -305,7 +307,8 @@ inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* 
 // group size / head_dim when known at compile time (0 = use g / d).
 template <int G, int D>
 void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* vc, const int32_t* blocks,
-            int64_t nblk, int64_t pos, const Geometry& geo, float* out, float* lse, Work& w) {
+            int64_t nblk, int64_t pos, const Geometry& geo, float* out, float* lse, Work& w,
+            const int64_t* head_pos) {
   const int64_t bs = geo.block_size;
   w.acc.assign(g * d, 0.0f);
   w.m.assign(g, -INFINITY);
@@ -322,6 +325,9 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
   float* p = w.p.data();
   for (int64_t j = 0; j < std::min(nblk, geo.prefetch_blocks); ++j) prefetch_block(kc, vc, blocks[j], bs, d);
   const int64_t min_slot = geo.window_keys > 0 ? pos - geo.window_keys + 1 : 0;
+  int64_t head_min = pos;
+  if (head_pos != nullptr)
+    for (int64_t h = 0; h < g; ++h) head_min = std::min(head_min, head_pos[h]);
   for (int64_t j = 0; j < nblk; ++j) {
     const int64_t first = static_cast<int64_t>(blocks[j]) * bs;
     const int64_t lo = std::max(first, min_slot);
@@ -336,17 +342,23 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
     } else {
       scores_dim_inner(q, g, d, kb, n, geo.scale, s);
     }
+    if (head_pos != nullptr && lo + n - 1 > head_min)  // rows of earlier tokens: mask the slots after theirs
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < g; ++h)
+          if (lo + i > head_pos[h]) s[i * g + h] = -INFINITY;
     if constexpr (G > 0 && D > 0) {
       softmax_heads_inner<G, D>(s, n, w.m.data(), w.l.data(), acc, vb);
     } else {
       for (int64_t h = 0; h < g; ++h) {
         float mx = w.m[h];
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i * g + h]);
+        if (mx == -INFINITY) continue;  // every slot of the block masked for this row (head_pos)
         const float alpha = w.m[h] == -INFINITY ? 0.0f : std::exp(w.m[h] - mx);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) {
-          p[i] = exp_nonpositive(s[i * g + h] - mx);
+          const float x = s[i * g + h];
+          p[i] = x == -INFINITY ? 0.0f : exp_nonpositive(x - mx);  // masked slots weigh exactly 0
           sum += p[i];
         }
         w.l[h] = w.l[h] * alpha + sum;
@@ -362,8 +374,10 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
   }
 }
 
+// head_pos (nullable) [g]: each head's own last visible slot (<= pos), for the
+// rows of several tokens attended as one group (dense_tokens); nullptr = every head sees the slots up to pos.
 using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, const Geometry&, float*, float*, Work&);
+                          int64_t, const Geometry&, float*, float*, Work&, const int64_t*);
 
 // Specialisations: scores over heads for groups of 8 / 16 (the MiniCPM4-8B layout), compile-time
 // head_dim 64 / 128 for the value products; anything else runs the generic loops.
@@ -550,12 +564,53 @@ ffi::Error DecodeCommon(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     w.list.resize(max_list);
     const int64_t n = block_list(tp + ((bi * nkv + h) * t + ti) * kk, kk, pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, lse, w);
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, lse, w, nullptr);
+  };
+
+  // Dense decoding of several tokens per sequence (a speculative verify chunk): the active tokens of one
+  // (sequence, KV head) attend as one group of tokens x heads query rows, each row masked after its own
+  // position, so the cache blocks are read once for all of them instead of once per token.
+  // (window_blocks >= nb: every block up to a token's own is in its window, so picks add nothing; a pick after
+  // the token's block has no visible slot in the per-token path either)
+  const bool dense_tokens = t > 1 && window_keys == 0 && window_blocks >= nb && lp == nullptr;
+  auto run_tokens = [=](int64_t it, Work& w) {
+    const int64_t h = it % nkv, bi = it / nkv;
+    w.tokens.clear();
+    int64_t max_pos = -1;
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const int64_t pos = pp[bi * t + ti];
+      if (pos < 0) {
+        std::memset(op + ((bi * t + ti) * nq + h * g) * d, 0, sizeof(float) * g * d);
+      } else {
+        w.tokens.push_back(ti);
+        max_pos = std::max(max_pos, pos);
+      }
+    }
+    if (w.tokens.empty()) return;
+    const int64_t rows = static_cast<int64_t>(w.tokens.size()) * g;
+    w.qg.resize(rows * d);
+    w.og.resize(rows * d);
+    w.head_pos.resize(rows);
+    for (size_t j = 0; j < w.tokens.size(); ++j) {
+      const int64_t ti = w.tokens[j];
+      std::memcpy(w.qg.data() + j * g * d, qp + ((bi * t + ti) * nq + h * g) * d, sizeof(float) * g * d);
+      std::fill(w.head_pos.begin() + j * g, w.head_pos.begin() + (j + 1) * g, pp[bi * t + ti]);
+    }
+    w.list.resize(max_list);
+    const int64_t n = block_list(tp, 0, max_pos, nb, geo, w.list.data(), w.picks);
+    const int64_t kvoff = (bi * nkv + h) * cap * d;
+    pick_attend(rows, d)(w.qg.data(), rows, d, kp + kvoff, vp + kvoff, w.list.data(), n, max_pos, geo, w.og.data(),
+                         nullptr, w, w.head_pos.data());
+    for (size_t j = 0; j < w.tokens.size(); ++j)
+      std::memcpy(op + ((bi * t + w.tokens[j]) * nq + h * g) * d, w.og.data() + j * g * d, sizeof(float) * g * d);
   };
 
   int64_t cache_floats = 0;  // cache values the call can read: visible slots per item, K and V
   for (int64_t i = 0; i < b * t; ++i) cache_floats += 2 * nkv * d * std::max<int64_t>(0, std::min<int64_t>(pp[i] + 1, cap));
-  parallel_for(pool, items, cache_floats, run);
+  if (dense_tokens)
+    parallel_for(pool, b * nkv, cache_floats / t, run_tokens);
+  else
+    parallel_for(pool, items, cache_floats, run);
   return ffi::Error::Success();
 }
 
@@ -632,7 +687,7 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     w.list.resize(max_list);
     const int64_t n = block_list(row, topk_cfg, pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, nullptr, w);
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, nullptr, w, nullptr);
   };
   int64_t cache_floats = 0;  // compressed keys and the selected blocks, K and V, per item
   for (int64_t i = 0; i < b * t; ++i)
