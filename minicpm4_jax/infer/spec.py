@@ -275,10 +275,11 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     """One whole round on the device (draft, verify, accept, draft-cache refresh; module docstring steps 1-4).
 
     ``lengths`` int32 ``[b]`` cached target tokens per row (setting them is the rollback of the last round's
-    rejected tokens), ``active`` bool ``[b]``. Returns ``(cache, dcache, h_last, accepted [b], drafts [b, k],
-    next_tokens [b], attended_fraction)``. One compiled program per round: the host only reads three small
-    arrays back (each eager op between separate programs cost more host time than a draft step). ``propose``:
-    the draft step traced into the round (default :func:`_draft_propose`; tests substitute known drafts).
+    rejected tokens), ``active`` bool ``[b]``. Returns ``(cache, dcache, h_last, next_tokens [b],
+    tokens, attended_fraction)`` with int32 ``tokens [b, k + 2]`` = (accepted drafts, the token after them, the
+    ``k`` drafts) per row, so the host reads the round's result in one transfer. One compiled program per round:
+    each eager op between separate programs cost more host time than a draft step. ``propose``: the draft step
+    traced into the round (default :func:`_draft_propose`; tests substitute known drafts).
     """
     cache = dataclasses.replace(cache, lengths=lengths)
     pos0 = jnp.where(active, lengths - 1, -1)
@@ -298,7 +299,8 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     dcache = _draft_fill(weights, draft, dcache, hid[:, :k], drafts, fpos, cfg=cfg, graphdefs=graphdefs,
                          mtp_gd=mtp_gd)
     h_new = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
-    return cache, dcache, h_new, a, drafts, nxt, frac
+    packed = jnp.concatenate([a[:, None], nxt[:, None], drafts], axis=1).astype(jnp.int32)
+    return cache, dcache, h_new, nxt, packed, frac
 
 
 @dataclasses.dataclass
@@ -392,10 +394,11 @@ class SpeculativeDecoder:
         b = len(active)
         n = list(st.lengths)
         mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
-        cache, dcache, h_last, a, drafts, nxt, frac = self._round_fn(sampling, vocab_limit, mode)(
+        cache, dcache, h_last, nxt, packed, frac = self._round_fn(sampling, vocab_limit, mode)(
             eng.weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32),
             np.asarray(active), seeds, np.int32(rnd))  # numpy: no per-argument dispatch on the host
-        a_host, d_host, nxt_host = jax.device_get((a, drafts, nxt))
+        packed_host = np.asarray(packed)
+        a_host, nxt_host, d_host = packed_host[:, 0], packed_host[:, 1], packed_host[:, 2:]
         acc = [int(x) for x in a_host]
         for r in range(b):
             if active[r]:
