@@ -234,7 +234,10 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """:func:`~minicpm4_jax.ops.decode_ref.dense_decode_attention` by the native kernel: every cache slot
     ``<= q_position`` (with ``window = W``: only the last ``W`` positions ``q_position - W + 1 .. q_position``),
     walked in blocks of ``block_size`` (a divisor of the capacity; any value gives the same result up to
-    float rounding). Same shapes as :func:`decode_attention`; float32 only.
+    float rounding). Same shapes as :func:`decode_attention`; float32 only. Several tokens per sequence (``q``
+    ``[batch, T, heads, head_dim]``, no window, e.g. a speculative verify chunk) attend as one group of
+    ``T x group`` query rows per KV head, each masked after its own position: the cache is read once per
+    sequence and KV head instead of once per token.
 
     Raises:
         ValueError: as :func:`decode_attention`, or ``window < 1``.

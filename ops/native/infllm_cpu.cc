@@ -21,7 +21,8 @@
 // A query at position p in block qb = p / block_size attends, over the keys at slots <= p, the blocks
 // [0, init_blocks), the window (qb - window_blocks, qb] (blocks >= init_blocks), and its picks that are
 // valid and not forced (the gather_width smallest). window_blocks >= capacity / block_size with K = 0 is
-// dense decoding.
+// dense decoding; several tokens of a sequence decoded densely (a speculative verify chunk) attend as one group
+// per KV head, each row masked after its own position, reading the cache once per group (DecodeCommon).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
