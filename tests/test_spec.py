@@ -80,6 +80,44 @@ def test_greedy_speculative_equals_greedy_plain_with_rollback(sparse):
     assert spec.decode_steps < plain.decode_steps
 
 
+def test_draft_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
+    """After prefill and rounds with rejections (rollback), the draft cache holds, at every position ``i`` below
+    the cached length ``n`` minus one, the MTP layer's keys/values of ``u_i = f(h_i, x_{i+1})`` with the
+    target's true hidden states, as one pass over the accepted sequence gives; ``h_last`` is ``h_{n-1}``."""
+    from minicpm4_jax.infer.cache import init_cache
+    from minicpm4_jax.infer.spec import _draft_fill
+
+    model, mtp = _pair(SMALL, seed=4)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompts = _prompts(SMALL.vocab_size, lens=(50, 23))
+    plain = eng.generate(prompts, 40)
+    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
+    st = dec.prefill(prompts, 50 + 40 + 4, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
+    seqs = [list(p) + [int(t)] for p, t in zip(prompts, np.asarray(st.tok))]  # x_0 .. x_n (x_n pending)
+    accepted = []
+    for r in range(6):
+        st, acc, drafts, nxt, _ = dec.round(st, [True, True], jnp.zeros((2,), jnp.uint32), r + 1, SamplingParams())
+        accepted += acc
+        for row in range(2):
+            seqs[row] += [int(x) for x in drafts[row, :acc[row]]] + [int(nxt[row])]
+    assert max(accepted) > 0 and min(accepted) < 4  # drafts were accepted, and rejected ones rolled back
+    assert [len(q) - 1 for q in seqs] == st.lengths
+    for row in range(2):
+        n = st.lengths[row]
+        x = seqs[row]
+        cache = eng.new_cache(1, n)
+        _, _, _, hidden = eng.prefill(cache, [x[:n]], return_hidden=True)  # h_0 .. h_{n-1}, one pass
+        np.testing.assert_allclose(np.asarray(st.h_last[row]), np.asarray(hidden[0, n - 1]), rtol=1e-4, atol=1e-4)
+        fresh = init_cache(dataclasses.replace(SMALL, num_hidden_layers=1, attention="dense"), 1,
+                           st.dcache.k.shape[2]).layers[0]
+        want = _draft_fill(eng.weights, dec.draft, fresh, hidden[:, :n - 1], jnp.asarray([x[1:n]], jnp.int32),
+                           jnp.arange(n - 1, dtype=jnp.int32)[None], cfg=SMALL, graphdefs=eng._graphdefs,
+                           mtp_gd=dec._mtp_gd)
+        for got, ref in ((st.dcache.k, want.k), (st.dcache.v, want.v)):
+            np.testing.assert_allclose(np.asarray(got[row, :, :n - 1]), np.asarray(ref[0, :, :n - 1]), rtol=1e-4,
+                                       atol=1e-4)
+
+
 @pytest.mark.parametrize("fr", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_greedy_speculative_equals_greedy_plain_real_draft(sparse, fr):
