@@ -229,10 +229,16 @@ def test_greedy_tokens_is_argmax_with_its_tie_and_nan_rules():
     x[2, 0, [5, 30]] = np.nan  # NaN: the first NaN, as jnp.argmax
     x[2, 1, 40] = np.inf
     x[2, 1, 9] = np.nan
+    x[2, 2, 200] = np.nan  # a NaN after the maximum, where XLA:CPU's vectorised max skipped it
+    x[2, 2, 3] = 50.0
     got = np.asarray(jax.jit(greedy_tokens)(jnp.asarray(x)))
     assert got.dtype == np.int32 and got.shape == (3, 5)
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
-    assert got[0, 1] == 7 and got[1, 2] == 0 and got[2, 0] == 5 and got[2, 1] == 9
+    assert got[0, 1] == 7 and got[1, 2] == 0 and got[2, 0] == 5 and got[2, 1] == 9 and got[2, 2] == 200
+    wide = np.zeros((2, 4097), np.float32)  # a vocabulary the vectorised max walks in many lanes
+    wide[:, 3] = 1.0
+    wide[0, 4096] = np.nan
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(jnp.asarray(wide))), [4096, 3])
 
 
 def test_vocab_limit_is_respected():

@@ -66,16 +66,20 @@ def top_k_filter(logits: jax.Array, top_k: int) -> jax.Array:
 
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
-    """``jnp.argmax(logits, axis=-1)`` as int32 ``[...]`` for float ``logits [..., vocab]``, computed as a max and
-    then the first index holding it (the first NaN when there is one, as ``jnp.argmax``).
+    """``jnp.argmax(logits, axis=-1)`` as int32 ``[...]`` for float ``logits [..., vocab]``: the first index of
+    the maximum, or of the first NaN when a row has one (as ``jnp.argmax``).
 
-    Two plain reductions instead of XLA's variadic (value, index) reduce, which XLA:CPU runs 5-7x slower:
-    54 -> 10 us for one 8192-token row, 118 -> 17 us for the 4 rows of a speculative verify (``docs/benchmarks.md``).
+    Plain reductions (a max, then the first index holding it; the first NaN found on its own, since XLA:CPU's
+    vectorised max does not always return a NaN it meets) instead of XLA's variadic (value, index) reduce, which
+    XLA:CPU runs 3-7x slower: 49 -> 17 us for one 8192-token row, 147-200 -> 30 us for the 4 rows of a
+    speculative verify (``docs/benchmarks.md``).
     """
-    m = jnp.max(logits, axis=-1, keepdims=True)
+    v = logits.shape[-1]
     iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    hit = (logits == m) | jnp.isnan(logits)
-    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+    first_nan = jnp.min(jnp.where(jnp.isnan(logits), iota, v), axis=-1)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    first_max = jnp.min(jnp.where(logits == m, iota, v), axis=-1)
+    return jnp.where(first_nan < v, first_nan, first_max)
 
 
 def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
