@@ -171,7 +171,10 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         topk_idx: int ``[batch, num_kv_heads, K]`` (or ``[batch, num_kv_heads, T, K]``) block ids, ``-1`` unused
             (so is any id outside ``[0, capacity / block_size)``, as in the Pallas kernels), no id repeated in a
             row (:class:`~minicpm4_jax.infllm.select.Selection` format).
-        q_positions: int ``[batch]`` (or ``[batch, T]``); ``-1`` = inactive row (zeros out).
+        q_positions: int ``[batch]`` (or ``[batch, T]``); ``-1`` = inactive row (zeros out). Several tokens of a
+            sequence must sit at consecutive positions (a verify chunk, as the engine passes them): the one
+            window slice they share is sized for that, and tokens spread further apart lose window blocks
+            (a fresh-eyes check found up to 1.5 off for ``[54, 55, 55, 0, 0]``); call once per token otherwise.
         block_size: KV block size.
         window_blocks, init_blocks: forced blocks (see above); 0 = none.
         gather_width: columns kept for the picks outside the forced blocks; default ``K`` (never drops one).
