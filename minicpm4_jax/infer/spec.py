@@ -175,17 +175,23 @@ class _Draft:
 def _draft_layer(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfig, window: int | None = None):
     """One draft step of the MTP decoder layer: ``u [b, 1, H]`` at ``positions [b, 1]`` (``-1`` = inactive) with
     its own (dense) cache, attending only its last ``window`` positions when given. Returns ``(cache, out)``."""
-    layer = mtp.layer
-    cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_mtp)
-    q, k, v, _, _ = layer.qkv(u, cos, sin, cfg_mtp)
-    lc = jax.lax.optimization_barrier(write_tokens(lc, k, v, None, positions))
+    lc, q = _draft_write(mtp, lc, u, positions, cfg_mtp)
+    lc = jax.lax.optimization_barrier(lc)
     decode = dense_decode_attention
     if native_decode(cfg_mtp.attention_impl, lc.k.dtype):
         from minicpm4_jax.ops import native  # noqa: PLC0415
 
         decode = native.dense_decode_attention
     a = decode(q[:, 0], lc.k, lc.v, q_positions=positions[:, 0], window=window)[:, None]
-    return lc, layer.finish(u, a, cfg_mtp)
+    return lc, mtp.layer.finish(u, a, cfg_mtp)
+
+
+def _draft_write(mtp: MTPHead, lc: LayerCache, u, positions, cfg_mtp: ModelConfig):
+    """The MTP layer's keys/values of ``u [b, T, H]`` written at ``positions [b, T]`` (``-1`` dropped); returns
+    ``(cache, q)`` with the RoPE'd queries ``[b, T, heads, head_dim]``."""
+    cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_mtp)
+    q, k, v, _, _ = mtp.layer.qkv(u, cos, sin, cfg_mtp)
+    return write_tokens(lc, k, v, None, positions), q
 
 
 def _draft_fill(weights, draft: _Draft, dcache: LayerCache, hidden, tokens, positions, *, cfg, graphdefs, mtp_gd):
@@ -196,13 +202,10 @@ def _draft_fill(weights, draft: _Draft, dcache: LayerCache, hidden, tokens, posi
     """
     emb = nnx.merge(graphdefs[0], weights.embed)
     mtp = nnx.merge(mtp_gd, draft.mtp)
-    cfg_m = mtp_layer_config(cfg)
     dt = dtype_of(cfg.dtype)
     e = emb.encode(tokens, dt) * jnp.asarray(cfg.scale_emb, dt)
     u = mtp.inputs(e, hidden.astype(dt), cfg)
-    cos, sin = rope_tables(jnp.maximum(positions, 0), cfg_m)
-    _, k, v, _, _ = mtp.layer.qkv(u, cos, sin, cfg_m)
-    return write_tokens(dcache, k, v, None, positions)
+    return _draft_write(mtp, dcache, u, positions, mtp_layer_config(cfg))[0]
 
 
 def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, seeds, rnd, *, cfg, graphdefs,
