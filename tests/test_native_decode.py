@@ -168,6 +168,39 @@ def test_native_selection_equals_reference(case):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["gen2", "gen1"])
+@pytest.mark.parametrize("q_scale", [1.0, 30.0, 1000.0])
+def test_native_selection_with_extreme_scores_equals_reference(variant, q_scale):
+    """Queries scaled up so that most kernel weights exp(z - lse) underflow (and the gen-2 fine logits exceed the
+    coarse log-sum-exp): the kernel's vectorised exp must hand those lanes to the library exp, or blocks of
+    underflowed weights stop tying at 0 and the top-k differs from the reference (mutant checked)."""
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+
+    bs, st, ks, nb, nkv, g, d, b = 32, 16, 32, 24, 2, 2, 16, 2
+    p = select_params(SparseConfig(kernel_size=ks, kernel_stride=st, block_size=bs, window_size=64, topk=4,
+                                   init_blocks=1, variant=variant, dense_len=-1))
+    cap = nb * bs
+    k_used = min(p.topk_cfg, nb)
+    init_b, win_b, width = stage2_forced_split(p, k_used)
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
+        vc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+        ck1 = compress_keys(k, ks, st)
+        ck2 = compress_keys(k, *coarse_geometry(ks, st)) if variant == "gen2" else None
+        q = jnp.asarray(q_scale * rng.standard_normal((b, 1, nkv * g, d)), jnp.float32)
+        pos = jnp.asarray([[cap - 1], [int(rng.integers(40, cap - 1))]], jnp.int32)
+        sel = select_blocks_compressed(q, ck1, ck2, q_positions=pos, params=p, num_blocks=nb,
+                                       kv_len=jnp.max(pos, axis=1) + 1, q_tile=1)
+        _, idx = native.select_decode_attention(q, k.transpose(0, 2, 1, 3), vc, ck1, ck2, q_positions=pos,
+                                                params=p, init_blocks=init_b, window_blocks=win_b,
+                                                gather_width=width)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx), err_msg=f"seed {seed}")
+
+
 def test_native_selection_refuses_what_it_does_not_compute():
     from minicpm4_jax.config import SparseConfig
     from minicpm4_jax.infllm.select import select_params

@@ -143,12 +143,24 @@ struct Work {
   std::vector<int64_t> head_pos, tokens;
 };
 
+// Prefetch rows [r0, r1) of a block's keys and values (base pointers kb / vb, nullptr = none): spread over a
+// block's key loop instead of one burst per block, so the prefetches never queue behind each other.
+inline void prefetch_rows(const float* kb, const float* vb, int64_t r0, int64_t r1, int64_t d) {
+  if (kb == nullptr) return;
+  for (int64_t c = r0 * d; c < r1 * d; c += 16) {
+    __builtin_prefetch(kb + c);
+    __builtin_prefetch(vb + c);
+  }
+}
+
 // Scores of one block, stored [key, head], scaled: G query heads (transposed, pre-scaled: qt [D, G]) against
 // n key rows, vectorised over the heads, 4 keys at a time so each q column is loaded once per 4 keys.
 template <int G, int D>
-inline void scores_heads_inner(const float* qt, const float* kb, int64_t n, float* s) {
+inline void scores_heads_inner(const float* qt, const float* kb, int64_t n, float* s, const float* pk,
+                               const float* pv) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {  // eight independent accumulator chains hide the FMA latency
+    prefetch_rows(pk, pv, i, i + 8, D);
     float a[8][G] = {};
     const float* k0 = kb + i * D;
     for (int e = 0; e < D; ++e) {
@@ -197,8 +209,9 @@ inline void scores_heads_inner(const float* qt, const float* kb, int64_t n, floa
 
 // Scores of one block, stored [key, head], scaled: one dot product over head_dim per (key, head).
 inline void scores_dim_inner(const float* q, int64_t g, int64_t d, const float* kb, int64_t n, float scale,
-                             float* s) {
+                             float* s, const float* pk, const float* pv) {
   for (int64_t i = 0; i < n; ++i) {
+    prefetch_rows(pk, pv, i, i + 1, d);
     const float* kr = kb + i * d;
     for (int64_t h = 0; h < g; ++h) {
       const float* qr = q + h * d;
@@ -336,12 +349,17 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
     if (n <= 0) continue;
     const float* kb = kc + lo * d;
     const float* vb = vc + lo * d;
-    if (geo.prefetch_blocks > 0 && j + geo.prefetch_blocks < nblk)
-      prefetch_block(kc, vc, blocks[j + geo.prefetch_blocks], bs, d);
+    const float *pk = nullptr, *pv = nullptr;  // the block prefetch_blocks ahead, fetched during the scores
+    if (geo.prefetch_blocks > 0 && j + geo.prefetch_blocks < nblk) {
+      pk = kc + static_cast<int64_t>(blocks[j + geo.prefetch_blocks]) * bs * d;
+      pv = vc + (pk - kc);
+    }
     if constexpr (G > 0 && D > 0) {
-      scores_heads_inner<G, D>(w.qt.data(), kb, n, s);
+      scores_heads_inner<G, D>(w.qt.data(), kb, n, s, pk, pv);
+      prefetch_rows(pk, pv, n - n % 8, bs, d);  // rows the 8-key chunks did not cover
     } else {
-      scores_dim_inner(q, g, d, kb, n, geo.scale, s);
+      scores_dim_inner(q, g, d, kb, n, geo.scale, s, pk, pv);
+      prefetch_rows(pk, pv, n, bs, d);
     }
     if (head_pos != nullptr && lo + n - 1 > head_min)  // rows of earlier tokens: mask the slots after theirs
       for (int64_t i = 0; i < n; ++i)
@@ -414,22 +432,72 @@ inline int64_t visible_kernels(int64_t pos, int64_t ks, int64_t st, int64_t n) {
   return std::clamp<int64_t>(floor_div(pos + 1 - ks, st) + 1, 0, n);
 }
 
-// z[j] = scale * q . ck[j] for j < count (ck rows strided by row_stride floats); returns their log-sum-exp
-// (-inf for none) when want_lse.
-float kernel_logits(const float* q, int64_t d, const float* ck, int64_t row_stride, int64_t count, float scale,
-                    float* z, bool want_lse) {
-  float mx = -INFINITY;
+// z[h * ld + j] = scale * q_h . ck[j] for the g heads of q ([g, d]) and j < count (ck rows strided by
+// row_stride floats): one pass over the rows, each row read once for all heads, a few rows prefetched ahead.
+void group_logits(const float* q, int64_t g, int64_t d, const float* ck, int64_t row_stride, int64_t count,
+                  float scale, float* z, int64_t ld) {
+  constexpr int64_t kAhead = 8;
   for (int64_t j = 0; j < count; ++j) {
+    if (j + kAhead < count) {
+      const char* next = reinterpret_cast<const char*>(ck + (j + kAhead) * row_stride);
+      for (int64_t o = 0; o < d * 4; o += 64) __builtin_prefetch(next + o);
+    }
     const float* c = ck + j * row_stride;
-    float a = 0.0f;
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = q + h * d;
+      float a = 0.0f;
 #pragma omp simd reduction(+ : a)
-    for (int64_t e = 0; e < d; ++e) a += q[e] * c[e];
-    z[j] = a * scale;
-    mx = std::max(mx, z[j]);
+      for (int64_t e = 0; e < d; ++e) a += qh[e] * c[e];
+      z[h * ld + j] = a * scale;
+    }
   }
-  if (count == 0 || !want_lse) return -INFINITY;
+}
+
+// exp(x) on 16 lanes: the polynomial of vexp_nonpositive where it is valid (-87 <= x <= 88), std::exp on
+// any other lane (underflow to subnormals / 0, overflow to inf, NaN), so extreme inputs give what the
+// library exp gives.
+inline Vec<16>::F vexp_any(Vec<16>::F x) {
+  Vec<16>::F y = vexp_nonpositive<16>(x);
+  const Vec<16>::I ok = (x >= -87.0f) & (x <= 88.0f);
+  bool all = true;
+  for (int i = 0; i < 16; ++i) all = all && ok[i];
+  if (!all)
+    for (int i = 0; i < 16; ++i)
+      if (!ok[i]) y[i] = std::exp(x[i]);
+  return y;
+}
+
+// f(x[j]) for j < n in 16-lane chunks (the last one padded), so that every element goes through the same
+// vector code whatever its index: equal inputs give equal outputs (ties between blocks stay ties).
+template <typename F>
+inline void for_chunks(const float* x, int64_t n, F f) {
+  for (int64_t j = 0; j < n; j += 16) {
+    float buf[16];
+    const int64_t m = std::min<int64_t>(16, n - j);
+    Vec<16>::F v;
+    if (m == 16) {
+      v = vload<16>(x + j);
+    } else {
+      for (int i = 0; i < 16; ++i) buf[i] = i < m ? x[j + i] : 0.0f;
+      v = vload<16>(buf);
+    }
+    f(j, m, v);
+  }
+}
+
+// log-sum-exp of z[0 .. count) (-inf for none or a non-positive sum).
+float log_sum_exp(const float* z, int64_t count) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < count; ++j) mx = std::max(mx, z[j]);
+  if (count == 0) return -INFINITY;
+  Vec<16>::F acc = Vec<16>::F{};
+  for_chunks(z, count, [&](int64_t, int64_t m, Vec<16>::F v) {
+    Vec<16>::F e = vexp_nonpositive<16>(v - mx);
+    for (int64_t i = m; i < 16; ++i) e[i] = 0.0f;
+    acc += e;
+  });
   float sum = 0.0f;
-  for (int64_t j = 0; j < count; ++j) sum += std::exp(z[j] - mx);
+  for (int i = 0; i < 16; ++i) sum += acc[i];
   return sum > 0.0f ? std::log(sum) + mx : -INFINITY;
 }
 
@@ -442,17 +510,23 @@ int64_t select_blocks(const float* q, int64_t g, int64_t d, const float* ck1, in
   const int64_t cnt1 = visible_kernels(pos, sg.kernel_size, sg.kernel_stride, nc1);
   const int64_t cnt2 = sg.variant == 2 ? visible_kernels(pos, sg.coarse_size, sg.coarse_stride, nc2) : 0;
   w.score.assign(nc1, 0.0f);  // invisible kernels score exactly 0
-  w.z.resize(std::max<int64_t>(nc1, nc2));
-  for (int64_t h = 0; h < g; ++h) {
-    const float* qh = q + h * d;
-    float lse;
-    if (sg.variant == 2) {
-      lse = kernel_logits(qh, d, ck2, row_stride, cnt2, sg.scale, w.z.data(), true);
-      kernel_logits(qh, d, ck1, row_stride, cnt1, sg.scale, w.z.data(), false);
-    } else {
-      lse = kernel_logits(qh, d, ck1, row_stride, cnt1, sg.scale, w.z.data(), true);
-    }
-    for (int64_t j = 0; j < cnt1; ++j) w.score[j] += std::exp(w.z[j] - lse);  // lse = -inf -> +inf (§5.2)
+  w.z.resize(g * std::max<int64_t>(nc1, nc2));
+  float* z = w.z.data();
+  w.m.resize(g);  // each head's log-sum-exp
+  if (sg.variant == 2) {  // gen-2: the LSE over the coarse kernels
+    group_logits(q, g, d, ck2, row_stride, cnt2, sg.scale, z, cnt2);
+    for (int64_t h = 0; h < g; ++h) w.m[h] = log_sum_exp(z + h * cnt2, cnt2);
+  }
+  group_logits(q, g, d, ck1, row_stride, cnt1, sg.scale, z, cnt1);
+  if (sg.variant != 2)
+    for (int64_t h = 0; h < g; ++h) w.m[h] = log_sum_exp(z + h * cnt1, cnt1);
+  float* score = w.score.data();
+  for (int64_t h = 0; h < g; ++h) {  // lse = -inf -> +inf (§5.2)
+    const float lse = w.m[h];
+    for_chunks(z + h * cnt1, cnt1, [&](int64_t j, int64_t m, Vec<16>::F v) {
+      const Vec<16>::F e = vexp_any(v - lse);
+      for (int64_t i = 0; i < m; ++i) score[j + i] += e[i];
+    });
   }
   // max-pool: block b takes kernels [r*b - lo, r*b + r - 1] (every kernel overlapping it), -inf if none
   const int64_t r = sg.block_size / sg.kernel_stride, lo = (sg.kernel_size - 1) / sg.kernel_stride;
@@ -478,9 +552,12 @@ int64_t select_blocks(const float* q, int64_t g, int64_t d, const float* ck1, in
   w.order.resize(num_blocks);
   for (int64_t b = 0; b < num_blocks; ++b) w.order[b] = static_cast<int32_t>(b);
   const float* pooled = w.pooled.data();
-  std::partial_sort(w.order.begin(), w.order.begin() + k, w.order.end(), [pooled](int32_t a, int32_t b) {
-    return pooled[a] > pooled[b] || (pooled[a] == pooled[b] && a < b);
-  });
+  // the k best under a strict total order (score descending, then index): the same set as a full sort's
+  // first k, in any order (the kept ids are sorted below)
+  if (k < num_blocks)
+    std::nth_element(w.order.begin(), w.order.begin() + k, w.order.end(), [pooled](int32_t a, int32_t b) {
+      return pooled[a] > pooled[b] || (pooled[a] == pooled[b] && a < b);
+    });
   int64_t n = 0;
   for (int64_t i = 0; i < k; ++i) {
     const int32_t b = w.order[i];
