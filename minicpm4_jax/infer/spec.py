@@ -361,7 +361,7 @@ class SpeculativeDecoder:
                 raise ConfigError(f"FR-Spec ids must lie in [0, {cfg.vocab_size})")
         mtp_gd, mtp_state = nnx.split(mtp)
         self._mtp_gd = mtp_gd
-        self.draft = _Draft(mtp=mtp_state, head_rows=jnp.take(table, ids, axis=0), ids=ids)
+        self.draft = _Draft(mtp=mtp_state.to_pure_dict(), head_rows=jnp.take(table, ids, axis=0), ids=ids)
         kw = dict(cfg=cfg, graphdefs=engine._graphdefs, mtp_gd=mtp_gd)
         self._fill = jax.jit(partial(_draft_fill, **kw), donate_argnums=(2,))
         self._rounds = {}
