@@ -210,19 +210,24 @@ def _draft_fill(weights, draft: _Draft, dcache: LayerCache, hidden, tokens, posi
 
 def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, seeds, rnd, *, cfg, graphdefs,
                    mtp_gd, k, sampling, vocab_limit, window=None):
-    """``k`` chained draft steps; returns (dcache, draft tokens ``[b, k]``, draft probs ``[b, k, vocab]`` or None)."""
+    """``k`` chained draft steps; returns (dcache, draft tokens ``[b, k]``, draft probs ``[b, k, vocab]`` or None).
+
+    The steps run as one ``lax.scan`` over ``j = 0 .. k-1``: one compiled step instead of ``k`` unrolled copies
+    (XLA:CPU sets up every operation and constant of a program on each launch: ``k`` copies made the host's part
+    of a k = 7 round ~10% longer, ``docs/benchmarks.md``).
+    """
     emb = nnx.merge(graphdefs[0], weights.embed)
     mtp = nnx.merge(mtp_gd, draft.mtp)
     cfg_m = mtp_layer_config(cfg)
     dt = dtype_of(cfg.dtype)
     b = tok0.shape[0]
-    h, tok = h0.astype(dt), tok0
-    toks, probs = [], []
     keys = row_keys(seeds, rnd)
     limit_r = None
     if vocab_limit is not None:
         limit_r = jnp.where(draft.ids < vocab_limit, 0.0, -jnp.inf)
-    for j in range(k):
+
+    def step(carry, j):
+        dcache, h, tok = carry
         pos = jnp.where(pos0 >= 0, pos0 + j, -1)[:, None]
         e = emb.encode(tok[:, None], dt) * jnp.asarray(cfg.scale_emb, dt)
         u = mtp.inputs(e, h[:, None], cfg)
@@ -232,17 +237,19 @@ def _draft_propose(weights, draft: _Draft, dcache: LayerCache, h0, tok0, pos0, s
         if limit_r is not None:
             lr = lr + limit_r
         if sampling.greedy:
-            idx = greedy_tokens(lr)
+            idx, prob = greedy_tokens(lr), None
         else:
             pl = processed_logits(lr, sampling)
             sub = jax.vmap(lambda kk: jax.random.fold_in(kk, 1000 + j))(keys)
             idx = jax.vmap(jax.random.categorical)(sub, pl)
             q = jax.nn.softmax(pl, axis=-1)
-            probs.append(jnp.zeros((b, cfg.padded_vocab_size), jnp.float32).at[:, draft.ids].set(q))
+            prob = jnp.zeros((b, cfg.padded_vocab_size), jnp.float32).at[:, draft.ids].set(q)
         tok = draft.ids[idx].astype(jnp.int32)
-        toks.append(tok)
-        h = o[:, 0]
-    return dcache, jnp.stack(toks, axis=1), (jnp.stack(probs, axis=1) if probs else None)
+        return (dcache, o[:, 0], tok), (tok, prob)
+
+    (dcache, _, _), (toks, probs) = jax.lax.scan(step, (dcache, h0.astype(dt), tok0),
+                                                 jnp.arange(k, dtype=jnp.int32))
+    return dcache, toks.T, (None if probs is None else jnp.swapaxes(probs, 0, 1))
 
 
 def _accept(logits, drafts, q, seeds, rnd, *, sampling, vocab_limit):
@@ -366,6 +373,12 @@ class SpeculativeDecoder:
         self._fill = jax.jit(partial(_draft_fill, **kw), donate_argnums=(2,))
         self._rounds = {}
         self._kw = kw
+        # The verify's tied head as a [hidden, vocab] copy on CPU: XLA:CPU multiplies the 8 rows of a k = 7
+        # verify by the row-major embedding (contracting both minor axes) ~1.6x slower than by its transpose
+        # (docs/benchmarks.md); costs one vocab x hidden copy of memory. One-row steps gain nothing from it.
+        self._verify_weights = engine.weights
+        if head is None and jax.default_backend() == "cpu":
+            self._verify_weights = dataclasses.replace(engine.weights, lm_head=jnp.asarray(table.T))
 
     @property
     def draft_window(self) -> int | None:
@@ -398,7 +411,7 @@ class SpeculativeDecoder:
         n = list(st.lengths)
         mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
         cache, dcache, h_last, nxt, packed, frac = self._round_fn(sampling, vocab_limit, mode)(
-            eng.weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32),
+            self._verify_weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32),
             np.asarray(active), seeds, np.int32(rnd))  # numpy: no per-argument dispatch on the host
         packed_host = np.asarray(packed)
         a_host, nxt_host, d_host = packed_host[:, 0], packed_host[:, 1], packed_host[:, 2:]
@@ -491,10 +504,13 @@ class SpeculativeDecoder:
 
         t0 = time.perf_counter()
         state = self.prefill(prompts, max(lens) + max_new_tokens + k, lambda lg: first(lg, seeds_arr))
+        # wait for the whole prefill (target and draft caches): its time is prefill time, not decode time
+        jax.block_until_ready((state.cache, state.dcache, state.h_last))
+        tok_host = [int(x) for x in jax.device_get(state.tok)]
         t1 = time.perf_counter()
 
-        for r, t in enumerate(jax.device_get(state.tok)):
-            take(r, int(t))
+        for r, t in enumerate(tok_host):
+            take(r, t)
         rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
         max_pos = cfg.max_position_embeddings
         while any(active):
