@@ -132,6 +132,24 @@ def test_greedy_speculative_equals_greedy_plain_real_draft(sparse, fr):
     assert spec.acceptance_length >= 1.0
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_greedy_speculative_equals_plain_with_vocab_padding_tied_and_untied(tied):
+    # the verify's head on CPU: a [hidden, padded vocab] copy of a tied table, or the untied lm_head itself; the
+    # padding columns must stay out of every argmax either way
+    cfg = dataclasses.replace(SMALL, vocab_pad_multiple=8, tie_word_embeddings=tied)
+    assert cfg.padded_vocab_size == 16
+    model, mtp = _pair(cfg)
+    eng = InferenceEngine(model)
+    prompts = _prompts(cfg.vocab_size)
+    plain = eng.generate(prompts, 40)
+    dec = SpeculativeDecoder(eng, mtp, num_draft=7)
+    assert (dec._verify_weights.lm_head is not None) and (dec._verify_weights.lm_head.shape == (64, 16))
+    spec = dec.generate(prompts, 40)
+    assert spec.tokens == plain.tokens
+    assert all(t < cfg.vocab_size for row in spec.tokens for t in row)
+    assert spec.prefill_seconds > 0 and spec.decode_seconds > 0
+
+
 def test_greedy_speculative_with_stop_ids_and_batch_rows_finishing_early():
     model, mtp = _pair(SMALL, seed=3)
     eng = InferenceEngine(model, prefill_chunk=64)
