@@ -264,6 +264,28 @@ def test_damaged_library_is_rebuilt_not_loaded(tmp_path):
     assert again.returncode == 0 and again.stdout.split() == ["True", str(0o755), str(size)], again.stderr[-2000:]
 
 
+def test_old_compiled_kernels_are_pruned(tmp_path):
+    """Every source/compiler/jaxlib change builds a library under a new name: the cache keeps the current one and
+    the most recently built or loaded others, and removes the rest with their digests."""
+    d = tmp_path / "native"
+    d.mkdir()
+    libs = []
+    for i in range(12):
+        lib = d / f"infllm_cpu_{i:020d}.so"
+        lib.write_bytes(b"x")
+        lib.with_suffix(".sha256").write_text("y")
+        os.utime(lib, (1_000_000 + i, 1_000_000 + i))  # lib 11 is the newest
+        libs.append(lib)
+    (d / "unrelated.so").write_bytes(b"z")
+    current = libs[0]  # the oldest file, but the one this process uses
+    removed = native._prune(current, keep=4)
+    assert sorted(removed) == sorted(libs[1:9])
+    assert sorted(p.name for p in d.glob("infllm_cpu_*.so")) == sorted(p.name for p in [current, *libs[9:]])
+    assert not any(p.with_suffix(".sha256").exists() for p in removed)
+    assert (d / "unrelated.so").exists() and current.with_suffix(".sha256").exists()
+    assert native._prune(current, keep=4) == []
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_short_cache_and_wide_gather_match_between_kernel_and_reference(t):
     """A cache of fewer blocks than the window (the 4.1 window of 33 blocks over 2 blocks): the reference

@@ -117,6 +117,33 @@ def _build(path: Path) -> None:
             os.unlink(tmp)
 
 
+def _prune(current: Path, keep: int = 8) -> list[Path]:
+    """Delete the oldest compiled kernels (``infllm_cpu_*.so`` and their ``.sha256``) in ``current``'s directory,
+    keeping ``current`` and the ``keep - 1`` others most recently built or loaded; returns the libraries removed.
+
+    Every edit of the source, compiler or jaxlib builds a new library under a new name, so without this the cache
+    only grows. Best effort: a file another process removes first, or a read-only cache, is left as it is (a
+    process that has a removed library loaded keeps its mapping).
+    """
+    def mtime(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return float("inf")  # vanished meanwhile: nothing to remove
+
+    others = sorted((p for p in current.parent.glob("infllm_cpu_*.so") if p.name != current.name), key=mtime,
+                    reverse=True)
+    removed = []
+    for lib in others[max(0, keep - 1):]:
+        try:
+            lib.unlink()
+            lib.with_suffix(".sha256").unlink(missing_ok=True)
+            removed.append(lib)
+        except OSError:
+            pass
+    return removed
+
+
 def _intact(path: Path) -> bool:
     """The library exists and matches the digest written when it was built (a truncated file would crash the
     process in ``dlopen`` with SIGBUS instead of raising)."""
@@ -139,6 +166,12 @@ def _load() -> bool:
             path = library_path()
             if not _intact(path):  # missing, or damaged since it was built: (re)build it
                 _build(path)
+                _prune(path)
+            else:
+                try:  # mark it recently used, so _prune keeps it
+                    os.utime(path)
+                except OSError:
+                    pass
             lib = ctypes.cdll.LoadLibrary(str(path))
             jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmDecodeF32), platform="cpu")
             jax.ffi.register_ffi_target(_SELECT_TARGET, jax.ffi.pycapsule(lib.Minicpm4InfllmSelectDecodeF32),
