@@ -305,12 +305,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                          return_output=True)
     print("" if shown[0] else args.prompt + text, flush=True)
     attn = model.cfg.attention
+    if out.decode_steps == 0:  # every token came from the prefill: no decode to measure
+        decode = ("no decode steps (the only new token came from the prefill); attention "
+                  f"{attn}")
+    else:
+        decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s (compilation included: "
+                  f"scripts/bench_decode.py measures warm); attention {attn}, "
+                  f"attended fraction {out.attended_fraction:.3f}"
+                  + (f"; acceptance length {out.acceptance_length:.2f} (drafts {args.num_draft})"
+                     if speculative else ""))
     print(f"[{out.new_tokens} new tokens ({out.finish_reasons[0]}); prefill {out.prompt_tokens} tokens in "
-          f"{out.prefill_seconds:.2f} s; decode {out.decode_tokens_per_second:.1f} tokens/s (compilation included: "
-          f"scripts/bench_decode.py measures warm); attention {attn}, "
-          f"attended fraction {out.attended_fraction:.3f}"
-          + (f"; acceptance length {out.acceptance_length:.2f} (drafts {args.num_draft})" if speculative else "")
-          + "]", file=sys.stderr)
+          f"{out.prefill_seconds:.2f} s; {decode}]", file=sys.stderr)
     return 0
 
 

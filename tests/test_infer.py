@@ -308,6 +308,30 @@ def test_bad_requests_are_one_line_errors(weights):
         eng.generate([[1]], 3, sampling=SamplingParams(temperature=float("inf")))
     with pytest.raises(ConfigError, match="top_k=2.5 must be an integer"):
         eng.generate([[1]], 3, sampling=SamplingParams(top_k=2.5))
+    # second break test: out-of-range / non-integer prompt ids ran silently (ids clamped or truncated), a
+    # vocab_limit of 0 was "respected" by producing id 0, numpy / non-integer seeds, string sampling values
+    v = BASE.vocab_size
+    for prompt, bad in (([50 + v, 2], 50 + v), ([-3, 2], -3)):
+        with pytest.raises(ConfigError, match=rf"prompt 0 holds token id {bad}, outside the model's vocabulary"):
+            eng.generate([[1], prompt][::-1], 3)
+    with pytest.raises(ConfigError, match="prompt 0 must be a flat list of integer token ids"):
+        eng.generate([[1.5, 2]], 3)
+    for bad in (0, -2, 2.5):
+        with pytest.raises(ConfigError, match=rf"vocab_limit={bad} must be an integer >= 1"):
+            eng.generate([[1]], 3, vocab_limit=bad)
+    for bad in (1.5, "ab", [1.5], None):
+        with pytest.raises(ConfigError, match="must be one integer or a list of integers"):
+            eng.generate([[1]], 3, seeds=bad)
+    with pytest.raises(ConfigError, match=r"max_new_tokens=2.5 \(--max-new-tokens\) must be an integer"):
+        eng.generate([[1]], 2.5)
+    with pytest.raises(ConfigError, match="temperature='0.5' must be a finite number"):
+        eng.generate([[1]], 3, sampling=SamplingParams(temperature="0.5"))
+    with pytest.raises(ConfigError, match=r"top_p='1' must be in \(0, 1\] \(a number\)"):
+        eng.generate([[1]], 3, sampling=SamplingParams(top_p="1"))
+    sampled = SamplingParams(temperature=0.8)
+    assert (eng.generate([[1, 2]], 3, sampling=sampled, seeds=np.int64(3)).tokens
+            == eng.generate([[1, 2]], 3, sampling=sampled, seeds=3).tokens
+            == eng.generate([np.asarray([1, 2])], 3, sampling=sampled, seeds=[np.int32(3)]).tokens)
     with pytest.raises(ConfigError, match="prefill_chunk=10"):
         InferenceEngine(_model(weights, BASE), prefill_chunk=10)
     with pytest.raises(ConfigError, match="attention_impl='pallas'"):

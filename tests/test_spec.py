@@ -80,6 +80,27 @@ def test_greedy_speculative_equals_greedy_plain_with_rollback(sparse):
     assert spec.decode_steps < plain.decode_steps
 
 
+def test_acceptance_and_attended_fraction_count_only_kept_tokens():
+    """Second break test: the acceptance length counted tokens past max_new_tokens (8.00 where 2 verifies kept 9
+    tokens), and the attended fraction averaged the verify rows of rejected drafts (0.9994 against plain 1.0)."""
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=SPARSE)
+    model, mtp = _pair(cfg)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    prompt = _prompts(cfg.vocab_size, lens=(100,))  # decodes across dense_len = 128: dense, then sparse rows
+    plain = eng.generate(prompt, 60)
+    assert 0.3 < plain.attended_fraction < 1.0
+    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[100])
+    spec = dec.generate(prompt, 60)
+    assert spec.tokens == plain.tokens
+    # one sequence: the same positions' fractions, averaged the same way
+    np.testing.assert_allclose(spec.attended_fraction, plain.attended_fraction, rtol=1e-6)
+    assert spec.acceptance_length * spec.decode_steps == pytest.approx(len(spec.tokens[0]) - 1)
+    right = _OracleDrafts(eng, mtp, num_draft=7, plain=plain.tokens, prompt_lens=[100], corrupt=10**6)
+    short = right.generate(prompt, 10)  # every draft right: 8 tokens per verify, the last round keeps only 1
+    assert short.tokens[0] == plain.tokens[0][:10]
+    assert (short.decode_steps, short.acceptance_length) == (2, 4.5)
+
+
 def test_draft_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
     """After prefill and rounds with rejections (rollback), the draft cache holds, at every position ``i`` below
     the cached length ``n`` minus one, the MTP layer's keys/values of ``u_i = f(h_i, x_{i+1})`` with the
@@ -212,6 +233,27 @@ def test_frequency_ranking_build_save_load(tmp_path):
     (tmp_path / "dup.txt").write_text("1\n2\n1\n")
     with pytest.raises(ConfigError, match="repeats"):
         load_frequency_ranking(tmp_path / "dup.txt", 10)
+    # malformed official .pt files (fresh-eyes test: each was a raw traceback): not a zip, a zip without a
+    # pickle, a pickle of an object (a saved tensor), a truncated pickle
+    import pickle
+    import zipfile
+
+    def pt(name, members):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            for member, data in members.items():
+                z.writestr(member, data)
+        return path
+
+    (tmp_path / "garbage.pt").write_text("garbage\n")
+    tensor = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00."
+    for path in (tmp_path / "garbage.pt", pt("nopkl.pt", {"archive/version": "3"}),
+                 pt("tensor.pt", {"archive/data.pkl": tensor}),
+                 pt("cut.pt", {"archive/data.pkl": pickle.dumps([1, 2, 3], protocol=2)[:-3]})):
+        with pytest.raises(ConfigError, match=f"cannot read FR-Spec ranking {path}"):
+            load_frequency_ranking(path, 10)
+    good = pt("good.pt", {"archive/data.pkl": pickle.dumps([3, 1, 2], protocol=2)})
+    assert load_frequency_ranking(good, 10).tolist() == [3, 1, 2]
 
 
 def test_bad_spec_settings():
@@ -224,8 +266,19 @@ def test_bad_spec_settings():
     with pytest.raises(ConfigError, match=rf"num_draft={limit - 1} \(--num-draft\) leaves no room"):
         SpeculativeDecoder(eng, mtp, num_draft=limit - 1)
     SpeculativeDecoder(eng, mtp, num_draft=limit - 2)
-    with pytest.raises(ConfigError, match=r"FR-Spec ids must lie in \[0, 11\)"):
+    with pytest.raises(ConfigError, match=r"fr_spec_ids has ids outside \[0, 11\)"):
         SpeculativeDecoder(eng, mtp, fr_spec_ids=np.asarray([1, 11]))
+    # fresh-eyes test: a repeated id kept one share of its draft probability (sampled output off the target
+    # distribution, chi2 317 against a threshold of 69); empty / 2-D / float lists failed deep inside JAX
+    with pytest.raises(ConfigError, match="fr_spec_ids repeats token ids"):
+        SpeculativeDecoder(eng, mtp, fr_spec_ids=[1, 1, 1, 1, 0, 2, 3])
+    for bad in ([], [[1, 2], [3, 4]], [1.7, 2.2]):
+        with pytest.raises(ConfigError, match="fr_spec_ids must be a non-empty flat list of integer token ids"):
+            SpeculativeDecoder(eng, mtp, fr_spec_ids=bad)
+    for bad in (2.5, None, "3", True):
+        with pytest.raises(ConfigError, match=r"num_draft=.* must be an integer >= 1"):
+            SpeculativeDecoder(eng, mtp, num_draft=bad)
+    assert SpeculativeDecoder(eng, mtp, num_draft=np.int64(2)).k == 2
     for bad in (0, -5, True, 2.5):
         with pytest.raises(ConfigError, match=r"draft_window=.* \(--draft-window\) must be a positive"):
             SpeculativeDecoder(eng, mtp, draft_window=bad)

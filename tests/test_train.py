@@ -379,6 +379,10 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     assert r1.stdout.startswith("def ") and r1.stdout == r2.stdout
     r4 = _cli("generate", "--checkpoint", str(out), "--step", str(steps[-1]), "--prompt", "def ", "--max-new-tokens", "8")
     assert r4.returncode == 0 and r4.stdout == r1.stdout, r4.stderr
+    assert "decode" in r1.stderr and "tokens/s" in r1.stderr and "nan" not in r1.stderr
+    one = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "1")
+    # one new token comes from the prefill: the summary says so instead of printing nan rates
+    assert one.returncode == 0 and "no decode steps" in one.stderr and "nan" not in one.stderr, one.stderr
     r = _cli("generate", "--checkpoint", str(out), "--step", "99999999", "--prompt", "def ")
     assert r.returncode == 2 and f"saved steps: {steps[-1]}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r3 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8",

@@ -154,18 +154,53 @@ def decode_mode(cfg: ModelConfig, dispatch_lens: Sequence[int]) -> str:
     return "sparse" if not any(below) else "mixed"
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_prompt_ids(cfg: ModelConfig, prompts: Sequence[Sequence[int]]) -> None:
+    """Every prompt is a 1-D sequence of integer ids in ``[0, vocab_size)`` (one-line :class:`ConfigError`)."""
+    for i, p in enumerate(prompts):
+        a = np.asarray(p)
+        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
+            raise ConfigError(f"prompt {i} must be a flat list of integer token ids (got {a.dtype} of shape "
+                              f"{a.shape}); tokenize text first")
+        if a.size and (a.min() < 0 or a.max() >= cfg.vocab_size):
+            bad = int(a.min()) if a.min() < 0 else int(a.max())
+            raise ConfigError(f"prompt {i} holds token id {bad}, outside the model's vocabulary [0, "
+                              f"{cfg.vocab_size}); was it tokenized with another tokenizer?")
+
+
 def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                      seeds: Sequence[int] | int, stop_strings: Sequence[str],
-                     detokenize: Callable | None) -> jax.Array:
-    """Check a generation request (one-line :class:`ConfigError`); return the per-sequence seeds ``uint32 [batch]``."""
+                     detokenize: Callable | None, prompts: Sequence[Sequence[int]] | None = None,
+                     vocab_limit: int | None = None) -> jax.Array:
+    """Check a generation request (one-line :class:`ConfigError`); return the per-sequence seeds ``uint32 [batch]``.
+
+    Checks the prompt lengths and ``max_new_tokens`` (:func:`check_generation_request`), the prompts' ids when
+    given, the sampling values, ``vocab_limit`` (an integer >= 1), the stop strings and the seeds (one integer
+    per prompt in ``[0, 2**32)``, or one integer ``s`` giving row ``i`` the seed ``s + i``).
+    """
+    if not _is_int(max_new_tokens):
+        raise ConfigError(f"max_new_tokens={max_new_tokens!r} (--max-new-tokens) must be an integer >= 1")
     check_generation_request(cfg, prompt_lens, max_new_tokens)
+    if prompts is not None:
+        _check_prompt_ids(cfg, prompts)
     sampling.validate()
+    if vocab_limit is not None and (not _is_int(vocab_limit) or vocab_limit < 1):
+        raise ConfigError(f"vocab_limit={vocab_limit!r} must be an integer >= 1 (ids at or above it are never "
+                          "produced; usually the tokenizer's vocabulary size) or None")
     if stop_strings and detokenize is None:
         raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
     if any(not s for s in stop_strings):
         raise ConfigError("a stop string is empty; give non-empty stop texts")
     b = len(prompt_lens)
-    seed_list = [int(seeds) + i for i in range(b)] if isinstance(seeds, int) else [int(s) for s in seeds]
+    if _is_int(seeds):
+        seed_list = [int(seeds) + i for i in range(b)]
+    elif isinstance(seeds, (str, bytes)) or not all(_is_int(x) for x in np.asarray(seeds, dtype=object).ravel()):
+        raise ConfigError(f"seeds={seeds!r} must be one integer or a list of integers, one per prompt")
+    else:
+        seed_list = [int(x) for x in seeds]
     if len(seed_list) != b:
         raise ConfigError(f"{len(seed_list)} seeds for {b} prompts; give one per prompt or a single int")
     bad = [x for x in seed_list if not 0 <= x < 2**32]
@@ -201,7 +236,9 @@ class _Collector:
 
 
 def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, mode: str):
-    """One layer's attention of the chunk's queries over the cache; returns (out, attended fraction).
+    """One layer's attention of the chunk's queries over the cache; returns ``(out, fractions)`` with the attended
+    fraction of every query row, float32 ``[batch, T]`` (mean over KV heads; a prefill chunk's InfLLM v2 statistic
+    is one value for the whole chunk).
 
     ``mode``: ``"prefill"`` (chunks; per-sequence dispatch on ``dispatch_len`` inside
     :func:`infllmv2_attention`, over a KV-major -> token-major view of the cache) or a decode mode of
@@ -210,7 +247,7 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
     """
     b, t, nq, d = q.shape
     cap = lc.k.shape[2]
-    one = jnp.float32(1.0)
+    one = jnp.ones((b, t), jnp.float32)
     impl = resolve_impl(cfg.attention_impl)
     native_select = None  # selection + stage 2 in one native call (decode on CPU, see below)
     if impl == "pallas":
@@ -237,7 +274,7 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
             q, kt, vt, q_positions=positions, kv_positions=kvp, sparse_cfg=sc, kv_len=dispatch_len,
             q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True,
             impl=sparse_impl(cfg.attention_impl, q.dtype))
-        return out, stats["attended_fraction"]
+        return out, jnp.broadcast_to(stats["attended_fraction"].astype(jnp.float32), (b, t))
     # decode modes: every query row dispatches on its own length (position + 1), as token-by-token decoding does
     if mode == "dense":
         return dense_decode(q, lc.k, lc.v, q_positions=positions), one
@@ -270,19 +307,19 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
         out = jnp.where(use_dense[:, :, None, None], dense, out)
     per_row = jnp.where(use_dense[:, None, :], 1.0,
                         keys / jnp.maximum(positions + 1, 1).astype(jnp.float32)[:, None, :])  # [b, kv, t]
-    w = jnp.broadcast_to(active[:, None, :], per_row.shape)
-    frac = jnp.sum(jnp.where(w, per_row, 0.0)) / jnp.maximum(jnp.sum(w), 1)
-    return out, frac
+    return out, jnp.where(active, jnp.mean(per_row, axis=1), 0.0)
 
 
 def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.Array, dispatch_len: jax.Array, *,
              cfg: ModelConfig, graphdefs: tuple, all_rows: bool = False, mode: str = "prefill",
-             return_hidden: bool = False):
+             return_hidden: bool = False, return_row_fractions: bool = False):
     """Run ``ids [batch, T]`` at ``positions [batch, T]`` (``-1`` = padding) through the cached model.
 
     Returns ``(cache, logits, attended_fraction)``: logits float32 ``[batch, vocab]`` of each sequence's last
-    non-padding row (``[batch, T, vocab]`` with ``all_rows``); with ``return_hidden`` also the final-norm hidden
-    states ``[batch, T, hidden]`` of every row (the MTP draft's input).
+    non-padding row (``[batch, T, vocab]`` with ``all_rows``) and the attended fraction averaged over the layers
+    and the non-padding rows; with ``return_hidden`` also the final-norm hidden states ``[batch, T, hidden]`` of
+    every row (the MTP draft's input); with ``return_row_fractions`` last the fraction of every row, float32
+    ``[batch, T]`` (0 for padding).
     """
     emb_gd, layer_gd = graphdefs
     dt = dtype_of(cfg.dtype)
@@ -314,8 +351,11 @@ def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.A
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = head_logits(h, cfg, embed, weights.lm_head)
-    out = (KVCache(layers=tuple(new_layers), lengths=new_len), logits, jnp.mean(jnp.stack(fracs)))
-    return out + (hidden,) if return_hidden else out
+    rows = jnp.mean(jnp.stack(fracs), axis=0)  # [b, t]
+    frac = jnp.sum(jnp.where(valid, rows, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    out = (KVCache(layers=tuple(new_layers), lengths=new_len), logits, frac)
+    out = out + (hidden,) if return_hidden else out
+    return out + (rows,) if return_row_fractions else out
 
 
 def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs, sampling, vocab_limit, mode):
@@ -459,7 +499,8 @@ class InferenceEngine:
                on_token) -> tuple:
         """Validate a request; ``(prompt lengths, seeds uint32 [b], first-token sampler, token collector)``."""
         lens = [len(p) for p in prompts]
-        seeds_arr = validate_request(self.cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize)
+        seeds_arr = validate_request(self.cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize,
+                                     prompts=prompts, vocab_limit=vocab_limit)
         col = _Collector(len(prompts), max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
         return lens, seeds_arr, self._first_fn(sampling, vocab_limit), col
 

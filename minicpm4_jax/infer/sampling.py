@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from minicpm4_jax.config import ConfigError
 
@@ -28,12 +29,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises :class:`~minicpm4_jax.config.ConfigError` naming a bad value and its valid range."""
-        if not 0 <= self.temperature < float("inf"):
-            raise ConfigError(f"temperature={self.temperature} must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        def real(x) -> bool:
+            return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+        if not real(self.temperature) or not 0 <= self.temperature < float("inf"):
+            raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, (bool, np.bool_)) or self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if not real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1] (a number)")
 
     @property
     def greedy(self) -> bool:

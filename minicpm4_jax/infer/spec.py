@@ -52,7 +52,7 @@ from minicpm4_jax.ops.decode_ref import dense_decode_attention
 from minicpm4_jax.ops.dispatch import native_decode
 
 __all__ = ["SpeculativeDecoder", "SpecState", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
-           "load_frequency_ranking", "run_ranking_file"]
+           "load_frequency_ranking", "check_frequency_ranking", "run_ranking_file"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -121,19 +121,35 @@ def load_frequency_ranking(path: str | Path, vocab_size: int) -> np.ndarray:
     if not path.is_file():
         raise ConfigError(f"FR-Spec ranking {path} does not exist; build one with "
                           "scripts/build_fr_spec.py or pass the official freq_*.pt")
+    import pickle
+    import zipfile
+
     try:
         if path.suffix == ".pt":
             ids = _read_torch_list(path)
         else:
             ids = [int(x) for x in path.read_text().split()]
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
         raise ConfigError(f"cannot read FR-Spec ranking {path}: {e}") from None
-    a = np.asarray(ids, np.int64)
-    if a.size == 0 or a.min() < 0 or a.max() >= vocab_size:
-        raise ConfigError(f"FR-Spec ranking {path} has ids outside [0, {vocab_size}) (or none); it was built for "
-                          "another tokenizer")
+    return check_frequency_ranking(ids, vocab_size, f"FR-Spec ranking {path}")
+
+
+def check_frequency_ranking(ids, vocab_size: int, what: str = "fr_spec_ids") -> np.ndarray:
+    """``ids`` as int32 ``[V']`` after checking it is a non-empty 1-D list of distinct integer ids in
+    ``[0, vocab_size)``.
+
+    Raises:
+        ConfigError: naming ``what`` and the first problem found (a repeated id would make the draft's
+        probabilities of that token wrong in sampled speculative decoding).
+    """
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+        raise ConfigError(f"{what} must be a non-empty flat list of integer token ids (got {a.dtype} of shape "
+                          f"{a.shape})")
+    if a.min() < 0 or a.max() >= vocab_size:
+        raise ConfigError(f"{what} has ids outside [0, {vocab_size}); it was built for another tokenizer")
     if np.unique(a).size != a.size:
-        raise ConfigError(f"FR-Spec ranking {path} repeats token ids; rebuild it")
+        raise ConfigError(f"{what} repeats token ids; each id may appear once (rebuild it)")
     return a.astype(np.int32)
 
 
@@ -146,7 +162,9 @@ def _read_torch_list(path: Path) -> list[int]:
             raise pickle.UnpicklingError(f"unexpected object {module}.{name} in a FR-Spec list")
 
     with zipfile.ZipFile(path) as z:
-        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        name = next((n for n in z.namelist() if n.endswith("data.pkl")), None)
+        if name is None:
+            raise ValueError("no data.pkl inside: not a torch.save-d file")
         obj = _Plain(z.open(name)).load()
     if not isinstance(obj, list) or not all(isinstance(x, int) for x in obj):
         raise ValueError("expected a torch.save-d list of ints")
@@ -285,9 +303,11 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     """One whole round on the device (draft, verify, accept, draft-cache refresh; module docstring steps 1-4).
 
     ``lengths`` int32 ``[b]`` cached target tokens per row (setting them is the rollback of the last round's
-    rejected tokens), ``active`` bool ``[b]``. Returns ``(cache, dcache, h_last, next_tokens [b],
-    tokens, attended_fraction)`` with int32 ``tokens [b, k + 2]`` = (accepted drafts, the token after them, the
-    ``k`` drafts) per row, so the host reads the round's result in one transfer. One compiled program per round:
+    rejected tokens), ``active`` bool ``[b]``. Returns ``(cache, dcache, h_last, next_tokens [b], packed)`` with
+    int32 ``packed [b, 2k + 3]`` = (accepted drafts, the token after them, the ``k`` drafts, then the attended
+    fraction of each of the ``k + 1`` verified rows as float32 bits) per row, so the host reads the round's result
+    in one transfer. Row ``j`` of the verify is the step that produces the round's ``j``-th token, so the host
+    averages the fractions of the rows whose tokens it keeps, as plain decoding would. One compiled program per round:
     each eager op between separate programs cost more host time than a draft step. ``propose``: the draft step
     traced into the round (default :func:`_draft_propose`; tests substitute known drafts).
     """
@@ -300,8 +320,9 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     vpos = jnp.where(pos0[:, None] >= 0, pos0[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :], -1)
     # the decode attention path with per-token dispatch (mode): each verified row sees exactly what a plain decode
     # step at its position would (dense below dense_len, sparse at or above)
-    cache, lg, frac, hid = _forward(weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1, cfg=cfg,
-                                    graphdefs=graphdefs, all_rows=True, mode=mode, return_hidden=True)
+    cache, lg, _, hid, rows = _forward(weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1, cfg=cfg,
+                                       graphdefs=graphdefs, all_rows=True, mode=mode, return_hidden=True,
+                                       return_row_fractions=True)
     a, nxt = _accept(lg, drafts, q, seeds, rnd, sampling=sampling, vocab_limit=vocab_limit)
     # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -309,8 +330,9 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     dcache = _draft_fill(weights, draft, dcache, hid[:, :k], drafts, fpos, cfg=cfg, graphdefs=graphdefs,
                          mtp_gd=mtp_gd)
     h_new = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
-    packed = jnp.concatenate([a[:, None], nxt[:, None], drafts], axis=1).astype(jnp.int32)
-    return cache, dcache, h_new, nxt, packed, frac
+    packed = jnp.concatenate([a[:, None], nxt[:, None], drafts, jax.lax.bitcast_convert_type(rows, jnp.int32)],
+                             axis=1).astype(jnp.int32)
+    return cache, dcache, h_new, nxt, packed
 
 
 @dataclasses.dataclass
@@ -339,8 +361,9 @@ class SpeculativeDecoder:
             constant at long contexts; any draft keeps the output exact (step 3), only acceptance can change.
 
     Raises:
-        ConfigError: ``num_draft < 1`` or ``>= max_position_embeddings - 1``, a ranking with ids outside the
-            vocabulary, or ``draft_window < 1``.
+        ConfigError: ``num_draft`` not an integer, ``< 1`` or ``>= max_position_embeddings - 1``; a ranking
+            that is empty, not a flat list of integers, repeats an id or has ids outside the vocabulary; or
+            ``draft_window < 1``.
     """
 
     def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
@@ -351,8 +374,10 @@ class SpeculativeDecoder:
             raise ConfigError(f"draft_window={draft_window!r} (--draft-window) must be a positive number of "
                               "positions, or None / 0 on the command line for the whole context")
         self._draft_window = None if draft_window is None else int(draft_window)
-        if num_draft < 1:
-            raise ConfigError(f"num_draft={num_draft} (--num-draft) must be >= 1 (tokens drafted per round)")
+        if not isinstance(num_draft, (int, np.integer)) or isinstance(num_draft, (bool, np.bool_)) or num_draft < 1:
+            raise ConfigError(f"num_draft={num_draft!r} (--num-draft) must be an integer >= 1 (tokens drafted per "
+                              "round)")
+        num_draft = int(num_draft)
         if num_draft >= cfg.max_position_embeddings - 1:
             raise ConfigError(f"num_draft={num_draft} (--num-draft) leaves no room for a verify chunk within "
                               f"max_position_embeddings={cfg.max_position_embeddings}; draft a few tokens (1-8)")
@@ -363,9 +388,7 @@ class SpeculativeDecoder:
         if fr_spec_ids is None:
             ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32)
         else:
-            ids = jnp.asarray(fr_spec_ids, jnp.int32)
-            if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
-                raise ConfigError(f"FR-Spec ids must lie in [0, {cfg.vocab_size})")
+            ids = jnp.asarray(check_frequency_ranking(fr_spec_ids, cfg.vocab_size))
         mtp_gd, mtp_state = nnx.split(mtp)
         self._mtp_gd = mtp_gd
         self.draft = _Draft(mtp=mtp_state.to_pure_dict(), head_rows=jnp.take(table, ids, axis=0), ids=ids)
@@ -402,25 +425,28 @@ class SpeculativeDecoder:
               vocab_limit: int | None = None) -> tuple:
         """One draft-verify-accept round for the ``active`` sequences (module docstring, steps 1-4).
 
-        Returns ``(state, accepted, drafts, next_tokens, attended_fraction)``: accepted drafts per row (host
-        ints), the drafts ``[b, k]`` and the token after the accepted ones ``[b]`` (host arrays). ``st`` is
-        consumed: its caches are donated to the round (updated in place); continue from the returned state.
+        Returns ``(state, accepted, drafts, next_tokens, row_fractions)``: accepted drafts per row (host
+        ints), the drafts ``[b, k]``, the token after the accepted ones ``[b]`` and the attended fraction of each
+        verified row, float32 ``[b, k + 1]`` (row ``j``: the step that produced the round's ``j``-th token; host
+        arrays). ``st`` is consumed: its caches are donated to the round (updated in place); continue from the
+        returned state.
         """
         eng, cfg, k = self.engine, self.cfg, self.k
         b = len(active)
         n = list(st.lengths)
         mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
-        cache, dcache, h_last, nxt, packed, frac = self._round_fn(sampling, vocab_limit, mode)(
+        cache, dcache, h_last, nxt, packed = self._round_fn(sampling, vocab_limit, mode)(
             self._verify_weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32),
             np.asarray(active), seeds, np.int32(rnd))  # numpy: no per-argument dispatch on the host
         packed_host = np.asarray(packed)
-        a_host, nxt_host, d_host = packed_host[:, 0], packed_host[:, 1], packed_host[:, 2:]
+        a_host, nxt_host, d_host = packed_host[:, 0], packed_host[:, 1], packed_host[:, 2:2 + k]
+        fractions = np.ascontiguousarray(packed_host[:, 2 + k:]).view(np.float32)
         acc = [int(x) for x in a_host]
         for r in range(b):
             if active[r]:
                 n[r] += acc[r] + 1
         new = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt)
-        return new, acc, d_host, nxt_host, frac
+        return new, acc, d_host, nxt_host, fractions
 
     def prefill(self, prompts: Sequence[Sequence[int]], tokens: int,
                 first_token: Callable[[jax.Array], jax.Array]) -> SpecState:
@@ -487,8 +513,11 @@ class SpeculativeDecoder:
                  on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
         """Like :meth:`InferenceEngine.generate`, with draft-and-verify rounds.
 
-        The output's ``acceptance_length`` is the mean number of tokens produced per target forward (accepted
-        drafts + 1) over the speculative rounds; ``decode_steps`` counts target forwards after prefill.
+        The output's ``acceptance_length`` is the number of tokens kept per target forward over the speculative
+        rounds (accepted drafts + 1, less any that a stop id, stop string or ``max_new_tokens`` discards);
+        ``decode_steps`` counts target forwards after prefill; ``attended_fraction`` is the mean over the kept
+        tokens of the fraction the step producing each attended (the verify rows of rejected drafts and discarded
+        tokens do not count), so for one sequence it equals plain decoding's.
 
         Near ``max_position_embeddings`` (when a verify chunk would write past the last position) the remaining
         tokens are decoded plainly.
@@ -519,20 +548,22 @@ class SpeculativeDecoder:
                 # a verify chunk would write past the last position: finish with plain decode steps
                 forwards += self._plain_tail(state, active, take, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
                 break
-            state, acc, d_host, nxt_host, frac = self.round(state, list(active), seeds_arr, rounds + 1, sampling,
-                                                            vocab_limit)
-            fracs.append(frac)
+            state, acc, d_host, nxt_host, row_frac = self.round(state, list(active), seeds_arr, rounds + 1,
+                                                                sampling, vocab_limit)
             spec_rounds += len(act_rows)
             for r in act_rows:
-                produced += acc[r] + 1
+                before = len(out[r])
                 for j in range(acc[r]):
                     take(r, int(d_host[r, j]))
                 take(r, int(nxt_host[r]))
+                kept = len(out[r]) - before  # tokens after a stop or past max_new_tokens are discarded
+                produced += kept
+                fracs.extend(float(x) for x in row_frac[r, :kept])
             forwards += 1
             rounds += 1
         t2 = time.perf_counter()
         return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
                                 new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
                                 decode_seconds=t2 - t1, decode_steps=forwards,
-                                attended_fraction=float(jnp.mean(jnp.stack(fracs))) if fracs else float("nan"),
+                                attended_fraction=float(np.mean([float(f) for f in fracs])) if fracs else float("nan"),
                                 acceptance_length=produced / spec_rounds if spec_rounds else float("nan"))
