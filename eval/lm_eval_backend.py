@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from minicpm4_jax.config import ConfigError
 from minicpm4_jax.eval.bench.gen import cut_at_stop
 
 try:
@@ -67,19 +68,24 @@ class MiniCPM4LM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, step=None, attention: str | None = None, batch_size=8,
                  prefill_chunk=512, max_gen_toks=256, seed=0, model=None, max_batch_size=None, device=None,
-                 **unused) -> None:
+                 prefix: str = "eos", max_length=None, **unknown) -> None:
         if not HAVE_LM_EVAL:
             raise ImportError("the lm-eval backend needs the lm-eval package (pip install 'lm-eval>=0.4.13,<0.5')")
+        if unknown:  # (lm-eval itself adds only batch_size, max_batch_size and device)
+            raise ConfigError(f"unknown --model_args {', '.join(sorted(unknown))} for --model {MODEL_NAME}; known: "
+                              "checkpoint, step, attention, batch_size, prefill_chunk, prefix, max_length, "
+                              "max_gen_toks, seed")
         super().__init__()
         if model is None:
             if not checkpoint:
-                raise ValueError(f"--model {MODEL_NAME} needs --model_args checkpoint=PATH")
+                raise ConfigError(f"--model {MODEL_NAME} needs --model_args checkpoint=PATH")
             from minicpm4_jax.eval.model import EvalModel
 
             bs = 8 if batch_size in (None, "", "auto") or str(batch_size).startswith("auto") else int(batch_size)
             att = None if attention in (None, "", "none", "None") else str(attention)
             model = EvalModel.from_checkpoint(checkpoint, step=_int_or_none(step), attention=att, batch_size=bs,
-                                              prefill_chunk=int(prefill_chunk))
+                                              prefill_chunk=int(prefill_chunk), prefix=str(prefix),
+                                              max_length=_int_or_none(max_length))
         self.model = model
         self._tok = model.tokenizer
         self.max_gen_toks = int(max_gen_toks)
@@ -224,7 +230,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ConfigError as e:  # this backend's own input errors (model_args, checkpoint): one line, status 2
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -360,6 +360,12 @@ def run(args: argparse.Namespace) -> int:
     """Run ``minicpm4 eval report``; returns the exit status (user errors raise ConfigError)."""
     if args.dpi < 20:
         raise ConfigError(f"--dpi={args.dpi} must be >= 20")
+    from minicpm4_jax.eval.results import check_out_dir
+
+    try:
+        check_out_dir(args.out)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError:

@@ -15,9 +15,24 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sha256_file", "write_results", "read_results", "RESULTS_VERSION"]
+__all__ = ["sha256_file", "write_results", "read_results", "check_out_dir", "RESULTS_VERSION"]
 
 RESULTS_VERSION = 1
+
+
+def check_out_dir(path: str | os.PathLike | None, option: str = "--out") -> None:
+    """Raise ``ValueError`` (one line) when ``path`` cannot be an output folder: it, or a folder above it, is a file.
+
+    Run before any work, so an evaluation never finishes only to fail writing its results.
+    """
+    if path is None:
+        return
+    p = Path(path).absolute()
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise ValueError(f"{option} {path}: {q} is a file, not a folder; give a folder path")
+            return
 
 
 def sha256_file(path: str | os.PathLike) -> str:

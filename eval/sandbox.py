@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -262,7 +263,25 @@ def _python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def _run(source: str, limits: SandboxLimits, python: str) -> ExecResult:
+def _contains(path: Path, needle: bytes) -> bool:
+    """Whether the file holds ``needle`` (read in 1 MiB pieces; the program's output size is limited anyway)."""
+    try:
+        with open(path, "rb") as f:
+            tail = b""
+            while piece := f.read(1 << 20):
+                if needle in tail + piece:
+                    return True
+                tail = piece[-len(needle):]
+    except OSError:
+        pass
+    return False
+
+
+def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = False) -> ExecResult:
+    sentinel = None
+    if check_end:  # a random line the program writes as its very last statement (unguessable by the program)
+        sentinel = f"minicpm4-sandbox-end-{secrets.token_hex(16)}"
+        source = source + f"\n\nimport os as _minicpm4_os\n_minicpm4_os.write(1, b\"\\n{sentinel}\\n\")\n"
     root = Path(tempfile.mkdtemp(prefix="minicpm4-sandbox-"))
     try:
         os.chmod(root, 0o711)
@@ -321,8 +340,14 @@ def _run(source: str, limits: SandboxLimits, python: str) -> ExecResult:
         if setup_error:
             raise SandboxUnavailable(f"cannot isolate code execution: {' '.join(setup_error.split())}")
         status = "timeout" if timed_out else ("passed" if rc == 0 else "failed")
-        return ExecResult(status, None if timed_out else rc, stdout, stderr, round(wall, 3), uid,
-                          {"stray_processes_killed": stray} if stray else {})
+        extra = {"stray_processes_killed": stray} if stray else {}
+        if sentinel is not None:
+            ended = _contains(out_p, sentinel.encode())  # (text the program buffered may follow it)
+            stdout = stdout.replace(f"\n{sentinel}\n", "").replace(sentinel, "")
+            if status == "passed" and not ended:  # exit status 0 before the program's end (sys.exit(0), os._exit)
+                status = "failed"
+                extra["reason"] = "exited before the end of the program"
+        return ExecResult(status, None if timed_out else rc, stdout, stderr, round(wall, 3), uid, extra)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -381,20 +406,24 @@ def check_isolation(python: str | None = None) -> None:
         raise SandboxUnavailable(reason)
 
 
-def run_program(source: str, limits: SandboxLimits | None = None, *, python: str | None = None) -> ExecResult:
+def run_program(source: str, limits: SandboxLimits | None = None, *, python: str | None = None,
+                check_end: bool = False) -> ExecResult:
     """Run one Python program in the sandbox and report how it ended.
 
     Exit status 0 within the limits is ``"passed"``; any exception, signal, limit or non-zero
-    exit is ``"failed"``; the wall-clock limit gives ``"timeout"``.
+    exit is ``"failed"``; the wall-clock limit gives ``"timeout"``. ``check_end``: ``"passed"`` also needs the
+    program to have run to its last line (a random line appended to it must reach stdout), so a program that
+    stops early with exit status 0 (``sys.exit(0)``, ``os._exit(0)``) fails, as in the upstream HumanEval
+    harness; the line is removed from the reported stdout.
     """
     python = python or _python()
     check_isolation(python)
-    return _run(source, limits or SandboxLimits(), python)
+    return _run(source, limits or SandboxLimits(), python, check_end)
 
 
 def run_programs(
     sources: Sequence[str], limits: SandboxLimits | None = None, *, workers: int = 4, python: str | None = None,
-    progress: bool = False,
+    progress: bool = False, check_end: bool = False,
 ) -> list[ExecResult]:
     """:func:`run_program` over many programs, ``workers`` at a time; results in input order."""
     python = python or _python()
@@ -409,7 +438,7 @@ def run_programs(
         bar = tqdm(total=len(sources), desc="execute", unit="prog", leave=False)
 
     def one(src: str) -> ExecResult:
-        r = _run(src, limits, python)
+        r = _run(src, limits, python, check_end)
         if bar is not None:
             bar.update(1)
         return r

@@ -364,7 +364,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["ckpt", "--data-dir", d, "--tasks", "mmlu,nope"], "unknown benchmark(s) nope"),
         (["ckpt", "--data-dir", str(tmp_path / "missing"), "--tasks", "mmlu"], "no such directory"),
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--pass-k", "1,x"], "--pass-k expects"),
+        # second break test: these were found only after the whole evaluation (a file as --out) or not at all
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", str(tmp_path / "afile")], "is a file, not a folder"),
+        (["ckpt", "--data-dir", d, "--tasks", "math500", "--math-timeout", "0"], "--math-timeout=0.0 must be > 0"),
     ]
+    (tmp_path / "afile").write_text("x")
     for argv, what in cases:
         assert run(p.parse_args(argv)) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -372,6 +376,36 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     args = p.parse_args(["ckpt", "--data-dir", d, "--dense", "--allow-code-execution", "--limit", "3"])
     assert args.attention == "dense" and args.allow_code_execution and args.limit == 3
     assert sys.modules.get("minicpm4_jax.eval.bench.run") is not None
+
+
+def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
+    """Second break test: an empty test file scored 0 over n = 0 (and entered the average); a folder whose files
+    matched the folder check but not the loader's names raised IndexError; a gold of '#### inf' OverflowError."""
+    from minicpm4_jax.eval.bench.run import parse_tasks
+    from minicpm4_jax.eval.bench.tasks import load_task, normalize_number
+
+    def folder(name, files):
+        root = tmp_path / name
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        return root
+
+    empty = folder("empty", {"gsm8k/test.jsonl": ""})
+    with pytest.raises(DataError, match="gsm8k: no records in .*test.jsonl"):
+        load_task("gsm8k", empty, k_shot=0)
+    header = folder("header", {"mmlu/test/foo_test.csv": ""})
+    with pytest.raises(DataError, match="mmlu: no records"):
+        load_task("mmlu", header, k_shot=0)
+    for task, files, what in (("gsm8k", {"gsm8k/test.csv": "q,a\n"}, "no gsm8k test file"),
+                              ("humaneval", {"humaneval/HumanEval_README.md": "x"}, "no humaneval file"),
+                              ("arc_easy", {"arc/ARC-Easy-Test.csv": "x"}, "no arc_easy test file"),
+                              ("mbpp", {"mbpp/other.jsonl": "{}"}, "no mbpp file")):
+        with pytest.raises(DataError, match=f"{what} \\(accepted names: "):
+            load_task(task, folder(f"layout_{task}", files), k_shot=0)
+    assert normalize_number("inf") == "inf" and normalize_number("1e999") == "1e999"
+    assert normalize_number("1,234.0") == "1234"
+    assert parse_tasks("gsm8k,mmlu,gsm8k") == ["gsm8k", "mmlu"]
 
 
 def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch):

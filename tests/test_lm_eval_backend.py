@@ -254,6 +254,13 @@ def test_constructor_needs_a_checkpoint_and_launcher_registers():
         MiniCPM4LM()
     lm = MiniCPM4LM.create_from_arg_string("max_gen_toks=9", {"model": ScriptedEvalModel(), "batch_size": "auto"})
     assert lm.max_gen_toks == 9 and lm.prefix_token_id == EOS and lm.eot_token_id == EOS and lm.max_length == 512
+    # second break test: unknown model_args (a typo, or an option the backend did not pass on) ran silently
+    from minicpm4_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown --model_args bogus_opt for --model minicpm4-jax; known: "):
+        MiniCPM4LM.create_from_arg_string("checkpoint=/x,bogus_opt=3", {"batch_size": 1, "device": None})
+    with pytest.raises(ConfigError, match="checkpoint directory '/nonexistent' does not exist"):
+        MiniCPM4LM.create_from_arg_string("checkpoint=/nonexistent,max_length=64,prefix=bos", {"batch_size": 1})
 
 
 @needs_lm_eval

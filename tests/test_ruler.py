@@ -436,7 +436,7 @@ def test_oracle_scores_100_random_scores_near_zero(tmp_path, inputs, trained_tok
     assert again["scores"]["tasks"] == rnd["scores"]["tasks"]
 
 
-def test_b20_budget_counts_generation_and_never_truncates(tmp_path, inputs, trained_tok):
+def test_b20_budget_counts_generation_and_never_truncates(tmp_path, inputs, trained_tok, capsys):
     """field_faults B20: niah_single at 4096, 128 generated tokens, chat template on, engine max length 4096."""
     kw = dict(lengths=[4096], tasks="niah_single_1", num_samples=3, seed=1, chat_template="minicpm")
     oracle = _oracle_for(tmp_path, inputs, trained_tok, prefix_tokens=1, **kw)
@@ -460,6 +460,17 @@ def test_b20_budget_counts_generation_and_never_truncates(tmp_path, inputs, trai
     write_jsonl(tmp_path / "ext" / "4096" / "niah_single_1" / "validation.jsonl", long)
     with pytest.raises(ConfigError, match="would be truncated"):
         run_ruler(oracle, out_dir=tmp_path / "b20c", data=[tmp_path / "ext"], progress=False)
+    # second break test: the same 4096-token data under a 2048 folder (no others.max_seq_length) was scored as
+    # 2048 without a word; it still runs (another tokenizer's count may differ) but is flagged
+    relabelled = read_data(r["data_files"]["data/4096/niah_single_1"])
+    for rec in relabelled:
+        rec.pop("others", None)
+    write_jsonl(tmp_path / "relabel" / "2048" / "niah_single_1" / "validation.jsonl", relabelled)
+    r2 = run_ruler(oracle, out_dir=tmp_path / "b20d", data=[tmp_path / "relabel"], progress=False)
+    items = json.loads(Path(r2["results"]).read_text())["items"]
+    assert [i["length"] for i in items] == [2048] * 3 and all(i["over_length"] for i in items)
+    assert not any(i["over_length"] for i in res["items"])
+    assert "warning: RULER niah_single_1@2048: 3 of 3 samples need more than 2048 tokens" in capsys.readouterr().err
 
 
 def test_cli_generate_only_data_and_predictions(tmp_path, inputs, trained_tok):

@@ -62,6 +62,21 @@ def test_pass_fail_and_identity():
     assert [r.passed for r in rs] == [True, False] * 3
 
 
+def test_a_program_that_exits_early_with_status_0_fails_when_the_end_is_checked():
+    """Break test: a HumanEval completion calling sys.exit(0) / os._exit(0) before check() ran scored as passed."""
+    _isolated_or_skip()
+    early = ["import sys\nsys.exit(0)\nassert False\n", "import os\nos._exit(0)\nassert False\n",
+             "print('\u00e9')\nraise SystemExit(0)\n"]
+    closed = "import os\nos.close(1)\n"  # its end cannot be reported: a failure, not a pass
+    rs = sb.run_programs(early + [closed, "import sys\nsys.stdout.close()\nx = 1\n", "print('done')\n"], SMALL,
+                         workers=2, check_end=True)
+    assert [r.status for r in rs] == ["failed"] * 4 + ["passed"] * 2
+    assert all(r.extra.get("reason") == "exited before the end of the program" for r in rs[:3])
+    assert rs[-1].stdout.strip() == "done"  # the end marker is not part of the reported output
+    # without check_end, exit status 0 is a pass (the runner's generic contract)
+    assert all(r.passed for r in sb.run_programs(early[:3], SMALL, workers=2))
+
+
 def test_infinite_loop_times_out():
     _isolated_or_skip()
     t0 = time.monotonic()

@@ -39,7 +39,8 @@ def score_code(model, items: list[dict], *, n_samples: int = 1, ks: Sequence[int
         temperature = 0.0 if n_samples == 1 else 0.8
     gens = generate_all(model, items, temperature=temperature, seed=seed, n_samples=n_samples)
     programs = [build_program(it, g) for it, gs in zip(items, gens) for g in gs]
-    results = run_programs(programs, limits or SandboxLimits(), workers=workers, progress=len(programs) > 20)
+    results = run_programs(programs, limits or SandboxLimits(), workers=workers, progress=len(programs) > 20,
+                           check_end=True)  # a program that exits before its tests finish fails
     out, per_k = [], {k: [] for k in ks if k <= n_samples}
     pos = 0
     for it, gs in zip(items, gens):

@@ -23,6 +23,7 @@ from typing import Sequence
 
 from minicpm4_jax.eval.bench.readers import DataError
 from minicpm4_jax.eval.bench.tasks import DEFAULT_TASKS, LOADERS, Task, load_task
+from minicpm4_jax.eval.results import check_out_dir
 from minicpm4_jax.eval.sandbox import SandboxLimits, SandboxUnavailable
 
 CODE_TASKS = ("humaneval", "mbpp")
@@ -59,7 +60,7 @@ def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
         raise ValueError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
     if not names:
         raise ValueError("no benchmark named")
-    return names
+    return list(dict.fromkeys(names))  # a task named twice runs once
 
 
 #: tasks a single ``--k-shot N`` applies to (they have a dev/train pool); the others keep their
@@ -276,6 +277,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         if not Path(args.data_dir).is_dir():
             raise DataError(f"{args.data_dir}: no such directory (--data-dir)")
+        check_out_dir(args.out_dir)
+        if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
+            raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
+        if not args.math_timeout > 0:
+            raise ValueError(f"--math-timeout={args.math_timeout} must be > 0 seconds (a zero budget marks every "
+                             "answer that needs sympy wrong)")
         code = [t for t in names if t in CODE_TASKS]
         if code and args.tasks is None and not args.allow_code_execution:
             names = [t for t in names if t not in CODE_TASKS]
@@ -295,8 +302,6 @@ def run(args: argparse.Namespace) -> int:
         model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
                                           batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
                                           progress=not args.no_progress)
-        if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
-            raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
         limits = SandboxLimits(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
         res = run_bench(model, args.data_dir, names, out_dir=args.out_dir, limit=args.limit, k_shot=args.k_shot,
                         seed=args.seed, n_samples=args.pass_k_samples, pass_ks=ks,

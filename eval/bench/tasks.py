@@ -15,6 +15,7 @@ format on task ids 11-510.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -47,6 +48,14 @@ def _bench_dir(data_dir: Path, folder: str, marker: str) -> Path:
         if cand.is_dir() and any(cand.glob(marker)):
             return cand
     raise DataError(f"{data_dir}: no {folder} data (looked for {folder}/{marker} and {marker})")
+
+
+def _first(root: Path, patterns: list[str], what: str) -> Path:
+    """The first file under ``root`` matching ``patterns`` (in order of preference), else a one-line DataError."""
+    found = find_files(root, patterns)
+    if not found:
+        raise DataError(f"{root}: no {what} file (accepted names: {', '.join(patterns)})")
+    return found[0]
 
 
 def _limit(items: list[dict], limit: int | None) -> list[dict]:
@@ -270,8 +279,8 @@ def _arc_fields(rec: dict) -> tuple[str, list[str], int]:
 
 def _load_arc(name: str, prefix: str, data_dir: Path, k_shot: int = 0, limit: int | None = None, **_) -> Task:
     root = _bench_dir(data_dir, "arc", f"{prefix}-Test.*")
-    test = find_files(root, [f"{prefix}-Test.jsonl", f"{prefix}-Test.json", f"{prefix}-Test.parquet",
-                             f"{prefix}-Test.jsonl.gz"])[0]
+    test = _first(root, [f"{prefix}-Test.jsonl", f"{prefix}-Test.json", f"{prefix}-Test.parquet",
+                         f"{prefix}-Test.jsonl.gz"], f"{name} test")
     files = [test]
     shots = ""
     if k_shot:
@@ -309,7 +318,7 @@ def normalize_number(s: str) -> str:
     s = s.strip().replace(",", "").replace("$", "").rstrip(".")
     try:
         v = float(s)
-        if v == int(v) and "e" not in s.lower():
+        if math.isfinite(v) and v == int(v) and "e" not in s.lower():
             return str(int(v))
     except ValueError:
         pass
@@ -318,7 +327,7 @@ def normalize_number(s: str) -> str:
 
 def load_gsm8k(data_dir: Path, k_shot: int = 5, limit: int | None = None, seed: int = 1234, **_) -> Task:
     root = _bench_dir(data_dir, "gsm8k", "test.*")
-    test = find_files(root, ["test.jsonl", "test.json", "test.parquet", "test.jsonl.gz", "test-*.parquet"])[0]
+    test = _first(root, ["test.jsonl", "test.json", "test.parquet", "test.jsonl.gz", "test-*.parquet"], "gsm8k test")
     files = [test]
     shots = ""
     if k_shot:
@@ -348,7 +357,7 @@ def load_math500(data_dir: Path, k_shot: int = 0, limit: int | None = None, **_)
     from minicpm4_jax.eval.bench.math_equiv import gold_answer, last_boxed
 
     root = _bench_dir(data_dir, "math500", "test.*")
-    test = find_files(root, ["test.jsonl", "test.json", "test.parquet", "test.jsonl.gz"])[0]
+    test = _first(root, ["test.jsonl", "test.json", "test.parquet", "test.jsonl.gz"], "math500 test")
     files = [test]
     shots = ""
     if k_shot:  # only from a training file the user provides (never from the test problems)
@@ -455,7 +464,8 @@ HUMANEVAL_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 
 def load_humaneval(data_dir: Path, limit: int | None = None, **_) -> Task:
     root = _bench_dir(data_dir, "humaneval", "HumanEval*")
-    f = find_files(root, ["HumanEval.jsonl.gz", "HumanEval.jsonl", "HumanEval*.jsonl*", "HumanEval*.parquet"])[0]
+    f = _first(root, ["HumanEval.jsonl.gz", "HumanEval.jsonl", "HumanEval*.jsonl*", "HumanEval*.parquet"],
+               "humaneval")
     recs = read_records(f)
     require(recs, ["task_id", "prompt", "test", "entry_point"], "humaneval")
     items = [{"id": r["task_id"], "subtask": "humaneval", "where": r[WHERE], "prompt": r["prompt"],
@@ -476,7 +486,7 @@ def _mbpp_prompt(r: dict) -> str:
 
 def load_mbpp(data_dir: Path, limit: int | None = None, k_shot: int = 3, **_) -> Task:
     root = _bench_dir(data_dir, "mbpp", "*.jsonl")
-    f = find_files(root, ["mbpp.jsonl", "mbpp.json", "mbpp*.parquet"])[0]
+    f = _first(root, ["mbpp.jsonl", "mbpp.json", "mbpp*.parquet"], "mbpp")
     recs = read_records(f)
     require(recs, ["task_id", "text", "code", "test_list"], "mbpp")
     by_id = {}
@@ -533,7 +543,10 @@ def load_task(name: str, data_dir: str | Path, *, k_shot: int | None = None, lim
         if k_shot < 0:
             raise ValueError(f"k-shot must be >= 0, got {k_shot}")
         kw["k_shot"] = k_shot
-    return LOADERS[name](Path(data_dir), **kw)
+    task = LOADERS[name](Path(data_dir), **kw)
+    if not task.items:  # an empty or header-only file would score 0 over n = 0 and enter the average
+        raise DataError(f"{name}: no records in {', '.join(str(f) for f in task.files) or data_dir}")
+    return task
 
 
 __all__ = ["Task", "LOADERS", "DEFAULT_TASKS", "load_task", "build_program", "extract_bbh_cot", "extract_bbh_direct",

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from minicpm4_jax.config import ConfigError
+from minicpm4_jax.eval.results import check_out_dir
 from minicpm4_jax.eval.ruler import haystack as H
 from minicpm4_jax.eval.ruler.records import prediction_record, read_data, read_predictions, write_jsonl
 from minicpm4_jax.eval.ruler.scoring import sample_score, postprocess_pred, summarize, task_score
@@ -296,6 +298,11 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
             if k + gen_tokens > limit:
                 raise ConfigError(f"RULER {t}@{n}: sample {i} needs {k} prompt + {gen_tokens} generated tokens > "
                                   f"{limit}; it would be truncated (regenerate the data with this tokenizer)")
+        over = [k for k in prompt_tokens if k + gen_tokens > n]
+        if over:  # read data, counted by another tokenizer or labelled with the wrong length (a folder name)
+            print(f"warning: RULER {t}@{n}: {len(over)} of {len(prompt_tokens)} samples need more than {n} tokens "
+                  f"with this tokenizer (up to {max(over)} prompt + {gen_tokens} generated); their scores are "
+                  "reported under length {n} (items flagged over_length)".replace("{n}", str(n)), file=sys.stderr)
         preds: list[str] = []
         with _bar(len(prompts), f"ruler {t} @{n}", progress) as bar:
             for lo in range(0, len(prompts), bs):
@@ -335,7 +342,8 @@ def _score_into(task: str, n: int, pred_recs: list[dict[str, Any]], prompt_token
         others = r.get("others") or {}
         items.append({"task": task, "length": n, "sample": others.get("sample", i), "index": r.get("index"),
                       "pred": r["pred"], "outputs": r["outputs"], "score": sample_score(clean, r["outputs"], metric),
-                      "null": len(clean) == 0, "prompt_tokens": k, "truncated": bool(r.get("truncated", False))})
+                      "null": len(clean) == 0, "prompt_tokens": k, "truncated": bool(r.get("truncated", False)),
+                      "over_length": k is not None and k + TASKS[task].tokens_to_generate > n})
 
 
 def _infer_length(p: Path, recs: list[dict[str, Any]], hint: Sequence[int]) -> int:
@@ -553,6 +561,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``minicpm4 eval ruler``; returns the exit status (user errors raise ConfigError)."""
     progress = not args.no_progress
     lengths = args.lengths or []
+    try:
+        check_out_dir(args.out)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if args.predictions:
         r = score_predictions(args.predictions, out_dir=args.out, lengths=lengths, attention=args.attention)
         print(f"RULER score {r['scores']['score']:.2f}; wrote {r['results']} and {r['summary']}")
