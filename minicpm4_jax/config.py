@@ -778,6 +778,16 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.remat={m.remat!r}; use 'none', 'full' or 'dots'")
     if not m.eos_token_id:
         raise ConfigError("model.eos_token_id must name at least one token id")
+    for nm in ("scale_emb", "scale_depth", "initializer_range"):  # 0 silences the input / the residual branches
+        v = getattr(m, nm)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ConfigError(f"model.{nm}={v} must be a finite number > 0 (MiniCPM4: scale_emb 12, scale_depth "
+                              "1.4, initializer_range 0.1)")
+    for nm, ids in (("bos_token_id", [m.bos_token_id]), ("eos_token_id", list(m.eos_token_id))):
+        bad = [i for i in ids if not 0 <= i < m.vocab_size]
+        if bad:
+            raise ConfigError(f"model.{nm} holds {bad[0]}, outside the vocabulary [0, {m.vocab_size}); use the "
+                              "tokenizer's id")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -803,8 +813,19 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"steps={cfg.steps} must be positive")
     if not cfg.mtp_loss_weight >= 0:
         raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0 (the λ of L_NTP + λ·L_MTP)")
-    if o.learning_rate <= 0:
-        raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be > 0")
+    if not (math.isfinite(o.learning_rate) and o.learning_rate > 0):
+        raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0")
+    if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):
+        raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0 (0 = none)")
+    if not (math.isfinite(o.grad_clip) and o.grad_clip >= 0):
+        raise ConfigError(f"optimizer.grad_clip={o.grad_clip} must be a finite number >= 0 (0 = no clipping)")
+    for nm, v in (("seed", cfg.seed), ("data.seed", d.seed)):
+        if not 0 <= v < 2**32:
+            raise ConfigError(f"{nm}={v} must be in [0, {2**32 - 1}]")
+    if cfg.max_train_minutes is not None and not cfg.max_train_minutes > 0:
+        raise ConfigError(f"max_train_minutes={cfg.max_train_minutes} must be > 0 minutes (or null: no time limit)")
+    if not 0.0 <= o.decay_fraction <= 1.0:
+        raise ConfigError(f"optimizer.decay_fraction={o.decay_fraction} must be in [0, 1]")
     if o.decay_style not in ("exponential", "linear"):
         raise ConfigError(f"optimizer.decay_style={o.decay_style!r}; use 'exponential' or 'linear'")
     if not 0.0 < o.min_lr_ratio <= 1.0:
@@ -821,8 +842,6 @@ def validate(cfg: TrainConfig) -> None:
             f"optimizer.warmup_steps={o.warmup_steps} + decay steps={decay} ({src}) exceed steps={cfg.steps}; "
             "lower optimizer.warmup_steps / the decay length or raise steps"
         )
-    if not 0.0 <= o.decay_fraction <= 1.0:
-        raise ConfigError(f"optimizer.decay_fraction={o.decay_fraction} must be in [0, 1]")
     mesh = cfg.mesh
     if mesh.axis_types not in ("auto", "explicit"):
         raise ConfigError(f"mesh.axis_types={mesh.axis_types!r}; use 'auto' or 'explicit'")

@@ -72,6 +72,28 @@ def test_wsd_lengths_checked():
         load_config("cpu_tiny", ["steps=10", "optimizer.warmup_steps=50"])
 
 
+@pytest.mark.parametrize("override, what", [
+    # found by a fresh-eyes break test: each ran (seed -1 only failed after the whole run, at the final sample;
+    # NaN learning rates at step 2; the others silently)
+    ("seed=-1", r"seed=-1 must be in \[0, 4294967295\]"),
+    ("data.seed=4294967296", r"data.seed=4294967296 must be in"),
+    ("optimizer.learning_rate=.nan", "learning_rate=nan must be a finite number > 0"),
+    ("optimizer.learning_rate=1e400", "learning_rate=inf must be a finite number > 0"),
+    ("optimizer.weight_decay=-1", "weight_decay=-1.0 must be a finite number >= 0"),
+    ("optimizer.grad_clip=-1", "grad_clip=-1.0 must be a finite number >= 0"),
+    ("model.scale_emb=0", "model.scale_emb=0.0 must be a finite number > 0"),
+    ("model.scale_depth=-1", "model.scale_depth=-1.0 must be a finite number > 0"),
+    ("model.initializer_range=-1", "model.initializer_range=-1.0 must be a finite number > 0"),
+    ("model.eos_token_id=[99999]", r"model.eos_token_id holds 99999, outside the vocabulary \[0, 8192\)"),
+    ("model.bos_token_id=-5", "model.bos_token_id holds -5"),
+    ("max_train_minutes=0", "max_train_minutes=0.0 must be > 0 minutes"),
+    ("optimizer.decay_fraction=-0.5", r"decay_fraction=-0.5 must be in \[0, 1\]"),
+])
+def test_out_of_range_training_values_are_refused_up_front(override, what):
+    with pytest.raises(ConfigError, match=what):
+        load_config("cpu_tiny", [override])
+
+
 def test_unknown_preset_lists_available():
     with pytest.raises(ConfigError, match="cpu_tiny"):
         load_config("no_such_preset")
