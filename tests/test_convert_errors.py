@@ -6,6 +6,7 @@ before the checkpoint's parameters are read. Also: the written files' mode, non-
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -401,3 +402,23 @@ def test_force_replaces_only_an_earlier_output(runs, tmp_path, capsys, no_param_
     (tmp_path / "hidden" / ".DS_Store").write_bytes(b"")
     err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(runs["run"]), "--out", str(tmp_path / "hidden")])
     assert "not an earlier output" in err and "pass --force" not in err, err
+    # third break test: --force deleted files added to an earlier output since (not in its manifest), and replaced
+    # an imported run folder (its checkpoints) with an export
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"x")
+    (earlier / "notes.txt").write_text("precious")
+    (earlier / "minicpm4_manifest.json").write_text(json.dumps(
+        {"format": "hf-official", "files": {"model.safetensors": {"bytes": 1, "sha256": "0"}}}))
+    imported = tmp_path / "imported"
+    (imported / "checkpoints" / "0").mkdir(parents=True)
+    (imported / "minicpm4_manifest.json").write_text(json.dumps({"format": "import hf-minicpm", "files": {}}))
+    before = _tree(tmp_path)
+    for fmt in ("hf", "gguf", "eagle"):
+        err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--out", str(earlier),
+                                       "--force"])
+        assert "1 file(s) its manifest does not list (e.g. notes.txt)" in err, err
+        err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--out", str(imported),
+                                       "--force"])
+        assert "holds an imported model run (import hf-minicpm)" in err, err
+    assert _tree(tmp_path) == before

@@ -235,7 +235,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         raise ConvertError(f"{src} is not a folder; give the Hugging Face model folder")
     out_abs = Path(out).expanduser().absolute()
     refuse_output_over_source(out_abs, [("model folder", folder)])
-    check_output_target(out_abs, force)
+    check_output_target(out_abs, force, importing=True)
     _raw, cfg, warnings = read_hf_config(folder)
     source = SafetensorsSource(folder)
     warnings += check_hf_tensors(source, cfg)
@@ -280,7 +280,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     rows = {r.ours: r for r in LLAMA_PARAM_MAP}
     place = shardings or (lambda _path, _shape: _default_sharding())
 
-    with staged_output(out_abs, force=force, needed_bytes=needed) as stage:
+    with staged_output(out_abs, force=force, needed_bytes=needed, importing=True) as stage:
         abstract = nnx.eval_shape(lambda: init_model(cfg, 0))
         _graphdef, state = nnx.split(abstract, nnx.Param)
         pure = nnx.to_pure_dict(state)

@@ -68,12 +68,35 @@ def _is_nonempty_dir(p: Path) -> bool:
     return p.is_dir() and any(p.iterdir())
 
 
-def check_output_target(out: Path, force: bool) -> None:
+def _replace_check(out: Path, importing: bool) -> None:
+    """With ``--force``: the earlier output in ``out`` may be replaced only if it holds nothing its manifest does
+    not list (notes or files added since would be deleted silently), and an imported run folder (checkpoints,
+    possibly trained further) only by another import."""
+    try:
+        earlier = json.loads((out / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        raise ConvertError(f"output folder {out} has an unreadable {MANIFEST_NAME}; pick another --out, or empty "
+                           "it yourself") from None
+    was_import = str(earlier.get("format", "")).startswith("import")
+    if was_import and not importing:
+        raise ConvertError(f"output folder {out} holds an imported model run ({earlier.get('format')}), which "
+                           "--force does not replace with an export: pick another --out")
+    listed = earlier.get("files") or {}
+    if listed:
+        extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                       if p.is_file() and p.name != MANIFEST_NAME and str(p.relative_to(out)) not in listed)
+        if extra:
+            raise ConvertError(f"output folder {out} holds {len(extra)} file(s) its manifest does not list (e.g. "
+                               f"{extra[0]}); --force would delete them: move them away or pick another --out")
+
+
+def check_output_target(out: Path, force: bool, importing: bool = False) -> None:
     """Refuse an ``out`` that cannot become the output folder: an empty string, the current directory or a
     folder holding it (the output replaces the folder), a file there, a file above it (the folder could not be
     created), a non-writable parent, or a non-empty folder unless ``force``; even with ``force``, a non-empty
     folder that is not an earlier output (no ``minicpm4_manifest.json``: a typo of a parent folder would
-    otherwise delete everything in it).
+    otherwise delete everything in it), an earlier output holding files its manifest does not list, or an
+    imported run folder when ``importing`` is false (an export would replace its checkpoints).
 
     Raises:
         ConvertError: as above (one line naming the path and the fix).
@@ -100,6 +123,8 @@ def check_output_target(out: Path, force: bool) -> None:
     if _is_nonempty_dir(out) and not force:
         raise ConvertError(f"output folder {out} is not empty (an earlier output); pass --force to replace it or pick "
                            "another --out")
+    if _is_nonempty_dir(out):
+        _replace_check(out, importing)
 
 
 def check_float16_range(src: np.ndarray, name: str, option: str) -> None:
@@ -164,7 +189,8 @@ def check_disk_space(folder: Path, needed_bytes: int) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(out: str | os.PathLike, *, force: bool = False, needed_bytes: int = 0) -> Iterator[Path]:
+def staged_output(out: str | os.PathLike, *, force: bool = False, needed_bytes: int = 0,
+                  importing: bool = False) -> Iterator[Path]:
     """Context manager yielding a fresh staging folder that becomes ``out`` on success.
 
     The staging folder is ``<parent>/.<name>.partial-<random>``. On a clean exit it is renamed to
@@ -176,7 +202,7 @@ def staged_output(out: str | os.PathLike, *, force: bool = False, needed_bytes: 
             ``needed_bytes`` (all checked before anything is written).
     """
     out = Path(out).expanduser().absolute()
-    check_output_target(out, force)
+    check_output_target(out, force, importing)
     check_disk_space(out.parent, needed_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
