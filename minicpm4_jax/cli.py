@@ -120,7 +120,7 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     ih.add_argument("dir", metavar="DIR", help="the Hugging Face model folder")
     ih.add_argument("--out", required=True, metavar="OUT",
                     help="output run folder (must be absent or empty, and outside DIR)")
-    ih.add_argument("--force", action="store_true", help="replace OUT when it holds an earlier output (a minicpm4_manifest.json)")
+    ih.add_argument("--force", action="store_true", help="replace OUT when it holds an earlier output (a minicpm4_manifest.json listing all its files)")
     ih.add_argument("--no-tokenizer", action="store_true",
                     help="import the weights without a tokenizer (default: DIR must hold tokenizer.model or "
                          "tokenizer.json); recorded in the manifest")
@@ -142,7 +142,7 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
         q.add_argument("--tokenizer", default=None, metavar="DIR",
                        help="tokenizer folder (default: <out_dir>/tokenizer next to the checkpoint)")
-        q.add_argument("--force", action="store_true", help="replace OUT when it holds an earlier output (a minicpm4_manifest.json)")
+        q.add_argument("--force", action="store_true", help="replace OUT when it holds an earlier output (a minicpm4_manifest.json listing all its files)")
         q.add_argument("--allow-dense", action="store_true",
                        help="export a sparse (InfLLM v2) model to a dense-only format anyway (--layout llama, GGUF): "
                             "sparse_config is dropped and the output runs dense attention; recorded in the manifest "
@@ -193,7 +193,7 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
                     help="a training run's out_dir (trained with model.mtp=true) or its checkpoints folder")
     ee.add_argument("--out", required=True, metavar="OUT", help="output folder (absent or empty, outside the run)")
     ee.add_argument("--step", type=int, default=None, metavar="N", help="checkpoint step (default: the latest)")
-    ee.add_argument("--force", action="store_true", help="replace OUT when it holds an earlier output (a minicpm4_manifest.json)")
+    ee.add_argument("--force", action="store_true", help="replace OUT when it holds an earlier output (a minicpm4_manifest.json listing all its files)")
     ee.add_argument("--dtype", default="float32", metavar="{float32,bfloat16,float16}",
                     help="stored dtype (default float32, lossless; bfloat16 as the official release)")
 
