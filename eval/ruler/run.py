@@ -302,7 +302,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
         if over:  # read data, counted by another tokenizer or labelled with the wrong length (a folder name)
             print(f"warning: RULER {t}@{n}: {len(over)} of {len(prompt_tokens)} samples need more than {n} tokens "
                   f"with this tokenizer (up to {max(over)} prompt + {gen_tokens} generated); their scores are "
-                  "reported under length {n} (items flagged over_length)".replace("{n}", str(n)), file=sys.stderr)
+                  f"reported under length {n} (items flagged over_length)", file=sys.stderr)
         preds: list[str] = []
         with _bar(len(prompts), f"ruler {t} @{n}", progress) as bar:
             for lo in range(0, len(prompts), bs):
