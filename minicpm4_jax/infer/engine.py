@@ -38,7 +38,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig, validate_model
 from minicpm4_jax.infer.cache import KVCache, LayerCache, cache_capacity, init_cache, update_compressed, write_tokens
-from minicpm4_jax.infer.sampling import SamplingParams, row_keys, sample_tokens
+from minicpm4_jax.infer.sampling import SamplingParams, is_integer, row_keys, sample_tokens
 from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention, stage2_forced_split
 from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
 from minicpm4_jax.nn.layers import dtype_of, rms_norm
@@ -154,10 +154,6 @@ def decode_mode(cfg: ModelConfig, dispatch_lens: Sequence[int]) -> str:
     return "sparse" if not any(below) else "mixed"
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def _check_prompt_ids(cfg: ModelConfig, prompts: Sequence[Sequence[int]]) -> None:
     """Every prompt is a 1-D sequence of integer ids in ``[0, vocab_size)`` (one-line :class:`ConfigError`)."""
     for i, p in enumerate(prompts):
@@ -181,13 +177,13 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
     given, the sampling values, ``vocab_limit`` (an integer >= 1), the stop strings and the seeds (one integer
     per prompt in ``[0, 2**32)``, or one integer ``s`` giving row ``i`` the seed ``s + i``).
     """
-    if not _is_int(max_new_tokens):
+    if not is_integer(max_new_tokens):
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} (--max-new-tokens) must be an integer >= 1")
     check_generation_request(cfg, prompt_lens, max_new_tokens)
     if prompts is not None:
         _check_prompt_ids(cfg, prompts)
     sampling.validate()
-    if vocab_limit is not None and (not _is_int(vocab_limit) or vocab_limit < 1):
+    if vocab_limit is not None and (not is_integer(vocab_limit) or vocab_limit < 1):
         raise ConfigError(f"vocab_limit={vocab_limit!r} must be an integer >= 1 (ids at or above it are never "
                           "produced; usually the tokenizer's vocabulary size) or None")
     if stop_strings and detokenize is None:
@@ -195,9 +191,9 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
     if any(not s for s in stop_strings):
         raise ConfigError("a stop string is empty; give non-empty stop texts")
     b = len(prompt_lens)
-    if _is_int(seeds):
+    if is_integer(seeds):
         seed_list = [int(seeds) + i for i in range(b)]
-    elif isinstance(seeds, (str, bytes)) or not all(_is_int(x) for x in np.asarray(seeds, dtype=object).ravel()):
+    elif isinstance(seeds, (str, bytes)) or not all(is_integer(x) for x in np.asarray(seeds, dtype=object).ravel()):
         raise ConfigError(f"seeds={seeds!r} must be one integer or a list of integers, one per prompt")
     else:
         seed_list = [int(x) for x in seeds]

@@ -10,7 +10,12 @@ import numpy as np
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["SamplingParams", "top_p_filter", "top_k_filter", "sample_tokens", "row_keys", "greedy_tokens"]
+__all__ = ["SamplingParams", "top_p_filter", "top_k_filter", "sample_tokens", "row_keys", "greedy_tokens", "is_integer"]
+
+
+def is_integer(x) -> bool:
+    """``x`` is a Python or numpy integer (not a bool): the check every integer option of generation uses."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +39,7 @@ class SamplingParams:
 
         if not real(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, (bool, np.bool_)) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
         if not real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1] (a number)")

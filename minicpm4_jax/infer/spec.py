@@ -43,7 +43,8 @@ from flax import nnx
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
 from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _forward, decode_mode
-from minicpm4_jax.infer.sampling import SamplingParams, greedy_tokens, row_keys, top_k_filter, top_p_filter
+from minicpm4_jax.infer.sampling import (SamplingParams, greedy_tokens, is_integer, row_keys, top_k_filter,
+                                         top_p_filter)
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
 from minicpm4_jax.nn.model import dense_rows
@@ -369,12 +370,11 @@ class SpeculativeDecoder:
     def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
                  fr_spec_ids: np.ndarray | None = None, draft_window: int | None = 1024):
         cfg = engine.cfg
-        if draft_window is not None and (isinstance(draft_window, bool)
-                                         or not isinstance(draft_window, (int, np.integer)) or draft_window < 1):
+        if draft_window is not None and (not is_integer(draft_window) or draft_window < 1):
             raise ConfigError(f"draft_window={draft_window!r} (--draft-window) must be a positive number of "
                               "positions, or None / 0 on the command line for the whole context")
         self._draft_window = None if draft_window is None else int(draft_window)
-        if not isinstance(num_draft, (int, np.integer)) or isinstance(num_draft, (bool, np.bool_)) or num_draft < 1:
+        if not is_integer(num_draft) or num_draft < 1:
             raise ConfigError(f"num_draft={num_draft!r} (--num-draft) must be an integer >= 1 (tokens drafted per "
                               "round)")
         num_draft = int(num_draft)
