@@ -709,6 +709,11 @@ def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_
     assert s["step"] == 4
     original = data_api.prepare_data(load_config(None, ov).data, log=lambda _m: None).tokenizer
     assert check_init_tokenizer(src, original, logs.append) and len(logs) == 1
+    # no record (a run from before it existed, or removed): resume runs unchecked and says so
+    (out / "data.json").unlink()
+    said: list[str] = []
+    assert run_training(load_config(None, [*ov, "steps=4"]), resume=True, log=said.append, progress=False)["step"] == 4
+    assert any("data.json is missing" in m and "not checked" in m for m in said), said
 
 
 def test_resume_from_a_damaged_checkpoint_is_one_line(corpus, cache_dir, tmp_path, capsys):

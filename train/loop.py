@@ -224,7 +224,11 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
         ConfigError: the corpus or the tokenizer differs (one line, with the fix).
     """
     rec = out_dir / _DATA_RECORD
-    if not resume or not rec.is_file():
+    if not resume:
+        return
+    if not rec.is_file():
+        say(f"resume: {rec} is missing (a run started before the record existed, or the file was removed); "
+            "the corpus and tokenizer are not checked against the run's")
         return
     try:
         saved = json.loads(rec.read_text())
@@ -529,6 +533,10 @@ def run_training(
                     msg += f"  attended {last_vals['attended_fraction']:.3f}"
                 if "mtp_loss" in last_vals:
                     msg += f"  mtp {last_vals['mtp_loss']:.4f}"
+                if "mtp_kl" in last_vals:
+                    msg += f"  mtp_kl {last_vals['mtp_kl']:.4f}"
+                if "mtp_feature_loss" in last_vals:
+                    msg += f"  mtp_feat {last_vals['mtp_feature_loss']:.4f}"
                 if qstats is not None:
                     msg += f"  ternary zeros {100 * row['ternary_zero_fraction']:.1f}% scale {row['ternary_scale']:.2e}"
                 if pbar is not None:
@@ -643,6 +651,7 @@ def run_training(
             "train_loss": last_vals.get("loss"),
             "attended_fraction": last_vals.get("attended_fraction"),
             "mtp_loss": last_vals.get("mtp_loss"),
+            **{k_: last_vals[k_] for k_ in ("mtp_kl", "mtp_feature_loss") if k_ in last_vals},
             "unigram_entropy": ent["unigram"],
             "bigram_entropy": ent["bigram"],
             "unigram_heldout_xent": held["unigram"],
