@@ -448,6 +448,10 @@ class TrainConfig:
     """A whole training run.
 
     ``mtp_loss_weight``: λ of ``L = L_NTP + λ·L_MTP`` when ``model.mtp`` is on (spec §3.4; default 0.1).
+    ``mtp_distill``: α in [0, 1] of ``L_MTP = (1 - α)·CE(q_i, x_{i+2}) + α·KL(p_{i+1} || q_i)``: the draft learns
+    the base model's own next-token distribution (:func:`~minicpm4_jax.nn.mtp.mtp_distill_loss`; 0 = the paper's
+    token loss alone). ``mtp_feature_weight``: β of ``+ β·SmoothL1(o_i, h_{i+1})``, EAGLE-1's feature regression
+    (:func:`~minicpm4_jax.nn.mtp.mtp_feature_loss`; 0 = off). Both only shape the draft for speculative decoding.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -470,6 +474,8 @@ class TrainConfig:
     sample_top_p: float = 0.95
     qat: QATConfig = field(default_factory=QATConfig)
     mtp_loss_weight: float = 0.1
+    mtp_distill: float = 0.0
+    mtp_feature_weight: float = 0.0
 
     @property
     def qat_start_step(self) -> int | None:
@@ -813,6 +819,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"steps={cfg.steps} must be positive")
     if not cfg.mtp_loss_weight >= 0:
         raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0 (the λ of L_NTP + λ·L_MTP)")
+    if not 0.0 <= cfg.mtp_distill <= 1.0:
+        raise ConfigError(f"mtp_distill={cfg.mtp_distill} must be in [0, 1] (the KL share of the MTP loss)")
+    if not (math.isfinite(cfg.mtp_feature_weight) and cfg.mtp_feature_weight >= 0):
+        raise ConfigError(f"mtp_feature_weight={cfg.mtp_feature_weight} must be a finite number >= 0 (0 = off)")
     if not (math.isfinite(o.learning_rate) and o.learning_rate > 0):
         raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0")
     if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):

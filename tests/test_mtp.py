@@ -10,7 +10,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig, load_config
 from minicpm4_jax.nn import MiniCPM4
-from minicpm4_jax.nn.mtp import mtp_loss
+from minicpm4_jax.nn.mtp import mtp_distill_loss, mtp_feature_loss, mtp_loss
 
 from test_train import REPO, corpus, cache_dir, tiny_cfg  # noqa: F401  (fixtures)
 
@@ -68,12 +68,82 @@ def test_mtp_loss_labels_at_sequence_end():
     assert float(mtp_loss(logits, targets.at[:, -1].set((targets[:, -1] + 1) % 11))) != base
 
 
+def test_distill_loss_against_hand_kl_with_padding_rows_and_alignment():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 5, 7)).astype(np.float32)
+    p = rng.standard_normal((2, 5, 7)).astype(np.float32)
+    q[..., -1] = p[..., -1] = -np.inf  # a vocabulary padding row: -inf in both, contributes nothing
+
+    def logsm(x):
+        m = x[..., :-1].max(-1, keepdims=True)
+        out = np.full_like(x, -np.inf)
+        out[..., :-1] = x[..., :-1] - m - np.log(np.exp(x[..., :-1] - m).sum(-1, keepdims=True))
+        return out
+
+    lq, lp = logsm(q), logsm(p)
+    # position i of the draft against position i + 1 of the base
+    hand = np.mean([(np.exp(lp[b, i + 1, :-1]) * (lp[b, i + 1, :-1] - lq[b, i, :-1])).sum()
+                    for b in range(2) for i in range(4)])
+    got = mtp_distill_loss(jnp.asarray(q), jnp.asarray(p))
+    assert abs(float(got) - hand) < 1e-5 and hand > 0.1
+    # zero when the draft equals the shifted base; the gradient is finite and reaches only the draft's logits
+    assert abs(float(mtp_distill_loss(jnp.asarray(np.roll(p, -1, axis=1)), jnp.asarray(p)))) < 1e-6
+    gq, gp = jax.grad(mtp_distill_loss, argnums=(0, 1))(jnp.asarray(q), jnp.asarray(p))
+    assert np.isfinite(np.asarray(gq)).all() and not np.asarray(gp).any()
+    assert not np.asarray(gq)[:, -1].any()  # the last position has no target
+
+
+def test_feature_loss_is_smooth_l1_against_the_next_hidden_state():
+    rng = np.random.default_rng(3)
+    o = rng.standard_normal((2, 6, 8)).astype(np.float32) * 2
+    h = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    d = np.abs(o[:, :-1] - h[:, 1:])
+    hand = np.where(d < 1, 0.5 * d * d, d - 0.5).mean()
+    got = mtp_feature_loss(jnp.asarray(o), jnp.asarray(h))
+    assert abs(float(got) - hand) < 1e-5
+    _, gh = jax.grad(mtp_feature_loss, argnums=(0, 1))(jnp.asarray(o), jnp.asarray(h))
+    assert not np.asarray(gh).any()  # the base's states are the target, not trained by this loss
+
+
+def test_draft_objectives_bad_values_refused():
+    for bad, msg in (("mtp_distill=1.5", "mtp_distill=1.5 must be in"), ("mtp_distill=-0.1", "mtp_distill=-0.1"),
+                     ("mtp_feature_weight=-1", "mtp_feature_weight=-1"),
+                     ("mtp_feature_weight=.nan", "mtp_feature_weight=nan")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, [bad])
+
+
 def test_model_without_mtp_says_so():
     m = MiniCPM4(dataclasses.replace(CFG, mtp=False), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="model.mtp=true"):
         m.mtp_logits(jnp.zeros((1, 3, 32)), jnp.zeros((1, 3), jnp.int32))
     with pytest.raises(ConfigError, match="mtp_loss_weight=-1"):
         load_config(None, ["mtp_loss_weight=-1"])
+
+
+def test_training_with_the_distill_and_feature_objectives_lowers_them(corpus, cache_dir, tmp_path):  # noqa: F811
+    """The same 16 steps with the draft objectives on and off: on, the draft ends closer to the base model's
+    next-position distribution (KL) and its features closer to the next hidden states, on held-out batches."""
+    from minicpm4_jax.train.checkpoint import load_params_for_inference
+    from minicpm4_jax.train.loop import run_training
+
+    got = {}
+    for name, extra in (("on", {"mtp_distill": "1.0", "mtp_feature_weight": "1.0"}), ("off", {})):
+        cfg = tiny_cfg(corpus, cache_dir, tmp_path / name, steps=16, log_every=4, eval_every=16,
+                       **{"model.mtp": "true", "mtp_loss_weight": "1.0", "optimizer.decay_steps": 4, **extra})
+        s = run_training(cfg, log=lambda m: None, progress=False)
+        if name == "on":
+            for key in ("mtp_kl", "mtp_feature_loss"):  # logged and summarised
+                assert np.isfinite([h[key] for h in s["history"]]).all() and s[key] == s["history"][-1][key]
+        else:
+            assert "mtp_kl" not in s["history"][-1]
+        _, model = load_params_for_inference(tmp_path / name / "checkpoints")
+        ids = jnp.asarray(np.random.default_rng(5).integers(3, 200, (4, 33)), jnp.int32)
+        hidden = model.hidden_states(ids[:, :-1])
+        feats = model.mtp_features(hidden, ids[:, 1:])
+        got[name] = (float(mtp_distill_loss(model.logits(feats), model.logits(hidden))),
+                     float(mtp_feature_loss(feats, hidden)))
+    assert got["on"][0] < 0.8 * got["off"][0] and got["on"][1] < 0.8 * got["off"][1], got
 
 
 def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(corpus, cache_dir, tmp_path,  # noqa: F811

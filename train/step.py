@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from minicpm4_jax.config import ModelConfig, TrainConfig
 from minicpm4_jax.nn.model import MiniCPM4
-from minicpm4_jax.nn.mtp import mtp_loss
+from minicpm4_jax.nn.mtp import mtp_distill_loss, mtp_feature_loss, mtp_loss
 from minicpm4_jax.ops.dispatch import resolve_impl
 from minicpm4_jax.quant import fake_quant_params, ternary_spec
 from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_shardings
@@ -206,12 +206,25 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
             hidden, stats = model.hidden_states(batch[:, :-1]), {}
         # the residual stream keeps the batch sharding (see activation_sharding)
         hidden = jax.lax.with_sharding_constraint(hidden, act_sh)
-        ntp = next_token_loss(model.logits(hidden), batch[:, 1:])
+        base_logits = model.logits(hidden)
+        ntp = next_token_loss(base_logits, batch[:, 1:])
         if not mtp:
             return ntp, stats
-        # L = L_NTP + λ·L_MTP (spec §3.4); the reported "loss" stays the next-token loss
-        m = mtp_loss(model.mtp_logits(hidden, batch[:, 1:], activation_sharding=act_sh), batch[:, 1:])
-        return ntp + cfg.mtp_loss_weight * m, {**stats, "loss": ntp, "mtp_loss": m}
+        # L = L_NTP + λ·L_MTP (spec §3.4); the reported "loss" stays the next-token loss, "mtp_loss" the MTP
+        # token loss whatever the objective
+        feats = model.mtp_features(hidden, batch[:, 1:], activation_sharding=act_sh)
+        mtp_lg = model.logits(feats)
+        m = mtp_loss(mtp_lg, batch[:, 1:])
+        aux = {**stats, "loss": ntp, "mtp_loss": m}
+        m_obj = m
+        if cfg.mtp_distill > 0:
+            aux["mtp_kl"] = mtp_distill_loss(mtp_lg, base_logits)
+            m_obj = (1.0 - cfg.mtp_distill) * m + cfg.mtp_distill * aux["mtp_kl"]
+        total = ntp + cfg.mtp_loss_weight * m_obj
+        if cfg.mtp_feature_weight > 0:
+            aux["mtp_feature_loss"] = mtp_feature_loss(feats, hidden)
+            total = total + cfg.mtp_feature_weight * aux["mtp_feature_loss"]
+        return total, aux
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.step)

@@ -295,6 +295,14 @@ class MiniCPM4(nnx.Module):
                    activation_sharding: jax.sharding.Sharding | None = None) -> jax.Array:
         """float32 MTP logits ``[batch, seq, vocab]``: position ``i`` predicts ``x_{i+2}`` (spec §3.4).
 
+        The base model's head applied to :meth:`mtp_features` (same arguments and errors).
+        """
+        return self.logits(self.mtp_features(hidden, next_ids, positions, activation_sharding))
+
+    def mtp_features(self, hidden: jax.Array, next_ids: jax.Array, positions: jax.Array | None = None,
+                     activation_sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+        """The MTP layer output ``o`` ``[batch, seq, hidden]`` (before the head; spec §3.4/§7).
+
         Args:
             hidden: :meth:`hidden_states` output ``[batch, seq, hidden]``.
             next_ids: int ``[batch, seq]`` the tokens ``x_{i+1}`` (the next-token targets).
@@ -318,7 +326,7 @@ class MiniCPM4(nnx.Module):
         emb = self.embed_tokens.encode(next_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
         if activation_sharding is not None:
             emb = jax.lax.with_sharding_constraint(emb, activation_sharding)
-        return self.logits(self.mtp(hidden, emb, positions, cfg))
+        return self.mtp(hidden, emb, positions, cfg)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """``input_ids`` int32 ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``."""

@@ -26,7 +26,7 @@ from minicpm4_jax.config import ModelConfig
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm
 from minicpm4_jax.nn.model import DecoderLayer, _dense
 
-__all__ = ["MTPHead", "mtp_layer_config", "mtp_loss"]
+__all__ = ["MTPHead", "mtp_distill_loss", "mtp_feature_loss", "mtp_layer_config", "mtp_loss"]
 
 
 def mtp_layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -92,3 +92,37 @@ def mtp_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     import optax
 
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), targets[:, 1:]).mean()
+
+
+def mtp_distill_loss(logits: jax.Array, base_logits: jax.Array) -> jax.Array:
+    """Self-distillation loss of the draft (nats): ``KL(p_{i+1} || q_i)`` averaged over ``batch * (seq - 1)``.
+
+    ``logits`` ``[batch, seq, vocab]`` are the MTP logits (position ``i`` predicts ``x_{i+2}``), ``base_logits``
+    ``[batch, seq, vocab]`` the base model's (position ``i + 1`` predicts the same ``x_{i+2}``). The target
+    ``p_{i+1} = softmax(base_logits[:, i + 1])`` is held fixed (``stop_gradient``): the draft learns to agree
+    with the model it drafts for, which is what speculative acceptance measures (DistillSpec, Zhou et al.
+    2024; Medusa-2's self-distillation), instead of only with the corpus. Padding rows (``-inf`` logits in
+    both) contribute nothing. The last position has no target and is left out.
+    """
+    p_log = jax.nn.log_softmax(jax.lax.stop_gradient(base_logits[:, 1:]).astype(jnp.float32), axis=-1)
+    q_log = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    p = jnp.exp(p_log)
+    # where p == 0 (padding rows, underflow) the term is 0, even if q_log is -inf there
+    live = p > 0
+    kl = jnp.where(live, p * (jnp.where(live, p_log, 0.0) - jnp.where(live, q_log, 0.0)), 0.0).sum(-1)
+    return kl.mean()
+
+
+def mtp_feature_loss(features: jax.Array, hidden: jax.Array) -> jax.Array:
+    """EAGLE-1's feature regression: smooth-L1 between the MTP layer output ``o_i`` and ``h_{i+1}``.
+
+    ``features`` ``[batch, seq, hidden]`` (:meth:`~minicpm4_jax.nn.model.MiniCPM4.mtp_features`), ``hidden``
+    ``[batch, seq, hidden]`` the base final-norm states (held fixed, ``stop_gradient``). Chained drafting feeds
+    ``o_i`` where the base would give ``h_{i+1}`` (module docstring), so this trains the stand-in to be one (Li et
+    al. 2024, EAGLE §4.2: ``L_reg`` with Smooth L1, weight 1 against 0.1 for the token loss). Mean over elements
+    of ``batch * (seq - 1)`` positions, float32.
+    """
+    import optax
+
+    target = jax.lax.stop_gradient(hidden[:, 1:]).astype(jnp.float32)
+    return optax.huber_loss(features[:, :-1].astype(jnp.float32), target, delta=1.0).mean()
