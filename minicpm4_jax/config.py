@@ -451,7 +451,10 @@ class TrainConfig:
     ``mtp_distill``: α in [0, 1] of ``L_MTP = (1 - α)·CE(q_i, x_{i+2}) + α·KL(p_{i+1} || q_i)``: the draft learns
     the base model's own next-token distribution (:func:`~minicpm4_jax.nn.mtp.mtp_distill_loss`; 0 = the paper's
     token loss alone). ``mtp_feature_weight``: β of ``+ β·SmoothL1(o_i, h_{i+1})``, EAGLE-1's feature regression
-    (:func:`~minicpm4_jax.nn.mtp.mtp_feature_loss`; 0 = off). Both only shape the draft for speculative decoding.
+    (:func:`~minicpm4_jax.nn.mtp.mtp_feature_loss`; 0 = off). ``mtp_train_depth``: D >= 1 chain depths trained,
+    each on the draft's own stand-in states from the depth before (:meth:`~minicpm4_jax.nn.mtp.MTPHead.unrolled`),
+    every term above averaged over them (1 = the paper's single-depth MTP). These only shape the draft for
+    speculative decoding.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -476,6 +479,7 @@ class TrainConfig:
     mtp_loss_weight: float = 0.1
     mtp_distill: float = 0.0
     mtp_feature_weight: float = 0.0
+    mtp_train_depth: int = 1
 
     @property
     def qat_start_step(self) -> int | None:
@@ -821,6 +825,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0 (the λ of L_NTP + λ·L_MTP)")
     if not 0.0 <= cfg.mtp_distill <= 1.0:
         raise ConfigError(f"mtp_distill={cfg.mtp_distill} must be in [0, 1] (the KL share of the MTP loss)")
+    if not 1 <= cfg.mtp_train_depth < d.seq_len:
+        raise ConfigError(f"mtp_train_depth={cfg.mtp_train_depth} must be in [1, data.seq_len={d.seq_len}) "
+                          "(1 = the paper's MTP; 2-3 train the chained drafts too)")
     if not (math.isfinite(cfg.mtp_feature_weight) and cfg.mtp_feature_weight >= 0):
         raise ConfigError(f"mtp_feature_weight={cfg.mtp_feature_weight} must be a finite number >= 0 (0 = off)")
     if not (math.isfinite(o.learning_rate) and o.learning_rate > 0):

@@ -105,10 +105,46 @@ def test_feature_loss_is_smooth_l1_against_the_next_hidden_state():
     assert not np.asarray(gh).any()  # the base's states are the target, not trained by this loss
 
 
+def test_unrolled_depths_equal_the_chained_draft_the_engine_runs():
+    """Depth d at position p = the layer run causally on [depth-1 inputs at 0 .. p-d+1, then the chain's inputs of
+    depths 2 .. d at p-d+2 .. p] (what the draft cache holds when the chain reaches p), read at its last row."""
+    from minicpm4_jax.nn.mtp import mtp_layer_config
+    from minicpm4_jax.nn.rope import rope_tables
+
+    model = MiniCPM4(CFG, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(4)
+    b, t, depth = 2, 10, 3
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+    nxt = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+    hidden = model.hidden_states(ids)
+    outs = model.mtp_unrolled(hidden, nxt, depth)
+    assert [o.shape for o in outs] == [(b, t - d + 1, CFG.hidden_size) for d in (1, 2, 3)]
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(model.mtp_features(hidden, nxt)), atol=1e-6)
+
+    mtp, cfg_m = model.mtp, mtp_layer_config(CFG)
+    emb = model.embed_tokens.encode(nxt, jnp.float32) * CFG.scale_emb
+    u = [mtp.inputs(emb, hidden, CFG)]  # depth-1 inputs at every position
+    for d in (2, 3):  # depth d at position p: stand-in = depth d-1 output at p - 1, token x_{p+1}
+        u.append(mtp.inputs(emb[:, d - 1:], outs[d - 2][:, :-1], CFG))
+    for d in (2, 3):
+        for p in range(d - 1, t):
+            seq = [u[0][:, :p - d + 2]] + [u[m - 1][:, p - d + m - (m - 1):p - d + m - (m - 1) + 1]
+                                           for m in range(2, d + 1)]
+            x = jnp.concatenate(seq, axis=1)
+            pos = jnp.broadcast_to(jnp.arange(p + 1), (b, p + 1))
+            cos, sin = rope_tables(pos, cfg_m)
+            want = mtp.layer(x, cos, sin, pos, cfg_m)[:, -1]
+            np.testing.assert_allclose(np.asarray(outs[d - 1][:, p - d + 1]), np.asarray(want), atol=2e-5,
+                                       err_msg=f"depth {d} position {p}")
+    with pytest.raises(ValueError, match="depth=10 must be in"):
+        model.mtp_unrolled(hidden, nxt, 10)
+
+
 def test_draft_objectives_bad_values_refused():
     for bad, msg in (("mtp_distill=1.5", "mtp_distill=1.5 must be in"), ("mtp_distill=-0.1", "mtp_distill=-0.1"),
                      ("mtp_feature_weight=-1", "mtp_feature_weight=-1"),
-                     ("mtp_feature_weight=.nan", "mtp_feature_weight=nan")):
+                     ("mtp_feature_weight=.nan", "mtp_feature_weight=nan"), ("mtp_train_depth=0", "mtp_train_depth=0"),
+                     ("mtp_train_depth=99999", "mtp_train_depth=99999 must be in")):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, [bad])
 
@@ -128,22 +164,25 @@ def test_training_with_the_distill_and_feature_objectives_lowers_them(corpus, ca
     from minicpm4_jax.train.loop import run_training
 
     got = {}
-    for name, extra in (("on", {"mtp_distill": "1.0", "mtp_feature_weight": "1.0"}), ("off", {})):
+    for name, extra in (("on", {"mtp_distill": "1.0", "mtp_feature_weight": "1.0", "mtp_train_depth": "2"}),
+                        ("off", {})):
         cfg = tiny_cfg(corpus, cache_dir, tmp_path / name, steps=16, log_every=4, eval_every=16,
                        **{"model.mtp": "true", "mtp_loss_weight": "1.0", "optimizer.decay_steps": 4, **extra})
         s = run_training(cfg, log=lambda m: None, progress=False)
         if name == "on":
-            for key in ("mtp_kl", "mtp_feature_loss"):  # logged and summarised
+            for key in ("mtp_kl", "mtp_feature_loss", "mtp_loss_depth2"):  # logged and summarised
                 assert np.isfinite([h[key] for h in s["history"]]).all() and s[key] == s["history"][-1][key]
         else:
             assert "mtp_kl" not in s["history"][-1]
         _, model = load_params_for_inference(tmp_path / name / "checkpoints")
         ids = jnp.asarray(np.random.default_rng(5).integers(3, 200, (4, 33)), jnp.int32)
         hidden = model.hidden_states(ids[:, :-1])
-        feats = model.mtp_features(hidden, ids[:, 1:])
+        feats, feats2 = model.mtp_unrolled(hidden, ids[:, 1:], 2)
         got[name] = (float(mtp_distill_loss(model.logits(feats), model.logits(hidden))),
-                     float(mtp_feature_loss(feats, hidden)))
-    assert got["on"][0] < 0.8 * got["off"][0] and got["on"][1] < 0.8 * got["off"][1], got
+                     float(mtp_feature_loss(feats, hidden)),
+                     float(mtp_distill_loss(model.logits(feats2), model.logits(hidden[:, 1:]))))
+    # the second chain depth, trained only in "on", agrees better with the base too
+    assert all(on < 0.8 * off for on, off in zip(got["on"], got["off"])), got
 
 
 def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(corpus, cache_dir, tmp_path,  # noqa: F811

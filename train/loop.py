@@ -533,6 +533,8 @@ def run_training(
                     msg += f"  attended {last_vals['attended_fraction']:.3f}"
                 if "mtp_loss" in last_vals:
                     msg += f"  mtp {last_vals['mtp_loss']:.4f}"
+                for k_ in sorted(k_ for k_ in last_vals if k_.startswith("mtp_loss_depth")):
+                    msg += f"  mtp@{k_[len('mtp_loss_depth'):]} {last_vals[k_]:.4f}"
                 if "mtp_kl" in last_vals:
                     msg += f"  mtp_kl {last_vals['mtp_kl']:.4f}"
                 if "mtp_feature_loss" in last_vals:
@@ -651,7 +653,8 @@ def run_training(
             "train_loss": last_vals.get("loss"),
             "attended_fraction": last_vals.get("attended_fraction"),
             "mtp_loss": last_vals.get("mtp_loss"),
-            **{k_: last_vals[k_] for k_ in ("mtp_kl", "mtp_feature_loss") if k_ in last_vals},
+            **{k_: v_ for k_, v_ in last_vals.items()
+               if k_ in ("mtp_kl", "mtp_feature_loss") or k_.startswith("mtp_loss_depth")},
             "unigram_entropy": ent["unigram"],
             "bigram_entropy": ent["bigram"],
             "unigram_heldout_xent": held["unigram"],

@@ -210,20 +210,35 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
         ntp = next_token_loss(base_logits, batch[:, 1:])
         if not mtp:
             return ntp, stats
-        # L = L_NTP + λ·L_MTP (spec §3.4); the reported "loss" stays the next-token loss, "mtp_loss" the MTP
-        # token loss whatever the objective
-        feats = model.mtp_features(hidden, batch[:, 1:], activation_sharding=act_sh)
-        mtp_lg = model.logits(feats)
-        m = mtp_loss(mtp_lg, batch[:, 1:])
-        aux = {**stats, "loss": ntp, "mtp_loss": m}
-        m_obj = m
-        if cfg.mtp_distill > 0:
-            aux["mtp_kl"] = mtp_distill_loss(mtp_lg, base_logits)
-            m_obj = (1.0 - cfg.mtp_distill) * m + cfg.mtp_distill * aux["mtp_kl"]
+        # L = L_NTP + λ·L_MTP (spec §3.4), L_MTP averaged over the trained chain depths; the reported "loss" stays
+        # the next-token loss, "mtp_loss" the depth-1 MTP
+        # token loss whatever the objective (depth 1: the paper's MTP loss)
+        targets = batch[:, 1:]
+        depth = cfg.mtp_train_depth
+        if depth == 1:
+            feats_by_depth = [model.mtp_features(hidden, targets, activation_sharding=act_sh)]
+        else:  # the chain's later drafts too, each on its own stand-in states (MTPHead.unrolled)
+            feats_by_depth = model.mtp_unrolled(hidden, targets, depth, activation_sharding=act_sh)
+        aux = {**stats, "loss": ntp}
+        m_obj = kl = feat = 0.0
+        for d, feats in enumerate(feats_by_depth, start=1):
+            mtp_lg = model.logits(feats)
+            m = mtp_loss(mtp_lg, targets[:, d - 1:])
+            aux["mtp_loss" if d == 1 else f"mtp_loss_depth{d}"] = m
+            m_d = m
+            if cfg.mtp_distill > 0:
+                kl_d = mtp_distill_loss(mtp_lg, base_logits[:, d - 1:])
+                kl = kl + kl_d / depth
+                m_d = (1.0 - cfg.mtp_distill) * m + cfg.mtp_distill * kl_d
+            m_obj = m_obj + m_d / depth
+            if cfg.mtp_feature_weight > 0:
+                feat = feat + mtp_feature_loss(feats, hidden[:, d - 1:]) / depth
         total = ntp + cfg.mtp_loss_weight * m_obj
+        if cfg.mtp_distill > 0:
+            aux["mtp_kl"] = kl
         if cfg.mtp_feature_weight > 0:
-            aux["mtp_feature_loss"] = mtp_feature_loss(feats, hidden)
-            total = total + cfg.mtp_feature_weight * aux["mtp_feature_loss"]
+            aux["mtp_feature_loss"] = feat
+            total = total + cfg.mtp_feature_weight * feat
         return total, aux
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:

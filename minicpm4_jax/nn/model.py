@@ -316,6 +316,20 @@ class MiniCPM4(nnx.Module):
         Raises:
             ValueError: the model was built without ``mtp``.
         """
+        emb, positions = self._mtp_inputs(hidden, next_ids, positions, activation_sharding)
+        return self.mtp(hidden, emb, positions, self.cfg)
+
+    def mtp_unrolled(self, hidden: jax.Array, next_ids: jax.Array, depth: int, positions: jax.Array | None = None,
+                     activation_sharding: jax.sharding.Sharding | None = None) -> list[jax.Array]:
+        """The MTP layer outputs of chain depths ``1 .. depth`` (:meth:`~minicpm4_jax.nn.mtp.MTPHead.unrolled`).
+
+        Arguments and errors as :meth:`mtp_features`; depth ``d``'s output is ``[batch, seq - d + 1, hidden]``
+        (positions ``d - 1 ..``). Also raises ValueError for ``depth`` outside ``[1, seq)``.
+        """
+        emb, positions = self._mtp_inputs(hidden, next_ids, positions, activation_sharding)
+        return self.mtp.unrolled(hidden, emb, positions, self.cfg, depth)
+
+    def _mtp_inputs(self, hidden, next_ids, positions, activation_sharding):
         cfg = self.cfg
         if not cfg.mtp:
             raise ValueError("this model has no MTP module; set model.mtp=true")
@@ -326,7 +340,7 @@ class MiniCPM4(nnx.Module):
         emb = self.embed_tokens.encode(next_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
         if activation_sharding is not None:
             emb = jax.lax.with_sharding_constraint(emb, activation_sharding)
-        return self.mtp(hidden, emb, positions, cfg)
+        return emb, positions
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """``input_ids`` int32 ``[batch, seq]`` -> float32 logits ``[batch, seq, vocab]``."""

@@ -26,7 +26,7 @@ from minicpm4_jax.config import ModelConfig
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm
 from minicpm4_jax.nn.model import DecoderLayer, _dense
 
-__all__ = ["MTPHead", "mtp_distill_loss", "mtp_feature_loss", "mtp_layer_config", "mtp_loss"]
+__all__ = ["MTPHead", "chained_attention", "mtp_distill_loss", "mtp_feature_loss", "mtp_layer_config", "mtp_loss"]
 
 
 def mtp_layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -80,6 +80,85 @@ class MTPHead(nnx.Module):
         u = self.inputs(next_emb, hidden, cfg)
         cos, sin = rope_tables(positions, cfg_m)
         return self.layer(u, cos, sin, positions, cfg_m)
+
+    def unrolled(self, hidden: jax.Array, next_emb: jax.Array, positions: jax.Array, cfg: ModelConfig,
+                 depth: int) -> list[jax.Array]:
+        """Layer outputs of chain depths ``1 .. depth`` on a whole sequence (training-time test of the chain).
+
+        Depth 1 is :meth:`__call__`. Depth ``d + 1`` at position ``p`` takes the depth-``d`` output of
+        position ``p - 1`` in place of the base state ``h_p`` and the true token ``x_{p+1}`` as the drafted one,
+        and attends what a chained draft attends at inference (:func:`chained_attention`): so a loss on it
+        trains the draft on its own stand-in states, the inputs it sees from its second draft on (the idea of
+        HASS / EAGLE-3's training-time test, with this head's EAGLE-1 layout).
+
+        Args:
+            hidden, next_emb, positions, cfg: as :meth:`__call__` (``[batch, seq, ...]``).
+            depth: number of chain depths, ``1 <= depth < seq``.
+
+        Returns:
+            ``depth`` arrays; depth ``d``'s is ``[batch, seq - d + 1, hidden]`` for positions ``d - 1 .. seq - 1``,
+            predicting ``x_{p+2}``, so its labels (and next-token ids, base states) are the same arrays sliced
+            ``[:, d - 1:]``.
+        """
+        from minicpm4_jax.nn.rope import rope_tables
+
+        cfg_m = mtp_layer_config(cfg)
+        t = hidden.shape[1]
+        if not 1 <= depth < t:
+            raise ValueError(f"depth={depth} must be in [1, seq={t})")
+        outs: list[jax.Array] = []
+        ks: list[jax.Array] = []
+        vs: list[jax.Array] = []
+        h_in = hidden
+        for d in range(1, depth + 1):
+            n = t - d + 1
+            u = self.inputs(next_emb[:, d - 1:], h_in, cfg)
+            cos, sin = rope_tables(positions[:, d - 1:], cfg_m)
+            if d == 1:
+                o = self.layer(u, cos, sin, positions, cfg_m)
+                if depth > 1:
+                    _, k1, v1, _, _ = self.layer.qkv(u, cos, sin, cfg_m)
+            else:
+                q, k, v, _, _ = self.layer.qkv(u, cos, sin, cfg_m)
+                ks, vs = [x[:, :n] for x in ks] + [k], [x[:, :n] for x in vs] + [v]
+                a = chained_attention(q, k1[:, :n], v1[:, :n], ks, vs)
+                o = self.layer.finish(u, a, cfg_m)
+            outs.append(o)
+            h_in = o[:, :-1]
+        return outs
+
+
+def chained_attention(q: jax.Array, k1: jax.Array, v1: jax.Array, k_chain: list[jax.Array],
+                      v_chain: list[jax.Array]) -> jax.Array:
+    """The draft layer's attention at chain depth ``d = len(k_chain)`` (≥ 1), as the inference engine runs it.
+
+    A depth-``d`` draft of position ``p`` sees the draft cache: the depth-1 entries (computed from true base
+    states) at positions ``<= p - d + 1`` and one entry per later depth ``m = 2 .. d`` at ``p - d + m`` (the
+    round's own chain, ending with itself). Indexed by ``r = p - d + 1`` (so every depth's arrays start at 0),
+    query ``r`` attends ``k1[j]`` for ``j <= r`` and ``k_chain[m][r]`` for each ``m``.
+
+    Args:
+        q: post-RoPE queries of depth ``d`` ``[batch, n, heads, head_dim]``.
+        k1, v1: the depth-1 keys (post-RoPE) / values ``[batch, n, kv_heads, head_dim]``.
+        k_chain, v_chain: the keys / values of depths ``2 .. d`` at the same indices, each
+            ``[batch, n, kv_heads, head_dim]`` (the last one the query's own).
+
+    Returns:
+        ``[batch, n, heads, head_dim]`` in ``q.dtype``; fp32 softmax over ``r + 1 + len(k_chain)`` keys.
+    """
+    b, n, nq, d = q.shape
+    nkv = k1.shape[2]
+    g = nq // nkv
+    f32 = jnp.float32
+    qg = q.reshape(b, n, nkv, g, d).astype(f32) * d**-0.5
+    s1 = jnp.einsum("brkgd,bjkd->bkgrj", qg, k1.astype(f32))
+    s1 = jnp.where(jnp.arange(n)[None, :] <= jnp.arange(n)[:, None], s1, -jnp.inf)
+    kc = jnp.stack(k_chain, axis=1).astype(f32)  # [b, m, n, kv, d]
+    sc = jnp.einsum("brkgd,bmrkd->bkgrm", qg, kc)
+    p = jax.nn.softmax(jnp.concatenate([s1, sc], axis=-1), axis=-1)
+    out = jnp.einsum("bkgrj,bjkd->brkgd", p[..., :n], v1.astype(f32))
+    out = out + jnp.einsum("bkgrm,bmrkd->brkgd", p[..., n:], jnp.stack(v_chain, axis=1).astype(f32))
+    return out.reshape(b, n, nq, d).astype(q.dtype)
 
 
 def mtp_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
