@@ -175,7 +175,8 @@ class SpecRunner:
 def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int, gen_len: int, n_docs: int,
                         passes: int = 2) -> dict:
     """Plain vs speculative (+ FR-Spec) greedy decoding of held-out text at the length the model trained on."""
-    from minicpm4_jax.infer.spec import SpeculativeDecoder, load_frequency_ranking, run_ranking_file
+    from minicpm4_jax.infer.spec import (SpeculativeDecoder, load_frequency_ranking, run_ranking_file,
+                                         text_acceptance)
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
     from minicpm4_jax.train.data import prepare_data
 
@@ -192,6 +193,13 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
         ids = load_frequency_ranking(run_ranking_file(run, fr_vocab), model.cfg.vocab_size)[:fr_vocab]
         variants[f"spec k={k} + FR-Spec {fr_vocab}"] = SpeculativeDecoder(eng, model.mtp, num_draft=k,
                                                                          fr_spec_ids=ids)
+    # the draft on the held-out text itself (teacher-forced, every start position; text_acceptance): what the
+    # acceptance would be without the model's own generation (its repetition loops) in the way
+    texts = np.asarray([val[s_:s_ + prompt_len + gen_len] for s_ in starts
+                        if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs])
+    text_acc = {f"spec k={k}": text_acceptance(model, texts, k)}
+    if fr_vocab:
+        text_acc[f"spec k={k} + FR-Spec {fr_vocab}"] = text_acceptance(model, texts, k, ids)
     gens = {name: (eng.generate if dec is None else dec.generate) for name, dec in variants.items()}
     for gen in gens.values():
         gen([prompts[0]], gen_len)  # compile + warm-up
@@ -215,6 +223,8 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     out = {name: dict(tok_s=toks[name] / secs[name],
                       acceptance=1.0 if variants[name] is None else pooled(acc[name]),
                       acceptance_doc_mean=1.0 if variants[name] is None else float(np.mean([x for x, _ in acc[name]])),
+                      text_acceptance=text_acc.get(name, {}).get("acceptance", 1.0),
+                      text_rate=text_acc.get(name, {}).get("rate"),
                       identical=tokens[name] == tokens["plain"]) for name in gens}
     return dict(prompts=len(prompts), prompt_len=prompt_len, gen_len=gen_len, passes=passes, results=out)
 
@@ -251,8 +261,8 @@ def main(argv=None) -> int:
         base_tps = res["results"]["plain"]["tok_s"]
         for name, r in res["results"].items():
             print(f"{name:>28}: {r['tok_s']:7.1f} tok/s  {r['tok_s'] / base_tps:5.2f}x  acceptance "
-                  f"{r['acceptance']:.2f} (mean over documents {r['acceptance_doc_mean']:.2f})  identical to plain: "
-                  f"{r['identical']}", flush=True)
+                  f"{r['acceptance']:.2f} (mean over documents {r['acceptance_doc_mean']:.2f}; on the held-out text "
+                  f"{r['text_acceptance']:.2f})  identical to plain: {r['identical']}", flush=True)
         spec_rows = res
         tcfg, trained = load_params_for_inference(find_checkpoint_dir(args.checkpoint))
         base = trained.cfg

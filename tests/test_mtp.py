@@ -140,6 +140,43 @@ def test_unrolled_depths_equal_the_chained_draft_the_engine_runs():
         model.mtp_unrolled(hidden, nxt, 10)
 
 
+def test_text_acceptance_equals_the_decoders_rounds_on_its_own_text():
+    """On the model's own greedy text, the teacher-forced chain from position n - 1 accepts exactly what the
+    decoder's round with n cached tokens accepted (FR-Spec too). A 6-token vocabulary so that a random draft agrees
+    often enough to test the counting."""
+    from minicpm4_jax.infer import InferenceEngine
+    from minicpm4_jax.infer.spec import SpeculativeDecoder, chain_counts, text_acceptance
+
+    model = MiniCPM4(dataclasses.replace(CFG, vocab_size=6, max_position_embeddings=128, tie_word_embeddings=False),
+                     rngs=nnx.Rngs(1))
+    eng = InferenceEngine(model)
+    prompt = [1, 4, 2, 5, 3]
+    for fr in (None, [0, 1, 3, 4]):
+        dec = SpeculativeDecoder(eng, model.mtp, num_draft=3, fr_spec_ids=fr)
+        rounds, orig = [], dec.round
+
+        def rec(st, active, *a, _orig=orig, _rounds=rounds, **kw):
+            n0 = st.lengths[0]
+            out = _orig(st, active, *a, **kw)
+            _rounds.append((n0, out[1][0]))
+            return out
+
+        dec.round = rec
+        text = np.asarray([prompt + dec.generate([prompt], 64).tokens[0]])
+        counts = chain_counts(model, text, 3, fr)
+        checked = [(n0, a) for n0, a in rounds if n0 - 1 < counts.shape[1]]
+        accepted = [a for _, a in checked]
+        assert len(checked) >= 8 and sum(accepted) >= 4 and min(accepted) < 3, rounds
+        assert [int(counts[0, n0 - 1]) for n0, _ in checked] == accepted, (rounds, counts)
+        ta = text_acceptance(model, text, 3, fr)
+        assert ta["positions"] == counts.size and abs(ta["acceptance"] - 1 - counts.mean()) < 1e-12
+        assert len(ta["rate"]) == 3
+    with pytest.raises(ConfigError, match="num_draft=0"):
+        text_acceptance(model, text, 0)
+    with pytest.raises(ConfigError, match="length > num_draft"):
+        text_acceptance(model, text[:, :4], 3)
+
+
 def test_draft_objectives_bad_values_refused():
     for bad, msg in (("mtp_distill=1.5", "mtp_distill=1.5 must be in"), ("mtp_distill=-0.1", "mtp_distill=-0.1"),
                      ("mtp_feature_weight=-1", "mtp_feature_weight=-1"),
@@ -205,6 +242,7 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
     plain = eng.generate([prompt], 20)
     spec = SpeculativeDecoder(eng, model.mtp, num_draft=3).generate([prompt], 20)
     assert spec.tokens == plain.tokens
+
     # the MTP weights are saved with the model at every checkpoint and keep training between them
     _, at12 = load_params_for_inference(tmp_path / "run" / "checkpoints", 12)
     assert not np.allclose(np.asarray(model.mtp.fc[...]), np.asarray(at12.mtp.fc[...]))

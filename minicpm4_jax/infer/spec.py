@@ -53,7 +53,7 @@ from minicpm4_jax.ops.decode_ref import dense_decode_attention
 from minicpm4_jax.ops.dispatch import native_decode
 
 __all__ = ["SpeculativeDecoder", "SpecState", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
-           "load_frequency_ranking", "check_frequency_ranking", "run_ranking_file"]
+           "load_frequency_ranking", "check_frequency_ranking", "run_ranking_file", "text_acceptance"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -173,6 +173,81 @@ def _read_torch_list(path: Path) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+def text_acceptance(model, tokens, num_draft: int, fr_spec_ids=None, batch_size: int = 8) -> dict:
+    """Greedy acceptance of the MTP draft on given text, teacher-forced: tokens per verify if the text were decoded.
+
+    For every start position ``s`` of each row of ``tokens`` the k-draft chain from the true state ``h_s`` is run
+    with the text's own tokens as the drafted ones (:meth:`~minicpm4_jax.nn.model.MiniCPM4.mtp_unrolled`, which
+    attends exactly what the engine's draft cache holds); draft ``d`` counts while it and all before it equal the
+    base model's greedy token at its position. A round of :class:`SpeculativeDecoder` that starts at ``s`` in text
+    the model itself generated greedily accepts exactly that many drafts (``tests/test_spec.py``), so on the model's
+    own output this is the decoder's acceptance averaged over every start position instead of over the positions
+    its rounds happened to start at; on held-out human text it measures the draft without the model's generation
+    (repetition loops, which any draft predicts) in the way. One full forward per row.
+
+    Args:
+        model: a :class:`~minicpm4_jax.nn.model.MiniCPM4` with its MTP module.
+        tokens: int ``[rows, length]`` (``length > num_draft + 1``).
+        num_draft: drafts per round ``k >= 1``.
+        fr_spec_ids: optional FR-Spec ids (the draft's argmax over these only, as the decoder).
+        batch_size: rows per forward.
+
+    Returns:
+        ``{"acceptance": mean tokens per verify (1 + accepted drafts), "rate": [P(draft d accepted | drafts before
+        it accepted) for d = 1..k], "positions": start positions averaged}``.
+
+    Raises:
+        ConfigError: no MTP module, ``num_draft < 1``, text too short for ``num_draft``, bad FR-Spec ids.
+    """
+    cfg = model.cfg
+    if not cfg.mtp:
+        raise ConfigError("this model has no MTP module (model.mtp); text acceptance needs the draft")
+    toks = np.asarray(tokens)
+    if toks.ndim != 2 or not is_integer(num_draft) or num_draft < 1 or toks.shape[1] <= num_draft + 1:
+        raise ConfigError(f"text_acceptance: tokens {toks.shape} and num_draft={num_draft}: need int [rows, length] "
+                          "with length > num_draft + 1 and num_draft >= 1")
+    counts = chain_counts(model, toks, int(num_draft), fr_spec_ids, batch_size)  # [rows, n]
+    k = int(num_draft)
+    surv = np.array([counts.size] + [int((counts >= d).sum()) for d in range(1, k + 1)])
+    return dict(acceptance=float(1.0 + counts.mean()),
+                rate=[float(surv[d] / surv[d - 1]) if surv[d - 1] else float("nan") for d in range(1, k + 1)],
+                positions=int(counts.size))
+
+
+def chain_counts(model, tokens: np.ndarray, num_draft: int, fr_spec_ids=None, batch_size: int = 8) -> np.ndarray:
+    """Accepted drafts of the teacher-forced chain started at each position (:func:`text_acceptance`).
+
+    Returns int ``[rows, length - num_draft - 1]``: entry ``[i, r]`` is the number of leading drafts (of
+    ``num_draft``) that equal the base model's greedy tokens for the round whose first draft is made from the
+    state at position ``r`` (cached length ``r + 1``, pending token ``tokens[i, r + 1]``). Arguments as
+    :func:`text_acceptance` (no checks here).
+    """
+    cfg = model.cfg
+    mask = None
+    if fr_spec_ids is not None:
+        ids = check_frequency_ranking(fr_spec_ids, cfg.vocab_size)
+        mask = jnp.full((cfg.padded_vocab_size,), -jnp.inf, jnp.float32).at[jnp.asarray(ids)].set(0.0)
+    k = num_draft
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def count(state, batch):
+        m = nnx.merge(graphdef, state)
+        h = m.hidden_states(batch[:, :-1])
+        base = greedy_tokens(m.logits(h))  # position p's greedy token (x_{p+1})
+        agree = []
+        for d, o in enumerate(m.mtp_unrolled(h, batch[:, 1:], k), start=1):
+            lg = m.logits(o)
+            drafts = greedy_tokens(lg if mask is None else lg + mask)  # index r: position r + d - 1, drafts x_{p+2}
+            agree.append(drafts[:, :-1] == base[:, d:])
+        n = agree[-1].shape[1]
+        alive = jnp.cumprod(jnp.stack([a[:, :n] for a in agree], axis=0).astype(jnp.int32), axis=0)  # [k, b, n]
+        return alive.sum(axis=0)
+
+    return np.concatenate([np.asarray(count(state, jnp.asarray(tokens[i:i + batch_size], jnp.int32)))
+                           for i in range(0, len(tokens), batch_size)], axis=0)
+
+
 def processed_logits(logits: jax.Array, params: SamplingParams, vocab_limit: int | None = None) -> jax.Array:
     """float32 ``[..., vocab]`` logits whose softmax is exactly what :func:`sample_tokens` draws from."""
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
