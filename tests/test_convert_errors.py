@@ -96,6 +96,23 @@ def test_export_refuses_out_over_or_inside_the_source(run_copy, capsys, no_param
     _no_leftovers(R.parent)
 
 
+def test_reimport_force_refuses_a_run_trained_on_since(runs, run_copy, capsys):
+    """Noted by a fresh-eyes test: `import hf --force` over an imported run folder deleted checkpoints trained
+    since (an import's manifest lists no files). Now only a folder holding nothing but the import's own files."""
+    (run_copy / "checkpoints" / "7" / "state").mkdir(parents=True)
+    (run_copy / "checkpoints" / "7" / "state" / "x").write_bytes(b"trained")
+    before = _tree(run_copy)
+    err = _one_line_error(capsys, ["import", "hf", str(runs["hf"]), "--out", str(run_copy), "--force"])
+    assert "imported model run with 1 file(s) the import did not write (e.g. checkpoints/7/state/x" in err, err
+    assert _tree(run_copy) == before
+    shutil.rmtree(run_copy / "checkpoints" / "7")
+    (run_copy / "summary.json").write_text("{}")
+    err = _one_line_error(capsys, ["import", "hf", str(runs["hf"]), "--out", str(run_copy), "--force"])
+    assert "(e.g. summary.json" in err, err
+    (run_copy / "summary.json").unlink()
+    assert main(["import", "hf", str(runs["hf"]), "--out", str(run_copy), "--force"]) == 0  # the import alone: replaced
+
+
 def test_export_refuses_out_over_an_explicit_tokenizer(runs, tmp_path, capsys, no_param_loading):
     tok = tmp_path / "tok"
     shutil.copytree(runs["tok"], tok)

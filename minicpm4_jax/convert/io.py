@@ -71,7 +71,7 @@ def _is_nonempty_dir(p: Path) -> bool:
 def _replace_check(out: Path, importing: bool) -> None:
     """With ``--force``: the earlier output in ``out`` may be replaced only if it holds nothing its manifest does
     not list (notes or files added since would be deleted silently), and an imported run folder (checkpoints,
-    possibly trained further) only by another import."""
+    possibly trained further) only by another import, and only while it holds nothing but what its import wrote."""
     try:
         earlier = json.loads((out / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
@@ -81,6 +81,23 @@ def _replace_check(out: Path, importing: bool) -> None:
     if was_import and not importing:
         raise ConvertError(f"output folder {out} holds an imported model run ({earlier.get('format')}), which "
                            "--force does not replace with an export: pick another --out")
+    if was_import:  # only what the import wrote: a run trained on since (new steps, logs) is not replaced
+        step = str(earlier.get("step", 0))
+        tok = set(earlier.get("tokenizer_files") or [])
+
+        def imported(rel: Path) -> bool:
+            parts = rel.parts
+            return (len(parts) == 1 and parts[0] in ("config.json", MANIFEST_NAME)
+                    or parts[0] == "tokenizer" and len(parts) == 2 and parts[1] in tok
+                    or parts[0] == "checkpoints" and len(parts) >= 3 and parts[1] == step)
+
+        extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                       if p.is_file() and not imported(p.relative_to(out)))
+        if extra:
+            raise ConvertError(f"output folder {out} holds an imported model run with {len(extra)} file(s) the import "
+                               f"did not write (e.g. {extra[0]}: trained on since?); --force would delete them: "
+                               "move them away or pick another --out")
+        return
     listed = earlier.get("files") or {}
     if listed:
         extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
