@@ -821,8 +821,9 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.steps <= 0:
         raise ConfigError(f"steps={cfg.steps} must be positive")
-    if not cfg.mtp_loss_weight >= 0:
-        raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0 (the λ of L_NTP + λ·L_MTP)")
+    if not (math.isfinite(cfg.mtp_loss_weight) and cfg.mtp_loss_weight >= 0):
+        raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be a finite number >= 0 (the λ of "
+                          "L_NTP + λ·L_MTP)")
     if not 0.0 <= cfg.mtp_distill <= 1.0:
         raise ConfigError(f"mtp_distill={cfg.mtp_distill} must be in [0, 1] (the KL share of the MTP loss)")
     if not 1 <= cfg.mtp_train_depth < d.seq_len:
@@ -830,6 +831,12 @@ def validate(cfg: TrainConfig) -> None:
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
     if not (math.isfinite(cfg.mtp_feature_weight) and cfg.mtp_feature_weight >= 0):
         raise ConfigError(f"mtp_feature_weight={cfg.mtp_feature_weight} must be a finite number >= 0 (0 = off)")
+    if not cfg.model.mtp:
+        for nm, v, off in (("mtp_distill", cfg.mtp_distill, 0.0), ("mtp_feature_weight", cfg.mtp_feature_weight, 0.0),
+                           ("mtp_train_depth", cfg.mtp_train_depth, 1)):
+            if v != off:
+                raise ConfigError(f"{nm}={v} shapes the MTP draft head, which this run does not have: set "
+                                  f"model.mtp=true or leave {nm} at {off}")
     if not (math.isfinite(o.learning_rate) and o.learning_rate > 0):
         raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0")
     if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):

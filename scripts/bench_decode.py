@@ -261,8 +261,9 @@ def main(argv=None) -> int:
         base_tps = res["results"]["plain"]["tok_s"]
         for name, r in res["results"].items():
             print(f"{name:>28}: {r['tok_s']:7.1f} tok/s  {r['tok_s'] / base_tps:5.2f}x  acceptance "
-                  f"{r['acceptance']:.2f} (mean over documents {r['acceptance_doc_mean']:.2f}; on the held-out text "
-                  f"{r['text_acceptance']:.2f})  identical to plain: {r['identical']}", flush=True)
+                  + (f"{r['acceptance']:.2f} (mean over documents {r['acceptance_doc_mean']:.2f}; on the held-out "
+                     f"text {r['text_acceptance']:.2f})" if name != "plain" else "-") +
+                  f"  identical to plain: {r['identical']}", flush=True)
         spec_rows = res
         tcfg, trained = load_params_for_inference(find_checkpoint_dir(args.checkpoint))
         base = trained.cfg

@@ -175,15 +175,31 @@ def test_text_acceptance_equals_the_decoders_rounds_on_its_own_text():
         text_acceptance(model, text, 0)
     with pytest.raises(ConfigError, match="length > num_draft"):
         text_acceptance(model, text[:, :4], 3)
+    # break test: an out-of-range id made NaN states whose argmaxes "agreed" everywhere (acceptance 4.0 of 4)
+    for bad, msg in ((np.where(np.arange(text.shape[1]) == 9, 6, text), "token id 6 is outside"),
+                     (np.where(np.arange(text.shape[1]) == 9, -1, text), "token id -1 is outside"),
+                     (text.astype(np.float32), "must be integer ids"), (text > 2, "must be integer ids"),
+                     (text[:0], r"rows >= 1"), (np.zeros((1, 130), np.int32), "max_position_embeddings=128")):
+        with pytest.raises(ConfigError, match=msg):
+            text_acceptance(model, bad, 3)
+    for bs in (0, -1, 1.5):
+        with pytest.raises(ConfigError, match="batch_size="):
+            text_acceptance(model, text, 3, batch_size=bs)
 
 
 def test_draft_objectives_bad_values_refused():
     for bad, msg in (("mtp_distill=1.5", "mtp_distill=1.5 must be in"), ("mtp_distill=-0.1", "mtp_distill=-0.1"),
                      ("mtp_feature_weight=-1", "mtp_feature_weight=-1"),
                      ("mtp_feature_weight=.nan", "mtp_feature_weight=nan"), ("mtp_train_depth=0", "mtp_train_depth=0"),
-                     ("mtp_train_depth=99999", "mtp_train_depth=99999 must be in")):
+                     ("mtp_train_depth=99999", "mtp_train_depth=99999 must be in"),
+                     ("mtp_loss_weight=.inf", "mtp_loss_weight=inf must be a finite")):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, [bad])
+    # without the MTP head they would do nothing (and block a later --resume with the defaults): refused
+    for bad in ("mtp_distill=0.5", "mtp_feature_weight=1", "mtp_train_depth=2"):
+        with pytest.raises(ConfigError, match=f"{bad.split('=')[0]}=.* shapes the MTP draft head"):
+            load_config(None, ["model.mtp=false", bad])
+    assert load_config(None, ["model.mtp=true", "mtp_train_depth=2"]).mtp_train_depth == 2
 
 
 def test_model_without_mtp_says_so():

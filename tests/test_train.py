@@ -714,6 +714,12 @@ def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_
     said: list[str] = []
     assert run_training(load_config(None, [*ov, "steps=4"]), resume=True, log=said.append, progress=False)["step"] == 4
     assert any("data.json is missing" in m and "not checked" in m for m in said), said
+    assert not (out / "data.json").exists()  # not re-created from the corpus as it is now
+    for junk in ("[]", "null", '{"corpus_hash": 5}'):  # valid JSON, not a record: a warning, not a traceback
+        (out / "data.json").write_text(junk)
+        said.clear()
+        run_training(load_config(None, [*ov, "steps=4"]), resume=True, log=said.append, progress=False)
+        assert any("data.json is unreadable" in m for m in said), (junk, said)
 
 
 def test_resume_from_a_damaged_checkpoint_is_one_line(corpus, cache_dir, tmp_path, capsys):

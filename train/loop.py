@@ -228,11 +228,14 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
         return
     if not rec.is_file():
         say(f"resume: {rec} is missing (a run started before the record existed, or the file was removed); "
-            "the corpus and tokenizer are not checked against the run's")
+            "the corpus and tokenizer are not checked against the run's (and the record is not re-created)")
         return
     try:
         saved = json.loads(rec.read_text())
     except (OSError, ValueError):
+        saved = None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k, ""), str)
+                                              for k in ("tokenizer_hash", "corpus_hash")):
         say(f"resume: {rec} is unreadable; the corpus is not checked against the run's")
         return
     for key, what in (("tokenizer_hash", "tokenizer"), ("corpus_hash", "corpus under data.sources")):
@@ -349,7 +352,7 @@ def run_training(
         if is_main:
             tok.save(out_dir / "tokenizer")
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
-            if not resume or not (out_dir / _DATA_RECORD).exists():
+            if not resume:  # the record of what the run started with: never rewritten on a resume
                 write_run_data(out_dir, data.manifest)
 
         if mesh.size > 1:

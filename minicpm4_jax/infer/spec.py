@@ -183,7 +183,10 @@ def text_acceptance(model, tokens, num_draft: int, fr_spec_ids=None, batch_size:
     the model itself generated greedily accepts exactly that many drafts (``tests/test_spec.py``), so on the model's
     own output this is the decoder's acceptance averaged over every start position instead of over the positions
     its rounds happened to start at; on held-out human text it measures the draft without the model's generation
-    (repetition loops, which any draft predicts) in the way. One full forward per row.
+    (repetition loops, which any draft predicts) in the way. One full forward per row. The equality holds in
+    float32 and for text no longer than the decoder's ``draft_window`` (default 1024): the chain here attends all
+    earlier positions, and in bfloat16 the cached and the full forward round differently, which flips a few near
+    ties.
 
     Args:
         model: a :class:`~minicpm4_jax.nn.model.MiniCPM4` with its MTP module.
@@ -197,15 +200,29 @@ def text_acceptance(model, tokens, num_draft: int, fr_spec_ids=None, batch_size:
         it accepted) for d = 1..k], "positions": start positions averaged}``.
 
     Raises:
-        ConfigError: no MTP module, ``num_draft < 1``, text too short for ``num_draft``, bad FR-Spec ids.
+        ConfigError: no MTP module, tokens not integer ids of the vocabulary ``[rows >= 1, length]``, rows longer
+            than ``max_position_embeddings + 1``, ``num_draft < 1``, text too short for ``num_draft``, bad FR-Spec
+            ids, ``batch_size < 1``.
     """
     cfg = model.cfg
     if not cfg.mtp:
         raise ConfigError("this model has no MTP module (model.mtp); text acceptance needs the draft")
     toks = np.asarray(tokens)
-    if toks.ndim != 2 or not is_integer(num_draft) or num_draft < 1 or toks.shape[1] <= num_draft + 1:
-        raise ConfigError(f"text_acceptance: tokens {toks.shape} and num_draft={num_draft}: need int [rows, length] "
-                          "with length > num_draft + 1 and num_draft >= 1")
+    if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) or toks.shape[0] == 0:
+        raise ConfigError(f"text_acceptance: tokens must be integer ids [rows >= 1, length] (got {toks.dtype} of "
+                          f"shape {toks.shape}); tokenize text first")
+    if not is_integer(num_draft) or num_draft < 1 or toks.shape[1] <= num_draft + 1:
+        raise ConfigError(f"text_acceptance: tokens {toks.shape} and num_draft={num_draft}: need length > "
+                          "num_draft + 1 and an integer num_draft >= 1")
+    if toks.min() < 0 or toks.max() >= cfg.vocab_size:
+        bad = int(toks.min()) if toks.min() < 0 else int(toks.max())
+        raise ConfigError(f"text_acceptance: token id {bad} is outside the model's vocabulary [0, {cfg.vocab_size}); "
+                          "was the text tokenized with another tokenizer?")
+    if toks.shape[1] - 1 > cfg.max_position_embeddings:
+        raise ConfigError(f"text_acceptance: rows of {toks.shape[1]} tokens exceed the model's "
+                          f"max_position_embeddings={cfg.max_position_embeddings}; cut the text")
+    if not is_integer(batch_size) or batch_size < 1:
+        raise ConfigError(f"text_acceptance: batch_size={batch_size!r} must be an integer >= 1")
     counts = chain_counts(model, toks, int(num_draft), fr_spec_ids, batch_size)  # [rows, n]
     k = int(num_draft)
     surv = np.array([counts.size] + [int((counts >= d).sum()) for d in range(1, k + 1)])
