@@ -454,7 +454,9 @@ class TrainConfig:
     (:func:`~minicpm4_jax.nn.mtp.mtp_feature_loss`; 0 = off). ``mtp_train_depth``: D >= 1 chain depths trained,
     each on the draft's own stand-in states from the depth before (:meth:`~minicpm4_jax.nn.mtp.MTPHead.unrolled`),
     every term above averaged over them (1 = the paper's single-depth MTP). These only shape the draft for
-    speculative decoding.
+    speculative decoding. ``mtp_detach``: the MTP module reads the base's final states without training them
+    (``stop_gradient``; EAGLE's frozen-base draft): the draft's losses then reach the base only through the shared
+    embedding / head. Default false: the paper's joint MTP, whose loss also trains the base.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -480,6 +482,7 @@ class TrainConfig:
     mtp_distill: float = 0.0
     mtp_feature_weight: float = 0.0
     mtp_train_depth: int = 1
+    mtp_detach: bool = False
 
     @property
     def qat_start_step(self) -> int | None:
@@ -833,7 +836,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"mtp_feature_weight={cfg.mtp_feature_weight} must be a finite number >= 0 (0 = off)")
     if not cfg.model.mtp:
         for nm, v, off in (("mtp_distill", cfg.mtp_distill, 0.0), ("mtp_feature_weight", cfg.mtp_feature_weight, 0.0),
-                           ("mtp_train_depth", cfg.mtp_train_depth, 1)):
+                           ("mtp_train_depth", cfg.mtp_train_depth, 1), ("mtp_detach", cfg.mtp_detach, False)):
             if v != off:
                 raise ConfigError(f"{nm}={v} shapes the MTP draft head, which this run does not have: set "
                                   f"model.mtp=true or leave {nm} at {off}")

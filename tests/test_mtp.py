@@ -187,6 +187,32 @@ def test_text_acceptance_equals_the_decoders_rounds_on_its_own_text():
             text_acceptance(model, text, 3, batch_size=bs)
 
 
+def test_mtp_detach_keeps_the_draft_losses_out_of_the_base_layers(tmp_path):
+    """One train step (no global clipping, which couples all gradients): with mtp_detach the base's layers get
+    exactly the update of the next-token loss alone; without it the draft's losses move them too."""
+    from minicpm4_jax.train.step import init_train_state, make_train_step
+
+    batch = jnp.asarray(np.random.default_rng(6).integers(3, 500, (4, 33)), jnp.int32)
+
+    def layers_after_one_step(*extra):
+        cfg = load_config(None, ["model.vocab_size=512", "model.hidden_size=64", "model.intermediate_size=128",
+                                 "model.num_hidden_layers=2", "model.num_attention_heads=4",
+                                 "model.num_key_value_heads=2", "model.max_position_embeddings=64",
+                                 "model.dim_model_base=16", "model.mtp=true", "data.seq_len=32", "data.tokenizer_vocab_size=512",
+                                 "optimizer.grad_clip=0", "optimizer.warmup_steps=1", "mtp_feature_weight=1",
+                                 f"out_dir={tmp_path}", *extra])
+        graphdef, state = init_train_state(cfg, 0)
+        state, m = make_train_step(cfg, graphdef)(state, batch)
+        assert np.isfinite(float(m["mtp_loss"])) and np.isfinite(float(m["loss"]))
+        return [np.asarray(x) for x in jax.tree.leaves(state.params["layers"])]
+
+    ntp_only = layers_after_one_step("mtp_loss_weight=0", "mtp_feature_weight=0")
+    detached = layers_after_one_step("mtp_detach=true")
+    joint = layers_after_one_step()
+    assert all(np.array_equal(a, b) for a, b in zip(detached, ntp_only))
+    assert not all(np.array_equal(a, b) for a, b in zip(joint, ntp_only))
+
+
 def test_draft_objectives_bad_values_refused():
     for bad, msg in (("mtp_distill=1.5", "mtp_distill=1.5 must be in"), ("mtp_distill=-0.1", "mtp_distill=-0.1"),
                      ("mtp_feature_weight=-1", "mtp_feature_weight=-1"),
@@ -196,7 +222,7 @@ def test_draft_objectives_bad_values_refused():
         with pytest.raises(ConfigError, match=msg):
             load_config(None, [bad])
     # without the MTP head they would do nothing (and block a later --resume with the defaults): refused
-    for bad in ("mtp_distill=0.5", "mtp_feature_weight=1", "mtp_train_depth=2"):
+    for bad in ("mtp_distill=0.5", "mtp_feature_weight=1", "mtp_train_depth=2", "mtp_detach=true"):
         with pytest.raises(ConfigError, match=f"{bad.split('=')[0]}=.* shapes the MTP draft head"):
             load_config(None, ["model.mtp=false", bad])
     assert load_config(None, ["model.mtp=true", "mtp_train_depth=2"]).mtp_train_depth == 2

@@ -215,10 +215,12 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
         # token loss whatever the objective (depth 1: the paper's MTP loss)
         targets = batch[:, 1:]
         depth = cfg.mtp_train_depth
+        # mtp_detach: the draft reads the base's states without training them (EAGLE's frozen-base draft)
+        h_mtp = jax.lax.stop_gradient(hidden) if cfg.mtp_detach else hidden
         if depth == 1:
-            feats_by_depth = [model.mtp_features(hidden, targets, activation_sharding=act_sh)]
+            feats_by_depth = [model.mtp_features(h_mtp, targets, activation_sharding=act_sh)]
         else:  # the chain's later drafts too, each on its own stand-in states (MTPHead.unrolled)
-            feats_by_depth = model.mtp_unrolled(hidden, targets, depth, activation_sharding=act_sh)
+            feats_by_depth = model.mtp_unrolled(h_mtp, targets, depth, activation_sharding=act_sh)
         aux = {**stats, "loss": ntp}
         m_obj = kl = feat = 0.0
         for d, feats in enumerate(feats_by_depth, start=1):
