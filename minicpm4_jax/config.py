@@ -443,6 +443,17 @@ class QATConfig:
     continue_data: bool = True
 
 
+# TrainConfig fields that shape only the MTP draft head (no effect without model.mtp)
+MTP_DRAFT_FIELDS = {"mtp_distill": 0.0, "mtp_feature_weight": 0.0, "mtp_train_depth": 1, "mtp_detach": False}
+
+
+def inactive_draft_options(cfg: "TrainConfig") -> list[str]:
+    """``name=value`` of the draft options set away from their defaults in a run without ``model.mtp``."""
+    if cfg.model.mtp:
+        return []
+    return [f"{k}={getattr(cfg, k)}" for k, off in MTP_DRAFT_FIELDS.items() if getattr(cfg, k) != off]
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """A whole training run.
@@ -454,7 +465,8 @@ class TrainConfig:
     (:func:`~minicpm4_jax.nn.mtp.mtp_feature_loss`; 0 = off). ``mtp_train_depth``: D >= 1 chain depths trained,
     each on the draft's own stand-in states from the depth before (:meth:`~minicpm4_jax.nn.mtp.MTPHead.unrolled`),
     every term above averaged over them (1 = the paper's single-depth MTP). These only shape the draft for
-    speculative decoding. ``mtp_detach``: the MTP module reads the base's final states without training them
+    speculative decoding; without ``model.mtp`` they do nothing (the training log says so) and a resume ignores
+    them (:data:`MTP_DRAFT_FIELDS`). ``mtp_detach``: the MTP module reads the base's final states without training them
     (``stop_gradient``; EAGLE's frozen-base draft): the draft's losses then reach the base only through the shared
     embedding / head. Default false: the paper's joint MTP, whose loss also trains the base.
     """
@@ -834,12 +846,6 @@ def validate(cfg: TrainConfig) -> None:
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
     if not (math.isfinite(cfg.mtp_feature_weight) and cfg.mtp_feature_weight >= 0):
         raise ConfigError(f"mtp_feature_weight={cfg.mtp_feature_weight} must be a finite number >= 0 (0 = off)")
-    if not cfg.model.mtp:
-        for nm, v, off in (("mtp_distill", cfg.mtp_distill, 0.0), ("mtp_feature_weight", cfg.mtp_feature_weight, 0.0),
-                           ("mtp_train_depth", cfg.mtp_train_depth, 1), ("mtp_detach", cfg.mtp_detach, False)):
-            if v != off:
-                raise ConfigError(f"{nm}={v} shapes the MTP draft head, which this run does not have: set "
-                                  f"model.mtp=true or leave {nm} at {off}")
     if not (math.isfinite(o.learning_rate) and o.learning_rate > 0):
         raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0")
     if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):

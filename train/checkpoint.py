@@ -40,7 +40,8 @@ from typing import Any, Iterator
 
 import jax
 
-from minicpm4_jax.config import ConfigError, TrainConfig, config_from_dict, config_to_dict, diff_configs
+from minicpm4_jax.config import (MTP_DRAFT_FIELDS, ConfigError, TrainConfig, config_from_dict, config_to_dict,
+                                 diff_configs)
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of", "sharded_abstract_state",
            "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "params_all_finite",
@@ -95,6 +96,8 @@ def _field_of(diff: str) -> str:
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
     """``(allowed, refused)`` differences (``"name: checkpoint value != current value"``) for a resume."""
     diffs = diff_configs(saved, current)
+    if not saved.model.mtp and not current.model.mtp:  # the draft's options changed nothing in such a run
+        diffs = [d for d in diffs if _field_of(d) not in MTP_DRAFT_FIELDS]
     allowed = [d for d in diffs if _field_of(d) in RESUME_MAY_CHANGE]
     refused = [d for d in diffs if _field_of(d) not in RESUME_MAY_CHANGE]
     return allowed, refused

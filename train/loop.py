@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict
+from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict, inactive_draft_options
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, params_all_finite, sharded_abstract_state)
@@ -336,6 +336,9 @@ def run_training(
 
             init_src = resolve_init(cfg)
 
+        if inactive_draft_options(cfg):
+            say(f"model.mtp=false: {', '.join(inactive_draft_options(cfg))} shape the MTP draft head, which this run "
+                "does not have; they have no effect")
         data_api = _data_api()
         data = data_api.prepare_data(cfg.data, log=say)
         tok = data.tokenizer
