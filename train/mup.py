@@ -43,7 +43,8 @@ def coord_check_config(width: int, *, mup: bool, base_width: int = 64, head_dim:
         f"model.hidden_size={width}", f"model.intermediate_size={2 * width}", f"model.num_hidden_layers={layers}",
         f"model.num_attention_heads={heads}", f"model.num_key_value_heads={max(1, heads // 2)}",
         f"model.head_dim={head_dim}", "model.rope_scaling=null", f"model.vocab_size={vocab}", f"data.tokenizer_vocab_size={vocab}",
-        f"model.dim_model_base={base_width if mup else width}", "model.mtp=false", "model.dtype=float32",
+        f"model.dim_model_base={base_width if mup else width}", "model.mtp=false", "mtp_feature_weight=0",
+        "mtp_detach=false", "model.dtype=float32",
         f"optimizer.mup={'true' if mup else 'false'}", f"optimizer.learning_rate={lr}", "optimizer.warmup_steps=0",
         "optimizer.decay_fraction=0.0", "optimizer.weight_decay=0.0", "optimizer.grad_clip=0.0",
         f"data.seq_len={seq_len}", f"data.batch_size={batch_size}", f"steps={steps}"])
