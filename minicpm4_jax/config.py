@@ -464,11 +464,11 @@ class TrainConfig:
     token loss alone). ``mtp_feature_weight``: β of ``+ β·SmoothL1(o_i, h_{i+1})``, EAGLE-1's feature regression
     (:func:`~minicpm4_jax.nn.mtp.mtp_feature_loss`; 0 = off). ``mtp_train_depth``: D >= 1 chain depths trained,
     each on the draft's own stand-in states from the depth before (:meth:`~minicpm4_jax.nn.mtp.MTPHead.unrolled`),
-    every term above averaged over them (1 = the paper's single-depth MTP). These only shape the draft for
-    speculative decoding; without ``model.mtp`` they do nothing (the training log says so) and a resume ignores
-    them (:data:`MTP_DRAFT_FIELDS`). ``mtp_detach``: the MTP module reads the base's final states without training them
-    (``stop_gradient``; EAGLE's frozen-base draft): the draft's losses then reach the base only through the shared
-    embedding / head. Default false: the paper's joint MTP, whose loss also trains the base.
+    every term above averaged over them (1 = the paper's single-depth MTP). ``mtp_detach``: the MTP module reads
+    the base's final states without training them (``stop_gradient``; EAGLE's frozen-base draft): the draft's losses
+    then reach the base only through the shared embedding / head (default false: the paper's joint MTP, whose loss
+    also trains the base). These four only shape the draft for speculative decoding; without ``model.mtp`` they do
+    nothing (the training log says so) and a resume ignores them (:data:`MTP_DRAFT_FIELDS`).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -180,7 +180,7 @@ def text_acceptance(model, tokens, num_draft: int, fr_spec_ids=None, batch_size:
     with the text's own tokens as the drafted ones (:meth:`~minicpm4_jax.nn.model.MiniCPM4.mtp_unrolled`, which
     attends exactly what the engine's draft cache holds); draft ``d`` counts while it and all before it equal the
     base model's greedy token at its position. A round of :class:`SpeculativeDecoder` that starts at ``s`` in text
-    the model itself generated greedily accepts exactly that many drafts (``tests/test_spec.py``), so on the model's
+    the model itself generated greedily accepts exactly that many drafts (``tests/test_mtp.py``), so on the model's
     own output this is the decoder's acceptance averaged over every start position instead of over the positions
     its rounds happened to start at; on held-out human text it measures the draft without the model's generation
     (repetition loops, which any draft predicts) in the way. One full forward per row. The equality holds in
