@@ -211,8 +211,7 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
         if not mtp:
             return ntp, stats
         # L = L_NTP + λ·L_MTP (spec §3.4), L_MTP averaged over the trained chain depths; the reported "loss" stays
-        # the next-token loss, "mtp_loss" the depth-1 MTP
-        # token loss whatever the objective (depth 1: the paper's MTP loss)
+        # the next-token loss and "mtp_loss" the depth-1 MTP token loss (the paper's) whatever the objective
         targets = batch[:, 1:]
         depth = cfg.mtp_train_depth
         # mtp_detach: the draft reads the base's states without training them (EAGLE's frozen-base draft)
