@@ -443,17 +443,6 @@ class QATConfig:
     continue_data: bool = True
 
 
-# TrainConfig fields that shape only the MTP draft head (no effect without model.mtp)
-MTP_DRAFT_FIELDS = {"mtp_distill": 0.0, "mtp_feature_weight": 0.0, "mtp_train_depth": 1, "mtp_detach": False}
-
-
-def inactive_draft_options(cfg: "TrainConfig") -> list[str]:
-    """``name=value`` of the draft options set away from their defaults in a run without ``model.mtp``."""
-    if cfg.model.mtp:
-        return []
-    return [f"{k}={getattr(cfg, k)}" for k, off in MTP_DRAFT_FIELDS.items() if getattr(cfg, k) != off]
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """A whole training run.
@@ -509,6 +498,18 @@ class TrainConfig:
         if not self.qat.enabled:
             return 0
         return int(round(self.qat.token_share * self.steps))
+
+
+# TrainConfig fields that shape only the MTP draft head (no effect without model.mtp), with their "off" defaults
+MTP_DRAFT_FIELDS = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                    if f.name in ("mtp_distill", "mtp_feature_weight", "mtp_train_depth", "mtp_detach")}
+
+
+def inactive_draft_options(cfg: TrainConfig) -> list[str]:
+    """``name=value`` of the draft options set away from their defaults in a run without ``model.mtp``."""
+    if cfg.model.mtp:
+        return []
+    return [f"{k}={getattr(cfg, k)}" for k, off in MTP_DRAFT_FIELDS.items() if getattr(cfg, k) != off]
 
 
 # ------------------------------------------------------------------------------------------------

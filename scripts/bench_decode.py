@@ -185,8 +185,10 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     val = np.asarray(data.val_tokens)
     eos = data.tokenizer.eos_id
     starts = [0] + [int(i) + 1 for i in np.flatnonzero(val == eos)]
-    prompts = [val[s_:s_ + prompt_len].tolist() for s_ in starts
-               if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs]
+    # each document's first prompt_len + gen_len held-out tokens: the prompt, then the text it continues
+    texts = np.asarray([val[s_:s_ + prompt_len + gen_len] for s_ in starts
+                        if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs])
+    prompts = [t[:prompt_len].tolist() for t in texts]
     eng = InferenceEngine(model)
     variants = {"plain": None, f"spec k={k}": SpeculativeDecoder(eng, model.mtp, num_draft=k)}
     if fr_vocab:
@@ -195,8 +197,6 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
                                                                          fr_spec_ids=ids)
     # the draft on the held-out text itself (teacher-forced, every start position; text_acceptance): what the
     # acceptance would be without the model's own generation (its repetition loops) in the way
-    texts = np.asarray([val[s_:s_ + prompt_len + gen_len] for s_ in starts
-                        if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs])
     text_acc = {f"spec k={k}": text_acceptance(model, texts, k)}
     if fr_vocab:
         text_acc[f"spec k={k} + FR-Spec {fr_vocab}"] = text_acceptance(model, texts, k, ids)

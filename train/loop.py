@@ -336,9 +336,10 @@ def run_training(
 
             init_src = resolve_init(cfg)
 
-        if inactive_draft_options(cfg):
-            say(f"model.mtp=false: {', '.join(inactive_draft_options(cfg))} shape the MTP draft head, which this run "
-                "does not have; they have no effect")
+        inactive = inactive_draft_options(cfg)
+        if inactive:
+            say(f"model.mtp=false: {', '.join(inactive)} shape the MTP draft head, which this run does not have; "
+                "they have no effect")
         data_api = _data_api()
         data = data_api.prepare_data(cfg.data, log=say)
         tok = data.tokenizer
