@@ -37,6 +37,8 @@ CASES = [
     (2, 4, 1, 16, 16, 10, 4, 11, 0, 2, 11),   # MHA, generic head_dim, four tokens (a verify chunk)
     (1, 2, 3, 64, 32, 8, 1, 9, 0, 0, 9),      # gen-1 style: no forced blocks, every pick gathered
     (2, 1, 2, 128, 64, 6, 3, 0, 1, 2, 0),     # no picks at all: init + window only
+    (2, 2, 4, 64, 32, 9, 1, 7, 1, 2, 5),      # group of 4 (two head pairs over each value row)
+    (1, 3, 1, 128, 16, 11, 2, 6, 1, 1, 6),    # MHA at head_dim 128 (one head per value row)
 ]
 
 
@@ -71,11 +73,12 @@ def test_native_dense_decode_matches_reference(case):
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=f"{window}")
 
 
-@pytest.mark.parametrize("g,d,t", [(2, 64, 4), (2, 64, 8), (4, 128, 4), (16, 128, 2), (3, 32, 5), (1, 16, 3)])
+@pytest.mark.parametrize("g,d,t", [(2, 64, 4), (2, 64, 8), (4, 128, 4), (16, 128, 2), (3, 32, 5), (1, 16, 3),
+                                   (2, 64, 2), (1, 128, 2)])
 def test_native_dense_decode_of_several_tokens_matches_reference(g, d, t):
     """Several tokens per sequence (a verify chunk) attend as one group of token x head rows, each masked after
-    its own position: vectorised (8 / 16 rows) and generic groups, positions in any order, repeated, in other
-    blocks, inactive tokens between active ones, a sequence with none active."""
+    its own position: vectorised (8 / 16 rows over the heads, 2 / 4 over the keys) and generic groups, positions
+    in any order, repeated, in other blocks, inactive tokens between active ones, a sequence with none active."""
     rng = np.random.default_rng(1000 + g * t + d)
     b, nkv, bs, nb = 3, 2, 16, 6
     q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
@@ -127,6 +130,8 @@ SELECT_CASES = [
     # equal keys: every kernel scores the same, so the top-k is decided by the tie rule (lower block first)
     ("gen2", 32, 16, 32, 32, 3, 1, 2, 2, 16, 16, 1, False, (None, 300), "constant"),
     ("gen1", 32, 16, 32, 32, 3, 0, 1, 4, 16, 16, 2, False, (None,), "constant"),
+    ("gen2", 64, 16, 32, 64, 3, 1, 2, 2, 64, 24, 1, False, (None, 700), "constant"),  # ties, 16-row dot products
+    ("gen2", 32, 16, 32, 64, 4, 1, 1, 4, 128, 22, 2, False, (None, 150), "random"),  # head_dim 128, group of 4
 ]
 
 
@@ -300,3 +305,47 @@ def test_short_cache_and_wide_gather_match_between_kernel_and_reference(t):
     win = sparse_decode_attention(q, kc, vc, idx, q_positions=pos, block_size=64, window_blocks=33, init_blocks=1)
     np.testing.assert_allclose(np.asarray(win), np.asarray(dense_decode_attention(q, kc, vc, q_positions=pos)),
                                atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_calls_large_enough_for_the_thread_pool_equal_reference(b):
+    """A cache large enough that the calls run on the pool's threads (the other tests' caches stay under the
+    single-thread threshold): selection, sparse stage 2, dense and windowed decode and the logsumexp all equal
+    the references, and an inactive sequence stays zero."""
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+
+    rng = np.random.default_rng(40 + b)
+    nkv, g, d, bs, cap = 2, 2, 64, 64, 4096  # 2 x 2 x 64 x 4096 values: above the single-thread threshold
+    p = select_params(SparseConfig(kernel_size=32, kernel_stride=16, block_size=bs, window_size=512, topk=24,
+                                   init_blocks=1, variant="gen2", dense_len=-1))
+    init_b, win_b, width = stage2_forced_split(p, p.topk_cfg)
+    k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
+    kc, vc = k.transpose(0, 2, 1, 3), jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    ck1, ck2 = compress_keys(k, 32, 16), compress_keys(k, *coarse_geometry(32, 16))
+    q = jnp.asarray(rng.standard_normal((b, 1, nkv * g, d)), jnp.float32)
+    pos = jnp.asarray([[cap - 1], [-1]][:b], jnp.int32)  # the second sequence inactive
+    sel = select_blocks_compressed(q, ck1, ck2, q_positions=pos, params=p, num_blocks=cap // bs,
+                                   kv_len=jnp.max(pos, axis=1) + 1, q_tile=1)
+    kw = dict(q_positions=pos, block_size=bs, window_blocks=win_b, init_blocks=init_b, gather_width=width)
+    ref = sparse_decode_attention(q, kc, vc, sel.topk_idx, **kw)
+    out, idx = native.select_decode_attention(q, kc, vc, ck1, ck2, q_positions=pos, params=p, init_blocks=init_b,
+                                              window_blocks=win_b, gather_width=width)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    got = native.decode_attention(q, kc, vc, sel.topk_idx, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    got, lse = native.decode_attention(q, kc, vc, sel.topk_idx, return_lse=True, **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    assert np.all(np.isfinite(np.asarray(lse)[0])) and (b == 1 or np.all(np.asarray(lse)[1] == -np.inf))
+    dense = dense_decode_attention(q, kc, vc, q_positions=pos)
+    np.testing.assert_allclose(np.asarray(native.dense_decode_attention(q, kc, vc, q_positions=pos, block_size=bs)),
+                               np.asarray(dense), atol=2e-6, rtol=1e-5)
+    for window in (100, 2048):
+        ref_w = dense_decode_attention(q[:, 0], kc, vc, q_positions=pos[:, 0], window=window)
+        got_w = native.dense_decode_attention(q[:, 0], kc, vc, q_positions=pos[:, 0], window=window, block_size=bs)
+        np.testing.assert_allclose(np.asarray(got_w), np.asarray(ref_w), atol=2e-6, rtol=1e-5)
+    if b == 2:
+        assert np.all(np.asarray(out)[1] == 0.0)

@@ -153,6 +153,62 @@ inline void prefetch_rows(const float* kb, const float* vb, int64_t r0, int64_t 
   }
 }
 
+// Lane j of the result = the sum of v[j]'s 16 lanes: a 16 x 16 transpose-and-add in four levels of shuffles (lanes
+// k and k + 8, then k and k + 4, k and k + 2, k and k + 1), the lanes left in bit-reversed row order and put back
+// by one last shuffle. Every row is summed by the same tree whatever its index, so equal rows give equal sums.
+inline Vec<16>::F hsum16x16(const Vec<16>::F* v) {
+  using F = Vec<16>::F;
+  F a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const F d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+              __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// The 16-lane partial products of q . row (D floats, D a multiple of 16), accumulated in a fixed order.
+template <int D>
+inline Vec<16>::F row_partials(const Vec<16>::F* qv, const float* row) {
+  Vec<16>::F a = qv[0] * vload<16>(row);
+#pragma GCC unroll 8
+  for (int c = 1; c < D / 16; ++c) a += qv[c] * vload<16>(row + 16 * c);
+  return a;
+}
+
+// Lane r of the result = q . rows[r] for the m <= 16 rows of D floats (strided by `stride` floats; lanes r >= m
+// are 0 and their rows are not read): row_partials, then hsum16x16. The dot products of the small groups
+// (G <= 4) and of stage 1's compressed keys, where each (row, head) had been summed by a 16-step scalar chain.
+// pk / pv (nullable): the rows of another block to prefetch, row r's lines after row r's products.
+template <int D>
+inline Vec<16>::F dot16(const float* q, const float* rows, int64_t stride, int64_t m, const float* pk = nullptr,
+                        const float* pv = nullptr) {
+  using F = Vec<16>::F;
+  F qv[D / 16];
+#pragma GCC unroll 8
+  for (int c = 0; c < D / 16; ++c) qv[c] = vload<16>(q + 16 * c);
+  F acc[16];
+  if (m == 16) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      acc[r] = row_partials<D>(qv, rows + r * stride);
+      if (pk != nullptr) prefetch_rows(pk, pv, r, r + 1, D);
+    }
+  } else {
+    for (int r = 0; r < 16; ++r) {
+      acc[r] = r < m ? row_partials<D>(qv, rows + r * stride) : F{};
+      if (pk != nullptr) prefetch_rows(pk, pv, r, r + 1, D);
+    }
+  }
+  return hsum16x16(acc);
+}
+
 // Scores of one block, stored [key, head], scaled: G query heads (transposed, pre-scaled: qt [D, G]) against
 // n key rows, vectorised over the heads, 4 keys at a time so each q column is loaded once per 4 keys.
 template <int G, int D>
@@ -317,6 +373,105 @@ inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* 
   }
 }
 
+// f(j, m, v) for the 16-lane chunks of x[0 .. n) (the last one padded with `pad`).
+template <typename Fn>
+inline void for_chunks_padded(const float* x, int64_t n, float pad, Fn f) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j);
+    Vec<16>::F v;
+    if (m == 16) {
+      v = vload<16>(x + j);
+    } else {
+      float buf[16];
+      for (int i = 0; i < 16; ++i) buf[i] = i < m ? x[j + i] : pad;
+      v = vload<16>(buf);
+    }
+    f(j, m, v);
+  }
+}
+
+// Small groups (G <= 4, the cpu_tiny / MiniCPM4-0.5B-like layouts): scores stored head-major s[h * bs + i], 16
+// keys of one head per dot16 (the 16-lane partial products of a key row summed by one transposed reduction instead
+// of one scalar chain per key and head); qs [G, D] the pre-scaled query rows.
+template <int G, int D>
+inline void scores_keys_inner(const float* qs, const float* kb, int64_t n, float* s, int64_t bs, const float* pk,
+                              const float* pv) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i);
+#pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) {  // the first head's pass prefetches the next block's rows i .. i + 15
+      const float* pki = h == 0 && pk != nullptr ? pk + i * D : nullptr;
+      const Vec<16>::F out = dot16<D>(qs + h * D, kb + i * D, D, m, pki, pki == nullptr ? nullptr : pv + i * D);
+      if (m == 16) {
+        vstore<16>(s + h * bs + i, out);
+      } else {
+        for (int64_t r = 0; r < m; ++r) s[h * bs + i + r] = out[r];
+      }
+    }
+  }
+}
+
+// Online-softmax update of each head over its n scores s[h * bs + i] (16 keys per vector), then the value
+// products one or two heads at a time, each value row loaded once per pair (as softmax_heads_inner).
+template <int G, int D>
+inline void softmax_keys_inner(float* s, int64_t bs, int64_t n, float* m, float* l, float* acc, const float* vb) {
+  static_assert(G == 1 || G % 2 == 0, "heads one or two at a time");
+  using F = Vec<16>::F;
+  float alpha[G];
+  for (int h = 0; h < G; ++h) {
+    float* sh = s + h * bs;
+    F mv = F{} - INFINITY;
+    for_chunks_padded(sh, n, -INFINITY, [&](int64_t, int64_t, F v) { mv = v > mv ? v : mv; });
+    float mx = m[h];
+    for (int i = 0; i < 16; ++i) mx = std::max(mx, mv[i]);
+    alpha[h] = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
+    const float base = mx == -INFINITY ? 0.0f : mx;  // 0 while a row has seen only masked (-inf) scores
+    F sum = F{};
+    for_chunks_padded(sh, n, -INFINITY, [&](int64_t j, int64_t cnt, F x) {
+      F e = vexp_nonpositive<16>(x - base);
+      e = x == -INFINITY ? F{} : e;  // masked keys (and the padding lanes) weigh exactly 0
+      sum += e;
+      if (cnt == 16) {
+        vstore<16>(sh + j, e);
+      } else {
+        for (int64_t r = 0; r < cnt; ++r) sh[j + r] = e[r];
+      }
+    });
+    float total = 0.0f;
+    for (int i = 0; i < 16; ++i) total += sum[i];
+    l[h] = l[h] * alpha[h] + total;
+    m[h] = mx;
+  }
+  constexpr int C = D / 16;
+  constexpr int P = G == 1 ? 1 : 2;
+  for (int h = 0; h < G; h += P) {
+    F a0[C], a1[C];
+    float* r0 = acc + h * D;
+    float* r1 = r0 + D;
+    const float* p0 = s + h * bs;
+    const float* p1 = p0 + bs;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      a0[c] = vload<16>(r0 + 16 * c) * alpha[h];
+      if constexpr (P == 2) a1[c] = vload<16>(r1 + 16 * c) * alpha[h + 1];
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = vb + i * D;
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const F v = vload<16>(vr + 16 * c);
+        a0[c] += p0[i] * v;
+        if constexpr (P == 2) a1[c] += p1[i] * v;
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      vstore<16>(r0 + 16 * c, a0[c]);
+      if constexpr (P == 2) vstore<16>(r1 + 16 * c, a1[c]);
+    }
+  }
+}
+
 // One (sequence, KV head, token): the g query heads of the group over the listed blocks. G / D are the
 // group size / head_dim when known at compile time (0 = use g / d).
 template <int G, int D>
@@ -329,10 +484,11 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
   w.l.assign(g, 0.0f);
   w.s.resize(g * bs);
   w.p.resize(bs);
+  constexpr bool kSmall = G > 0 && G <= 4 && D > 0;  // head-major scores (scores_keys_inner)
   if (G) {
     w.qt.resize(d * g);
     for (int64_t h = 0; h < g; ++h)
-      for (int64_t e = 0; e < d; ++e) w.qt[e * g + h] = q[h * d + e] * geo.scale;
+      for (int64_t e = 0; e < d; ++e) w.qt[kSmall ? h * d + e : e * g + h] = q[h * d + e] * geo.scale;
   }
   float* acc = w.acc.data();
   float* s = w.s.data();
@@ -354,7 +510,10 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
       pk = kc + static_cast<int64_t>(blocks[j + geo.prefetch_blocks]) * bs * d;
       pv = vc + (pk - kc);
     }
-    if constexpr (G > 0 && D > 0) {
+    if constexpr (kSmall) {
+      scores_keys_inner<G, D>(w.qt.data(), kb, n, s, bs, pk, pv);
+      prefetch_rows(pk, pv, (n + 15) / 16 * 16, bs, d);  // rows the 16-key chunks did not cover
+    } else if constexpr (G > 0 && D > 0) {
       scores_heads_inner<G, D>(w.qt.data(), kb, n, s, pk, pv);
       prefetch_rows(pk, pv, n - n % 8, bs, d);  // rows the 8-key chunks did not cover
     } else {
@@ -364,8 +523,10 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
     if (head_pos != nullptr && lo + n - 1 > head_min)  // rows of earlier tokens: mask the slots after theirs
       for (int64_t i = 0; i < n; ++i)
         for (int64_t h = 0; h < g; ++h)
-          if (lo + i > head_pos[h]) s[i * g + h] = -INFINITY;
-    if constexpr (G > 0 && D > 0) {
+          if (lo + i > head_pos[h]) s[kSmall ? h * bs + i : i * g + h] = -INFINITY;
+    if constexpr (kSmall) {
+      softmax_keys_inner<G, D>(s, bs, n, w.m.data(), w.l.data(), acc, vb);
+    } else if constexpr (G > 0 && D > 0) {
       softmax_heads_inner<G, D>(s, n, w.m.data(), w.l.data(), acc, vb);
     } else {
       for (int64_t h = 0; h < g; ++h) {
@@ -404,11 +565,17 @@ AttendFn pick_attend(int64_t g, int64_t d) {
   if (d == 128) {
     if (g == 16) return attend<16, 128>;
     if (g == 8) return attend<8, 128>;
+    if (g == 4) return attend<4, 128>;
+    if (g == 2) return attend<2, 128>;
+    if (g == 1) return attend<1, 128>;
     return attend<0, 128>;
   }
   if (d == 64) {
     if (g == 16) return attend<16, 64>;
     if (g == 8) return attend<8, 64>;
+    if (g == 4) return attend<4, 64>;
+    if (g == 2) return attend<2, 64>;
+    if (g == 1) return attend<1, 64>;
     return attend<0, 64>;
   }
   return attend<0, 0>;
@@ -434,8 +601,29 @@ inline int64_t visible_kernels(int64_t pos, int64_t ks, int64_t st, int64_t n) {
 
 // z[h * ld + j] = scale * q_h . ck[j] for the g heads of q ([g, d]) and j < count (ck rows strided by
 // row_stride floats): one pass over the rows, each row read once for all heads, a few rows prefetched ahead.
+// D > 0 (head_dim 64 / 128): 16 rows at a time per head (dot16); D = 0: one dot product per (row, head).
+template <int D>
 void group_logits(const float* q, int64_t g, int64_t d, const float* ck, int64_t row_stride, int64_t count,
                   float scale, float* z, int64_t ld) {
+  if constexpr (D > 0) {
+    constexpr int64_t kAhead = 32;  // rows prefetched ahead: two chunks
+    for (int64_t j = 0; j < count; j += 16) {
+      const int64_t m = std::min<int64_t>(16, count - j);
+      for (int64_t r = j + kAhead; r < std::min(j + kAhead + 16, count); ++r) {
+        const char* next = reinterpret_cast<const char*>(ck + r * row_stride);
+        for (int64_t o = 0; o < D * 4; o += 64) __builtin_prefetch(next + o);
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        const Vec<16>::F out = dot16<D>(q + h * D, ck + j * row_stride, row_stride, m) * scale;
+        if (m == 16) {
+          vstore<16>(z + h * ld + j, out);
+        } else {
+          for (int64_t i = 0; i < m; ++i) z[h * ld + j + i] = out[i];
+        }
+      }
+    }
+    return;
+  }
   constexpr int64_t kAhead = 8;
   for (int64_t j = 0; j < count; ++j) {
     if (j + kAhead < count) {
@@ -513,11 +701,12 @@ int64_t select_blocks(const float* q, int64_t g, int64_t d, const float* ck1, in
   w.z.resize(g * std::max<int64_t>(nc1, nc2));
   float* z = w.z.data();
   w.m.resize(g);  // each head's log-sum-exp
+  const auto logits = d == 64 ? group_logits<64> : d == 128 ? group_logits<128> : group_logits<0>;
   if (sg.variant == 2) {  // gen-2: the LSE over the coarse kernels
-    group_logits(q, g, d, ck2, row_stride, cnt2, sg.scale, z, cnt2);
+    logits(q, g, d, ck2, row_stride, cnt2, sg.scale, z, cnt2);
     for (int64_t h = 0; h < g; ++h) w.m[h] = log_sum_exp(z + h * cnt2, cnt2);
   }
-  group_logits(q, g, d, ck1, row_stride, cnt1, sg.scale, z, cnt1);
+  logits(q, g, d, ck1, row_stride, cnt1, sg.scale, z, cnt1);
   if (sg.variant != 2)
     for (int64_t h = 0; h < g; ++h) w.m[h] = log_sum_exp(z + h * cnt1, cnt1);
   float* score = w.score.data();
