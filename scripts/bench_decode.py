@@ -1,7 +1,7 @@
 """Decode speed of the KV-cache engine at long contexts: dense against InfLLM v2 sparse (issue 9).
 
 One model (default: the ``cpu_tiny`` architecture, random weights, max positions raised to fit the longest
-context), batch 1, fp32, CPU. For each context length ``N`` the cache is filled **synthetically** with
+context), batch 1 (``--batch``), fp32, CPU. For each context length ``N`` the cache is filled **synthetically** with
 random post-RoPE keys and values (and the compressed keys computed from them with
 :func:`~minicpm4_jax.infllm.compress.compress_keys`, exactly what prefill would store), because a real
 prefill of 32K tokens costs minutes and does not change what a decode step does: every step still runs the
@@ -42,6 +42,10 @@ Run::
     .venv/bin/python scripts/bench_decode.py                               # 4K, 16K, 32K, random weights
     .venv/bin/python scripts/bench_decode.py --checkpoint runs/cpu_tiny --fr-spec-vocab 2048   # + speculative
     .venv/bin/python scripts/bench_decode.py --lengths 4096 8192 --steps 16 --rounds 3 --json out.json
+    .venv/bin/python scripts/bench_decode.py --lengths 32768 --batch 4   # 4 sequences per step
+
+With ``--batch B`` every step decodes B sequences of the same length (tok/s counts all of them): the weights are
+read once per step for all B, so the "+weights" bound moves towards the KV-only one.
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ from minicpm4_jax.infllm.select import select_params
 from minicpm4_jax.nn.model import MiniCPM4
 
 
-def synthetic_cache(cfg, n: int, capacity: int, seed: int) -> KVCache:
-    """A cache holding ``n`` tokens of random keys/values (and their compressed keys for InfLLM v2)."""
-    cache = init_cache(cfg, 1, capacity)
+def synthetic_cache(cfg, n: int, capacity: int, seed: int, batch: int = 1) -> KVCache:
+    """A cache of ``batch`` sequences holding ``n`` tokens each of random keys/values (and their compressed keys
+    for InfLLM v2)."""
+    cache = init_cache(cfg, batch, capacity)
     key = jax.random.key(seed)
     layers = []
     for lc in cache.layers:
@@ -88,12 +93,13 @@ def synthetic_cache(cfg, n: int, capacity: int, seed: int) -> KVCache:
                 c2 = compress_keys(kk, *coarse_geometry(sc.kernel_size, sc.kernel_stride))
                 new.ck2 = lc.ck2.at[:, :c2.shape[1]].set(c2)
         layers.append(new)
-    return KVCache(layers=tuple(layers), lengths=jnp.full((1,), n, jnp.int32))
+    return KVCache(layers=tuple(layers), lengths=jnp.full((batch,), n, jnp.int32))
 
 
-def bound(cfg, n: int, weight_bytes: int = 0) -> float:
+def bound(cfg, n: int, weight_bytes: float = 0) -> float:
     """Bytes read per decode step, dense / sparse (module docstring): the KV values of every layer and KV head
-    (float32), plus ``weight_bytes`` (the weights a step reads, the same for both; 0 = the KV-only bound)."""
+    (float32), plus ``weight_bytes`` per sequence (the weights a step reads, the same for both, divided by the
+    batch; 0 = the KV-only bound)."""
     sc = cfg.sparse_config
     p = select_params(sc)
     if 0 < sc.dense_len and n < sc.dense_len:
@@ -113,16 +119,17 @@ def step_weight_bytes(model) -> int:
 
 
 class Runner:
-    """One engine, one cache, a decode step that can be timed repeatedly (the cache keeps growing)."""
+    """One engine, one cache of ``batch`` sequences, a decode step that can be timed repeatedly (the cache keeps
+    growing)."""
 
-    def __init__(self, model, n: int, capacity: int, seed: int):
+    def __init__(self, model, n: int, capacity: int, seed: int, batch: int = 1):
         self.engine = InferenceEngine(model)
         # the engine's static per-step dispatch; the runs below never cross dense_len
-        self.step_fn = self.engine.decode_fn(SamplingParams(), mode=decode_mode(model.cfg, [n + 1]))
-        self.cache = synthetic_cache(model.cfg, n, capacity, seed)
-        self.tok = jnp.zeros((1,), jnp.int32)
-        self.active = jnp.ones((1,), bool)
-        self.seeds = jnp.zeros((1,), jnp.uint32)
+        self.step_fn = self.engine.decode_fn(SamplingParams(), mode=decode_mode(model.cfg, [n + 1] * batch))
+        self.cache = synthetic_cache(model.cfg, n, capacity, seed, batch)
+        self.tok = jnp.zeros((batch,), jnp.int32)
+        self.active = jnp.ones((batch,), bool)
+        self.seeds = jnp.zeros((batch,), jnp.uint32)
         self.i = 0
         self.fracs: list[float] = []
 
@@ -237,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (alternating)")
     ap.add_argument("--warmup", type=int, default=16,
                     help="untimed decode steps per round before the timed ones (module docstring; default 16)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together in the dense/sparse rows (tok/s counts all of them; the "
+                         "speculative columns and the trained-length part stay at batch 1)")
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--checkpoint", default=None,
                     help="a run trained with its MTP head: its weights, and the speculative measurements")
@@ -249,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=2,
                     help="trained-length prompts: passes over the documents (variants interleaved per document)")
     args = ap.parse_args(argv)
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: give at least 1 sequence")
 
     spec_rows = None
     if args.checkpoint:
@@ -280,10 +292,10 @@ def main(argv=None) -> int:
     print(f"# model {args.config}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads "
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}, head_dim {cfg.resolved_head_dim}; sparse "
           f"{sparse_model.cfg.sparse_config}", flush=True)
-    print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch 1, fp32, "
+    print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch {args.batch}, fp32, "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} untimed", flush=True)
     rows = []
-    spec = args.checkpoint is not None and cfg.mtp
+    spec = args.checkpoint is not None and cfg.mtp and args.batch == 1
     fr_ids = None
     if spec and args.fr_spec_vocab:
         from minicpm4_jax.infer.spec import load_frequency_ranking, run_ranking_file
@@ -299,7 +311,7 @@ def main(argv=None) -> int:
     print(head)
     for n in args.lengths:
         cap = cache_capacity(cfg, n + (args.rounds + 1) * (args.steps + args.warmup) * (args.num_draft + 1) + 1)
-        runners = {"dense": Runner(dense_model, n, cap, 1), "sparse": Runner(sparse_model, n, cap, 1)}
+        runners = {"dense": Runner(dense_model, n, cap, 1, args.batch), "sparse": Runner(sparse_model, n, cap, 1, args.batch)}
         if spec:
             runners["spec"] = SpecRunner(sparse_model, n, cap, 1, args.num_draft)
             if fr_ids is not None:
@@ -320,12 +332,13 @@ def main(argv=None) -> int:
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["dense"] / med["sparse"]
         b = bound(sparse_model.cfg, n)
-        bw = bound(sparse_model.cfg, n, step_weight_bytes(sparse_model))
+        bw = bound(sparse_model.cfg, n, step_weight_bytes(sparse_model) / args.batch)
         frac = statistics.mean(runners["sparse"].fracs[1:])
-        row = dict(context=n, dense_tok_s=1 / med["dense"], sparse_tok_s=1 / med["sparse"], ratio=ratio, bound=b,
+        tps = {k: args.batch / med[k] for k in ("dense", "sparse")}  # tokens of all sequences per second
+        row = dict(context=n, batch=args.batch, dense_tok_s=tps["dense"], sparse_tok_s=tps["sparse"], ratio=ratio, bound=b,
                    bound_with_weights=bw,
                    attended_fraction=frac, times=times)
-        line = (f"{n:>8} {1 / med['dense']:>12.1f} {1 / med['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {bw:>7.2f}x "
+        line = (f"{n:>8} {tps['dense']:>12.1f} {tps['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {bw:>7.2f}x "
                 f"{frac:>9.3f}")
         for k in ("spec", "fr"):
             if k in runners:
@@ -337,7 +350,8 @@ def main(argv=None) -> int:
         del runners
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(config=args.checkpoint or args.config, rows=rows, steps=args.steps, rounds=args.rounds,
+            json.dump(dict(config=args.checkpoint or args.config, batch=args.batch, rows=rows, steps=args.steps,
+                           rounds=args.rounds,
                            warmup=args.warmup,
                            trained_length=spec_rows), f, indent=1, default=str)
     return 0

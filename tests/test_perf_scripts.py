@@ -43,3 +43,9 @@ def test_bench_decode_runs_dense_and_sparse(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["context"] == 256 and row["dense_tok_s"] > 0 and row["sparse_tok_s"] > 0 and row["ratio"] > 0
     assert 0 < row["attended_fraction"] < 1 and row["bound"] > 1  # 256 >= dense_len: the sparse path selects
+    # two sequences per step: the weights' share of the bound halves, so it moves towards the KV-only bound
+    assert bench_decode.main(["--config", str(cfg), "--lengths", "256", "--steps", "2", "--rounds", "1",
+                              "--batch", "2", "--json", str(out)]) == 0
+    (row2,) = json.loads(out.read_text())["rows"]
+    assert row2["batch"] == 2 and row2["dense_tok_s"] > 0 and row2["sparse_tok_s"] > 0
+    assert row["bound_with_weights"] < row2["bound_with_weights"] < row2["bound"] == row["bound"]
