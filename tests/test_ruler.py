@@ -207,6 +207,16 @@ def test_too_short_length_raises(inputs, trained_tok):
         generate_task("niah_single_2", 700, trained_tok, num_samples=1, inputs=inputs)
 
 
+def test_a_task_that_does_not_fit_leaves_no_data_files(tmp_path, inputs, trained_tok):
+    """niah_single_1 (a repeated-sentence haystack) fits 700 tokens, niah_single_2 (essays) does not: the run
+    stops with the fit error and writes none of the tasks' data (was: niah_single_1's file, no manifest)."""
+    generate_task("niah_single_1", 700, trained_tok, num_samples=1, inputs=inputs)  # fits on its own
+    with pytest.raises(ConfigError, match="smallest haystack"):
+        run_ruler(None, out_dir=tmp_path / "r", lengths=[700], tasks="niah_single_1,niah_single_2", num_samples=1,
+                  inputs=inputs, tokenizer=trained_tok, generate_only=True, progress=False)
+    assert not list((tmp_path / "r").rglob("*.jsonl"))
+
+
 def test_missing_input_names_the_option(trained_tok):
     with pytest.raises(ConfigError, match="--essay"):
         generate_task("niah_single_2", 4096, trained_tok, num_samples=1, inputs=RulerInputs())

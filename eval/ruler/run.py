@@ -260,8 +260,10 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
                                    chat_template=chat_template, prefix_tokens=prefix_tokens, progress=progress)
                 datasets[(n, t)] = td.records
                 fits[f"{t}@{n}"] = td.fit
-                p = write_jsonl(out / "data" / str(n) / t / "validation.jsonl", td.records)
-                data_files[f"data/{n}/{t}"] = p
+        # written once every task generated: a task that cannot fit its length (ConfigError above) leaves no
+        # data files of the others behind to be mistaken for a complete set
+        for (n, t), records in datasets.items():
+            data_files[f"data/{n}/{t}"] = write_jsonl(out / "data" / str(n) / t / "validation.jsonl", records)
     input_files = inputs.files_for(task_names) if not data else {}
     hashes = {name: _sha(p) for name, p in {**input_files, **data_files}.items()}
 
