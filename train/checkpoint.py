@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -168,8 +169,15 @@ def _state_dict(state: Any) -> dict[str, Any]:
 
 def short_cause(e: BaseException, limit: int = 220) -> str:
     """The error type and the tail of its first line (orbax/tensorstore nest ``"outer: inner:
-    innermost"`` and append a long JSON spec)."""
-    text = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0].strip()
+    innermost"`` and append a long JSON spec). An orbax read error that only points at "full TensorStore
+    details" (a pybind method's repr) is replaced by its cause, which names the array and the damage."""
+    while "See full TensorStore details" in str(e) and (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec", 1)[0]
+    text = text.split(" See full TensorStore details", 1)[0]
+    # tensorstore's chain: drop the driver layers and the file paths (the checkpoint folder is named by the caller)
+    # so that the array's name and the damage fit the line
+    text = re.sub(r'Error opening "\w+" driver: |(?: in OCDBT database at| of) local file "[^"]*"', "", text).strip()
     if len(text) > limit:
         parts, tail = text.split(": "), ""
         while parts and len(tail) + len(parts[-1]) + 2 <= limit:
