@@ -269,6 +269,49 @@ def test_damaged_library_is_rebuilt_not_loaded(tmp_path):
     assert again.returncode == 0 and again.stdout.split() == ["True", str(0o755), str(size)], again.stderr[-2000:]
 
 
+def test_kernel_built_with_the_pre_gcc12_shuffle_equals_reference(tmp_path):
+    """GCC < 12 (Ubuntu 22.04's 11) has no __builtin_shufflevector: the kernel's transposed reductions then use
+    __builtin_shuffle. That branch, forced with -DMINICPM4_GCC_SHUFFLE in a process of its own (the FFI targets
+    register once per process), gives the reference's selection and outputs."""
+    import subprocess
+    import sys
+
+    code = """
+import numpy as np, jax.numpy as jnp
+from minicpm4_jax.ops import native
+native._FLAGS.append("-DMINICPM4_GCC_SHUFFLE")
+assert native.available(), native.build_error()
+from minicpm4_jax.config import SparseConfig
+from minicpm4_jax.infllm.attention import stage2_forced_split
+from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+from minicpm4_jax.ops.decode_ref import sparse_decode_attention
+rng = np.random.default_rng(3)
+b, nkv, g, d, bs, cap = 2, 2, 2, 64, 32, 1024
+p = select_params(SparseConfig(kernel_size=32, kernel_stride=16, block_size=bs, window_size=128, topk=6,
+                               init_blocks=1, variant="gen2", dense_len=-1))
+ib, wb, gw = stage2_forced_split(p, p.topk_cfg)
+k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
+kc, vc = k.transpose(0, 2, 1, 3), jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+ck1, ck2 = compress_keys(k, 32, 16), compress_keys(k, *coarse_geometry(32, 16))
+q = jnp.asarray(rng.standard_normal((b, 1, nkv * g, d)), jnp.float32)
+pos = jnp.asarray([[cap - 1], [517]], jnp.int32)
+sel = select_blocks_compressed(q, ck1, ck2, q_positions=pos, params=p, num_blocks=cap // bs, kv_len=pos[:, 0] + 1,
+                               q_tile=1)
+out, idx = native.select_decode_attention(q, kc, vc, ck1, ck2, q_positions=pos, params=p, init_blocks=ib,
+                                          window_blocks=wb, gather_width=gw)
+ref = sparse_decode_attention(q, kc, vc, sel.topk_idx, q_positions=pos, block_size=bs, window_blocks=wb,
+                              init_blocks=ib, gather_width=gw)
+np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
+np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+print("ok", native.library_path().name)
+"""
+    env = {**os.environ, "MINICPM4_JAX_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+    assert proc.stdout.split()[1] != native.library_path().name  # a library of its own, not this process's
+
+
 def test_old_compiled_kernels_are_pruned(tmp_path):
     """Every source/compiler/jaxlib change builds a library under a new name: the cache keeps the current one and
     the most recently built or loaded others, and removes the rest with their digests."""

@@ -153,6 +153,14 @@ inline void prefetch_rows(const float* kb, const float* vb, int64_t r0, int64_t 
   }
 }
 
+// Two-operand shuffle of 16-lane vectors with constant indices into the 32 lanes of (a, b): Clang and GCC >= 12
+// have __builtin_shufflevector; older GCC (e.g. 11, Ubuntu 22.04's default) only __builtin_shuffle.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12 && !defined(MINICPM4_GCC_SHUFFLE))
+#define SHUFFLE16(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE16(a, b, ...) __builtin_shuffle(a, b, Vec<16>::I{__VA_ARGS__})
+#endif
+
 // Lane j of the result = the sum of v[j]'s 16 lanes: a 16 x 16 transpose-and-add in four levels of shuffles (lanes
 // k and k + 8, then k and k + 4, k and k + 2, k and k + 1), the lanes left in bit-reversed row order and put back
 // by one last shuffle. Every row is summed by the same tree whatever its index, so equal rows give equal sums.
@@ -160,17 +168,17 @@ inline Vec<16>::F hsum16x16(const Vec<16>::F* v) {
   using F = Vec<16>::F;
   F a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)
-    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    a[i] = SHUFFLE16(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE16(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; ++i)
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    b[i] = SHUFFLE16(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUFFLE16(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const F d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-              __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+    c[i] = SHUFFLE16(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUFFLE16(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const F d = SHUFFLE16(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+              SHUFFLE16(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return SHUFFLE16(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
 // The 16-lane partial products of q . row (D floats, D a multiple of 16), accumulated in a fixed order.
