@@ -381,9 +381,11 @@ inline void softmax_heads_inner(float* s, int64_t n, float* m, float* l, float* 
   }
 }
 
-// f(j, m, v) for the 16-lane chunks of x[0 .. n) (the last one padded with `pad`).
+// f(j, m, v) for the 16-lane chunks v of x[0 .. n) (m valid lanes; the last chunk padded with `pad`), so that every
+// element goes through the same vector code whatever its index: equal inputs give equal outputs (ties between
+// blocks stay ties).
 template <typename Fn>
-inline void for_chunks_padded(const float* x, int64_t n, float pad, Fn f) {
+inline void for_chunks(const float* x, int64_t n, Fn f, float pad = 0.0f) {
   for (int64_t j = 0; j < n; j += 16) {
     const int64_t m = std::min<int64_t>(16, n - j);
     Vec<16>::F v;
@@ -429,22 +431,25 @@ inline void softmax_keys_inner(float* s, int64_t bs, int64_t n, float* m, float*
   for (int h = 0; h < G; ++h) {
     float* sh = s + h * bs;
     F mv = F{} - INFINITY;
-    for_chunks_padded(sh, n, -INFINITY, [&](int64_t, int64_t, F v) { mv = v > mv ? v : mv; });
+    for_chunks(sh, n, [&](int64_t, int64_t, F v) { mv = v > mv ? v : mv; }, -INFINITY);
     float mx = m[h];
     for (int i = 0; i < 16; ++i) mx = std::max(mx, mv[i]);
     alpha[h] = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - mx);
     const float base = mx == -INFINITY ? 0.0f : mx;  // 0 while a row has seen only masked (-inf) scores
     F sum = F{};
-    for_chunks_padded(sh, n, -INFINITY, [&](int64_t j, int64_t cnt, F x) {
-      F e = vexp_nonpositive<16>(x - base);
-      e = x == -INFINITY ? F{} : e;  // masked keys (and the padding lanes) weigh exactly 0
-      sum += e;
-      if (cnt == 16) {
-        vstore<16>(sh + j, e);
-      } else {
-        for (int64_t r = 0; r < cnt; ++r) sh[j + r] = e[r];
-      }
-    });
+    for_chunks(
+        sh, n,
+        [&](int64_t j, int64_t cnt, F x) {
+          F e = vexp_nonpositive<16>(x - base);
+          e = x == -INFINITY ? F{} : e;  // masked keys (and the padding lanes) weigh exactly 0
+          sum += e;
+          if (cnt == 16) {
+            vstore<16>(sh + j, e);
+          } else {
+            for (int64_t r = 0; r < cnt; ++r) sh[j + r] = e[r];
+          }
+        },
+        -INFINITY);
     float total = 0.0f;
     for (int i = 0; i < 16; ++i) total += sum[i];
     l[h] = l[h] * alpha[h] + total;
@@ -661,24 +666,6 @@ inline Vec<16>::F vexp_any(Vec<16>::F x) {
     for (int i = 0; i < 16; ++i)
       if (!ok[i]) y[i] = std::exp(x[i]);
   return y;
-}
-
-// f(x[j]) for j < n in 16-lane chunks (the last one padded), so that every element goes through the same
-// vector code whatever its index: equal inputs give equal outputs (ties between blocks stay ties).
-template <typename F>
-inline void for_chunks(const float* x, int64_t n, F f) {
-  for (int64_t j = 0; j < n; j += 16) {
-    float buf[16];
-    const int64_t m = std::min<int64_t>(16, n - j);
-    Vec<16>::F v;
-    if (m == 16) {
-      v = vload<16>(x + j);
-    } else {
-      for (int i = 0; i < 16; ++i) buf[i] = i < m ? x[j + i] : 0.0f;
-      v = vload<16>(buf);
-    }
-    f(j, m, v);
-  }
 }
 
 // log-sum-exp of z[0 .. count) (-inf for none or a non-positive sum).
