@@ -1,8 +1,8 @@
 """Decode speed of the KV-cache engine at long contexts: dense against InfLLM v2 sparse (issue 9).
 
 One model (default: the ``cpu_tiny`` architecture, random weights, max positions raised to fit the longest
-context), batch 1 (``--batch``), fp32, CPU. For each context length ``N`` the cache is filled **synthetically** with
-random post-RoPE keys and values (and the compressed keys computed from them with
+context), batch 1 (``--batch``), fp32, CPU. For each context length ``N`` the cache is filled
+**synthetically** with random post-RoPE keys and values (and the compressed keys computed from them with
 :func:`~minicpm4_jax.infllm.compress.compress_keys`, exactly what prefill would store), because a real
 prefill of 32K tokens costs minutes and does not change what a decode step does: every step still runs the
 whole model on the new token, writes it into the cache, and attends the cache (dense: all ``N`` keys;
@@ -293,8 +293,8 @@ def main(argv=None) -> int:
     print(f"# model {args.config}: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers}, heads "
           f"{cfg.num_attention_heads}/{cfg.num_key_value_heads}, head_dim {cfg.resolved_head_dim}; sparse "
           f"{sparse_model.cfg.sparse_config}", flush=True)
-    print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch {args.batch}, fp32, "
-          f"{args.rounds} rounds x {args.steps} steps after {args.warmup} untimed", flush=True)
+    print(f"# jax {jax.__version__}, {jax.devices()[0].platform}, {jax.device_count()} device(s); batch "
+          f"{args.batch}, fp32, {args.rounds} rounds x {args.steps} steps after {args.warmup} untimed", flush=True)
     rows = []
     spec = args.checkpoint is not None and cfg.mtp and args.batch == 1
     if args.checkpoint is not None and cfg.mtp and args.batch > 1:
@@ -315,7 +315,8 @@ def main(argv=None) -> int:
     print(head)
     for n in args.lengths:
         cap = cache_capacity(cfg, n + (args.rounds + 1) * (args.steps + args.warmup) * (args.num_draft + 1) + 1)
-        runners = {"dense": Runner(dense_model, n, cap, 1, args.batch), "sparse": Runner(sparse_model, n, cap, 1, args.batch)}
+        runners = {"dense": Runner(dense_model, n, cap, 1, args.batch),
+                   "sparse": Runner(sparse_model, n, cap, 1, args.batch)}
         if spec:
             runners["spec"] = SpecRunner(sparse_model, n, cap, 1, args.num_draft)
             if fr_ids is not None:
@@ -339,9 +340,8 @@ def main(argv=None) -> int:
         bw = bound(sparse_model.cfg, n, step_weight_bytes(sparse_model) / args.batch)
         frac = statistics.mean(runners["sparse"].fracs[1:])
         tps = {k: args.batch / med[k] for k in ("dense", "sparse")}  # tokens of all sequences per second
-        row = dict(context=n, batch=args.batch, dense_tok_s=tps["dense"], sparse_tok_s=tps["sparse"], ratio=ratio, bound=b,
-                   bound_with_weights=bw,
-                   attended_fraction=frac, times=times)
+        row = dict(context=n, batch=args.batch, dense_tok_s=tps["dense"], sparse_tok_s=tps["sparse"], ratio=ratio,
+                   bound=b, bound_with_weights=bw, attended_fraction=frac, times=times)
         line = (f"{n:>8} {tps['dense']:>12.1f} {tps['sparse']:>13.1f} {ratio:>5.2f}x {b:>5.2f}x {bw:>7.2f}x "
                 f"{frac:>9.3f}")
         for k in ("spec", "fr"):
@@ -355,9 +355,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(config=args.checkpoint or args.config, batch=args.batch, rows=rows, steps=args.steps,
-                           rounds=args.rounds,
-                           warmup=args.warmup,
-                           trained_length=spec_rows), f, indent=1, default=str)
+                           rounds=args.rounds, warmup=args.warmup, trained_length=spec_rows), f, indent=1, default=str)
     return 0
 
 
