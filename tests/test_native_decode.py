@@ -30,23 +30,6 @@ def _case(rng, b, nkv, g, d, bs, nb, t, k):
     return q, kc, vc, jnp.asarray(idx, jnp.int32).reshape(b, nkv, t, k), jnp.asarray(pos, jnp.int32)
 
 
-def _gen2_case(rng, b, cap, bs, window, topk, nkv=2, g=2, d=64):
-    """A gen-2 selection geometry (kernel 32 / stride 16) and one decode query per sequence over random caches:
-    ``(params, (init, window, width) blocks of stage 2, q, k_cache, v_cache, ck1, ck2)``."""
-    from minicpm4_jax.config import SparseConfig
-    from minicpm4_jax.infllm.attention import stage2_forced_split
-    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
-    from minicpm4_jax.infllm.select import select_params
-
-    p = select_params(SparseConfig(kernel_size=32, kernel_stride=16, block_size=bs, window_size=window, topk=topk,
-                                   init_blocks=1, variant="gen2", dense_len=-1))
-    k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
-    vc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((b, 1, nkv * g, d)), jnp.float32)
-    return (p, stage2_forced_split(p, p.topk_cfg), q, k.transpose(0, 2, 1, 3), vc, compress_keys(k, 32, 16),
-            compress_keys(k, *coarse_geometry(32, 16)))
-
-
 # (batch, kv heads, group, head_dim, block, blocks, tokens, picks, init, window, gather_width)
 CASES = [
     (1, 2, 2, 64, 64, 12, 1, 8, 1, 3, 4),     # cpu_tiny layout, gen-2 split (width bounds the other picks)
@@ -290,31 +273,19 @@ def test_damaged_library_is_rebuilt_not_loaded(tmp_path):
 def test_kernel_built_with_the_pre_gcc12_shuffle_equals_reference(tmp_path):
     """GCC < 12 (Ubuntu 22.04's 11) has no __builtin_shufflevector: the kernel's transposed reductions then use
     __builtin_shuffle. That branch, forced with -DMINICPM4_GCC_SHUFFLE in a process of its own (the FFI targets
-    register once per process), gives the reference's selection and outputs."""
+    register once per process), passes the pool-sized test below: selection, sparse, dense, windowed, lse."""
     import subprocess
     import sys
 
     code = f"""
 import sys
-import numpy as np, jax.numpy as jnp
 from minicpm4_jax.ops import native
 native._FLAGS.append("-DMINICPM4_GCC_SHUFFLE")
 assert native.available(), native.build_error()
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_native_decode import _gen2_case
-from minicpm4_jax.infllm.select import select_blocks_compressed
-from minicpm4_jax.ops.decode_ref import sparse_decode_attention
-bs, cap = 32, 1024
-p, (ib, wb, gw), q, kc, vc, ck1, ck2 = _gen2_case(np.random.default_rng(3), 2, cap, bs, 128, 6)
-pos = jnp.asarray([[cap - 1], [517]], jnp.int32)
-sel = select_blocks_compressed(q, ck1, ck2, q_positions=pos, params=p, num_blocks=cap // bs, kv_len=pos[:, 0] + 1,
-                               q_tile=1)
-out, idx = native.select_decode_attention(q, kc, vc, ck1, ck2, q_positions=pos, params=p, init_blocks=ib,
-                                          window_blocks=wb, gather_width=gw)
-ref = sparse_decode_attention(q, kc, vc, sel.topk_idx, q_positions=pos, block_size=bs, window_blocks=wb,
-                              init_blocks=ib, gather_width=gw)
-np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
-np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+import test_native_decode as t
+for b in (1, 2):
+    t.test_calls_large_enough_for_the_thread_pool_equal_reference(b)
 print("ok", native.library_path().name)
 """
     env = {**os.environ, "MINICPM4_JAX_CACHE": str(tmp_path)}
@@ -366,10 +337,20 @@ def test_calls_large_enough_for_the_thread_pool_equal_reference(b):
     """A cache large enough that the calls run on the pool's threads (the other tests' caches stay under the
     single-thread threshold): selection, sparse stage 2, dense and windowed decode and the logsumexp all equal
     the references, and an inactive sequence stays zero."""
-    from minicpm4_jax.infllm.select import select_blocks_compressed
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
 
-    bs, cap = 64, 4096  # 2 KV heads x 64 x 4096 values per sequence: above the single-thread threshold
-    p, (init_b, win_b, width), q, kc, vc, ck1, ck2 = _gen2_case(np.random.default_rng(40 + b), b, cap, bs, 512, 24)
+    rng = np.random.default_rng(40 + b)
+    nkv, g, d, bs, cap = 2, 2, 64, 64, 4096  # 2 x 64 x 4096 values per sequence: above the single-thread threshold
+    p = select_params(SparseConfig(kernel_size=32, kernel_stride=16, block_size=bs, window_size=512, topk=24,
+                                   init_blocks=1, variant="gen2", dense_len=-1))
+    init_b, win_b, width = stage2_forced_split(p, p.topk_cfg)
+    k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
+    kc, vc = k.transpose(0, 2, 1, 3), jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    ck1, ck2 = compress_keys(k, 32, 16), compress_keys(k, *coarse_geometry(32, 16))
+    q = jnp.asarray(rng.standard_normal((b, 1, nkv * g, d)), jnp.float32)
     pos = jnp.asarray([[cap - 1], [-1]][:b], jnp.int32)  # the second sequence inactive
     sel = select_blocks_compressed(q, ck1, ck2, q_positions=pos, params=p, num_blocks=cap // bs,
                                    kv_len=jnp.max(pos, axis=1) + 1, q_tile=1)
