@@ -458,6 +458,13 @@ class TrainConfig:
     then reach the base only through the shared embedding / head (default false: the paper's joint MTP, whose loss
     also trains the base). These four only shape the draft for speculative decoding; without ``model.mtp`` they do
     nothing (the training log says so) and a resume ignores them (:data:`MTP_DRAFT_FIELDS`).
+
+    ``logits_chunk_size``: sequence positions whose output-head logits exist at once in the losses (the
+    next-token loss, every MTP term, the eval loss): per device ``local batch × chunk × vocab`` float32 logits
+    and as much again for their gradient, instead of the whole sequence's (``train.step.token_sums``: a
+    rematerialised scan over chunks, the blockwise loss of Levanter / MaxText's vocabulary tiling). The losses
+    are unchanged up to float32 summation order; the head's matmul runs once more in the backward. ``0`` (the
+    default): the whole sequence at once.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -484,6 +491,7 @@ class TrainConfig:
     mtp_feature_weight: float = 0.0
     mtp_train_depth: int = 1
     mtp_detach: bool = False
+    logits_chunk_size: int = 0
 
     @property
     def qat_start_step(self) -> int | None:
@@ -845,6 +853,9 @@ def validate(cfg: TrainConfig) -> None:
     if not 1 <= cfg.mtp_train_depth < d.seq_len:
         raise ConfigError(f"mtp_train_depth={cfg.mtp_train_depth} must be in [1, data.seq_len={d.seq_len}) "
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
+    if cfg.logits_chunk_size < 0:
+        raise ConfigError(f"logits_chunk_size={cfg.logits_chunk_size} must be >= 0 (sequence positions whose logits "
+                          "are computed at once in the loss; 0 = the whole sequence)")
     if not (math.isfinite(cfg.mtp_feature_weight) and cfg.mtp_feature_weight >= 0):
         raise ConfigError(f"mtp_feature_weight={cfg.mtp_feature_weight} must be a finite number >= 0 (0 = off)")
     if not (math.isfinite(o.learning_rate) and o.learning_rate > 0):

@@ -28,14 +28,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from minicpm4_jax.config import ModelConfig, TrainConfig
 from minicpm4_jax.nn.model import MiniCPM4
-from minicpm4_jax.nn.mtp import mtp_distill_loss, mtp_feature_loss, mtp_loss
+from minicpm4_jax.nn.mtp import distill_kl, mtp_feature_loss
 from minicpm4_jax.ops.dispatch import resolve_impl
 from minicpm4_jax.quant import fake_quant_params, ternary_spec
 from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_shardings
 from minicpm4_jax.train.optim import make_optimizer, two_stage_schedule, wsd_schedule
 
 __all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for", "train_state_shardings",
-           "make_train_step", "make_eval_step", "next_token_loss", "activation_sharding", "print_memory_analysis", "lr_schedule",
+           "make_train_step", "make_eval_step", "next_token_loss", "token_sums", "make_loss_fn", "activation_sharding", "print_memory_analysis", "lr_schedule",
            "qat_params_for_loss"]
 
 
@@ -170,6 +170,128 @@ def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
 
+def token_sums(fn: Callable[..., tuple[jax.Array, ...]], arrays: tuple[jax.Array, ...], chunk: int,
+               sharding: NamedSharding | None = None) -> tuple[jax.Array, ...]:
+    """Sums over all ``[batch, n]`` positions of the per-position values ``fn(*arrays)``, ``chunk`` positions at a time.
+
+    ``arrays``: each ``[batch, n, ...]`` (the same ``batch`` and ``n``); ``fn`` maps such arrays (or their
+    ``[batch, chunk, ...]`` slices) to a tuple of float32 ``[batch, n]`` (``[batch, chunk]``) values, e.g. the
+    output head and a cross-entropy. With ``0 < chunk < n`` the sequence axis is cut into ``ceil(n / chunk)``
+    chunks (the last one padded and masked) walked by a ``lax.scan`` whose body is rematerialised
+    (``jax.checkpoint``): only one chunk's ``[batch, chunk, vocab]`` logits exist at a time, in the forward and
+    in the backward, instead of the whole ``[batch, n, vocab]`` and its gradient (the blockwise loss of
+    Levanter / MaxText's vocabulary tiling). ``chunk <= 0`` or ``>= n``: one call on the whole arrays. Sums are
+    float32; the chunked sums equal the whole-array sums up to summation order.
+
+    ``sharding``: under a mesh, the batch sharding of the 3-D float inputs (:func:`activation_sharding`),
+    re-applied to each chunk.
+    """
+    b, n = arrays[0].shape[:2]
+    if chunk <= 0 or chunk >= n:
+        return tuple(jnp.sum(v) for v in fn(*arrays))
+    nc = -(-n // chunk)
+    pad = nc * chunk - n
+
+    def cut(a: jax.Array) -> jax.Array:  # [b, n, ...] -> [nc, b, chunk, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(b, nc, chunk, *a.shape[2:]), 1, 0)
+
+    def constrain(a: jax.Array) -> jax.Array:
+        if sharding is None or a.ndim != 3 or not jnp.issubdtype(a.dtype, jnp.floating):
+            return a
+        return jax.lax.with_sharding_constraint(a, sharding)
+
+    valid = (jnp.arange(nc * chunk, dtype=jnp.int32) < n).reshape(nc, chunk)
+    one = jax.checkpoint(lambda *xs: fn(*(constrain(x) for x in xs)))
+
+    def body(acc, inp):
+        ok, xs = inp[0], inp[1:]
+        vals = one(*xs)
+        return tuple(s + jnp.sum(jnp.where(ok[None, :], v, 0.0)) for s, v in zip(acc, vals)), None
+
+    n_out = len(jax.eval_shape(fn, *(a[:, :1] for a in arrays)))
+    sums, _ = jax.lax.scan(body, tuple(jnp.zeros((), jnp.float32) for _ in range(n_out)),
+                           (valid, *(cut(a) for a in arrays)))
+    return sums
+
+
+def make_loss_fn(cfg: TrainConfig, graphdef: nnx.GraphDef, act_sh: NamedSharding | None = None
+                 ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, dict]]:
+    """The training objective ``loss_fn(params, batch, step) -> (loss, aux)`` that :func:`make_train_step` differentiates.
+
+    ``params``: the model's ``nnx.State``; ``batch`` int32 ``[batch, seq_len + 1]``; ``step`` int32 scalar (the QAT
+    switch). ``loss`` float32 is ``L_NTP`` (+ ``mtp_loss_weight * L_MTP`` and the draft objectives with
+    ``model.mtp``); ``aux`` holds the per-term float32 metrics (``loss`` = the next-token loss, ``mtp_loss``, ...,
+    ``attended_fraction`` for InfLLM v2). ``act_sh``: the residual stream's sharding under a mesh
+    (:func:`activation_sharding`). The logits are computed ``cfg.logits_chunk_size`` positions at a time
+    (:func:`token_sums`).
+    """
+    sparse = cfg.model.attention == "infllmv2"
+    mtp = cfg.model.mtp
+
+    def loss_fn(params: Any, batch: jax.Array, step: jax.Array) -> tuple[jax.Array, dict]:
+        model = nnx.merge(graphdef, qat_params_for_loss(cfg, params, step))
+        if sparse:
+            hidden, stats = model.hidden_states(batch[:, :-1], return_stats=True)
+        else:
+            hidden, stats = model.hidden_states(batch[:, :-1]), {}
+        # the residual stream keeps the batch sharding (see activation_sharding)
+        if act_sh is not None:
+            hidden = jax.lax.with_sharding_constraint(hidden, act_sh)
+        targets = batch[:, 1:]
+        chunk = cfg.logits_chunk_size
+
+        def ce(h: jax.Array, y: jax.Array) -> jax.Array:  # per position, float32 [b, n]
+            return optax.softmax_cross_entropy_with_integer_labels(model.logits(h), y)
+
+        ntp = token_sums(lambda h, y: (ce(h, y),), (hidden, targets), chunk, act_sh)[0] / targets.size
+        if not mtp:
+            return ntp, stats
+        # L = L_NTP + λ·L_MTP (spec §3.4), L_MTP averaged over the trained chain depths; the reported "loss" stays
+        # the next-token loss and "mtp_loss" the depth-1 MTP token loss (the paper's) whatever the objective
+        depth = cfg.mtp_train_depth
+        # mtp_detach: the draft reads the base's states without training them (EAGLE's frozen-base draft)
+        h_mtp = jax.lax.stop_gradient(hidden) if cfg.mtp_detach else hidden
+        if depth == 1:
+            feats_by_depth = [model.mtp_features(h_mtp, targets, activation_sharding=act_sh)]
+        else:  # the chain's later drafts too, each on its own stand-in states (MTPHead.unrolled)
+            feats_by_depth = model.mtp_unrolled(h_mtp, targets, depth, activation_sharding=act_sh)
+        aux = {**stats, "loss": ntp}
+        m_obj = kl = feat = 0.0
+
+        def draft_terms(f: jax.Array, y: jax.Array, *h_next: jax.Array) -> tuple[jax.Array, ...]:
+            # position i of depth d: the draft's logits vs x_{i+d+1}, and (mtp_distill) vs the base's own
+            # distribution at the position that predicts the same token (mtp_loss / mtp_distill_loss, per position)
+            lg = model.logits(f)
+            terms = (optax.softmax_cross_entropy_with_integer_labels(lg, y),)
+            return terms + tuple(distill_kl(lg, model.logits(h)) for h in h_next)
+
+        for d, feats in enumerate(feats_by_depth, start=1):
+            # feats [b, t - d + 1, h]: its last position has no label inside the window
+            args = (feats[:, :-1], targets[:, d:]) + ((hidden[:, d:],) if cfg.mtp_distill > 0 else ())
+            sums = token_sums(draft_terms, args, chunk, act_sh)
+            n_pos = targets[:, d:].size
+            m = sums[0] / n_pos
+            aux["mtp_loss" if d == 1 else f"mtp_loss_depth{d}"] = m
+            m_d = m
+            if cfg.mtp_distill > 0:
+                kl_d = sums[1] / n_pos
+                kl = kl + kl_d / depth
+                m_d = (1.0 - cfg.mtp_distill) * m + cfg.mtp_distill * kl_d
+            m_obj = m_obj + m_d / depth
+            if cfg.mtp_feature_weight > 0:
+                feat = feat + mtp_feature_loss(feats, hidden[:, d - 1:]) / depth
+        total = ntp + cfg.mtp_loss_weight * m_obj
+        if cfg.mtp_distill > 0:
+            aux["mtp_kl"] = kl
+        if cfg.mtp_feature_weight > 0:
+            aux["mtp_feature_loss"] = feat
+            total = total + cfg.mtp_feature_weight * feat
+        return total, aux
+
+    return loss_fn
+
+
 def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
                     mesh: Mesh | None = None) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """The jitted pure ``train_step(state, batch) -> (state, metrics)`` (``state`` is donated).
@@ -191,56 +313,9 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
     tx = make_optimizer_for(cfg)
     schedule = lr_schedule(cfg)
 
-    sparse = cfg.model.attention == "infllmv2"
-    mtp = cfg.model.mtp
-
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     state_sh = train_state_shardings(cfg, mesh)
-    act_sh = activation_sharding(mesh)
-
-    def loss_fn(params: Any, batch: jax.Array, step: jax.Array) -> tuple[jax.Array, dict]:
-        model = nnx.merge(graphdef, qat_params_for_loss(cfg, params, step))
-        if sparse:
-            hidden, stats = model.hidden_states(batch[:, :-1], return_stats=True)
-        else:
-            hidden, stats = model.hidden_states(batch[:, :-1]), {}
-        # the residual stream keeps the batch sharding (see activation_sharding)
-        hidden = jax.lax.with_sharding_constraint(hidden, act_sh)
-        base_logits = model.logits(hidden)
-        ntp = next_token_loss(base_logits, batch[:, 1:])
-        if not mtp:
-            return ntp, stats
-        # L = L_NTP + λ·L_MTP (spec §3.4), L_MTP averaged over the trained chain depths; the reported "loss" stays
-        # the next-token loss and "mtp_loss" the depth-1 MTP token loss (the paper's) whatever the objective
-        targets = batch[:, 1:]
-        depth = cfg.mtp_train_depth
-        # mtp_detach: the draft reads the base's states without training them (EAGLE's frozen-base draft)
-        h_mtp = jax.lax.stop_gradient(hidden) if cfg.mtp_detach else hidden
-        if depth == 1:
-            feats_by_depth = [model.mtp_features(h_mtp, targets, activation_sharding=act_sh)]
-        else:  # the chain's later drafts too, each on its own stand-in states (MTPHead.unrolled)
-            feats_by_depth = model.mtp_unrolled(h_mtp, targets, depth, activation_sharding=act_sh)
-        aux = {**stats, "loss": ntp}
-        m_obj = kl = feat = 0.0
-        for d, feats in enumerate(feats_by_depth, start=1):
-            mtp_lg = model.logits(feats)
-            m = mtp_loss(mtp_lg, targets[:, d - 1:])
-            aux["mtp_loss" if d == 1 else f"mtp_loss_depth{d}"] = m
-            m_d = m
-            if cfg.mtp_distill > 0:
-                kl_d = mtp_distill_loss(mtp_lg, base_logits[:, d - 1:])
-                kl = kl + kl_d / depth
-                m_d = (1.0 - cfg.mtp_distill) * m + cfg.mtp_distill * kl_d
-            m_obj = m_obj + m_d / depth
-            if cfg.mtp_feature_weight > 0:
-                feat = feat + mtp_feature_loss(feats, hidden[:, d - 1:]) / depth
-        total = ntp + cfg.mtp_loss_weight * m_obj
-        if cfg.mtp_distill > 0:
-            aux["mtp_kl"] = kl
-        if cfg.mtp_feature_weight > 0:
-            aux["mtp_feature_loss"] = feat
-            total = total + cfg.mtp_feature_weight * feat
-        return total, aux
+    loss_fn = make_loss_fn(cfg, graphdef, activation_sharding(mesh))
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.step)
@@ -283,7 +358,7 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
-def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None
+def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, logits_chunk_size: int = 0
                    ) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
     """The jitted ``eval_step(params, batch) -> (sum_nll, n_tokens)``.
 
@@ -291,6 +366,7 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None
     log-likelihood (nats) over the ``n_tokens = batch * seq_len`` targets (int32). A ternary model is
     evaluated by passing ``minicpm4_jax.quant.ternarize(params, ...)``. With ``mesh`` (FSDP-sharded
     params), the hidden states are constrained to :func:`activation_sharding` as in the train step.
+    ``logits_chunk_size``: sequence positions whose logits exist at once (:func:`token_sums`; 0 = all).
     """
     act_sh = None if mesh is None else activation_sharding(mesh)
 
@@ -299,9 +375,12 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None
         hidden = model.hidden_states(batch[:, :-1])
         if act_sh is not None:
             hidden = jax.lax.with_sharding_constraint(hidden, act_sh)
-        logits = model.logits(hidden).astype(jnp.float32)
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-        return nll.sum(), jnp.asarray(nll.size, jnp.int32)
+        targets = batch[:, 1:]
+
+        def nll(h: jax.Array, y: jax.Array) -> tuple[jax.Array]:
+            return (optax.softmax_cross_entropy_with_integer_labels(model.logits(h), y),)
+
+        return token_sums(nll, (hidden, targets), logits_chunk_size, act_sh)[0], jnp.asarray(targets.size, jnp.int32)
 
     return jax.jit(eval_step)
 

@@ -26,7 +26,7 @@ from minicpm4_jax.config import ModelConfig
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm
 from minicpm4_jax.nn.model import DecoderLayer, _dense
 
-__all__ = ["MTPHead", "chained_attention", "mtp_distill_loss", "mtp_feature_loss", "mtp_layer_config", "mtp_loss"]
+__all__ = ["MTPHead", "chained_attention", "distill_kl", "mtp_distill_loss", "mtp_feature_loss", "mtp_layer_config", "mtp_loss"]
 
 
 def mtp_layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -183,13 +183,22 @@ def mtp_distill_loss(logits: jax.Array, base_logits: jax.Array) -> jax.Array:
     2024; Medusa-2's self-distillation), instead of only with the corpus. Padding rows (``-inf`` logits in
     both) contribute nothing. The last position has no target and is left out.
     """
-    p_log = jax.nn.log_softmax(jax.lax.stop_gradient(base_logits[:, 1:]).astype(jnp.float32), axis=-1)
-    q_log = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return distill_kl(logits[:, :-1], base_logits[:, 1:]).mean()
+
+
+def distill_kl(logits: jax.Array, base_logits: jax.Array) -> jax.Array:
+    """Per-position ``KL(softmax(base_logits) || softmax(logits))`` (nats), float32 ``[...]``.
+
+    The two logit arrays ``[..., vocab]`` are already aligned (row ``j`` of ``base_logits`` is the target of row
+    ``j`` of ``logits``; :func:`mtp_distill_loss` does the shift); ``base_logits`` is held fixed
+    (``stop_gradient``). Where the target probability is 0 (padding columns, underflow) the term is 0.
+    """
+    p_log = jax.nn.log_softmax(jax.lax.stop_gradient(base_logits).astype(jnp.float32), axis=-1)
+    q_log = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     p = jnp.exp(p_log)
     # where p == 0 (padding rows, underflow) the term is 0, even if q_log is -inf there
     live = p > 0
-    kl = jnp.where(live, p * (jnp.where(live, p_log, 0.0) - jnp.where(live, q_log, 0.0)), 0.0).sum(-1)
-    return kl.mean()
+    return jnp.where(live, p * (jnp.where(live, p_log, 0.0) - jnp.where(live, q_log, 0.0)), 0.0).sum(-1)
 
 
 def mtp_feature_loss(features: jax.Array, hidden: jax.Array) -> jax.Array:
