@@ -2,10 +2,14 @@
 
 ``model.attention_impl``:
 
-* ``xla``: the references of :mod:`minicpm4_jax.ops` on every backend.
+* ``xla``: the references of :mod:`minicpm4_jax.ops` on every backend (dense attention materialises its
+  ``[batch, heads, T, T]`` scores: the oracle).
 * ``pallas``: the Pallas kernels of :mod:`minicpm4_jax.ops.pallas` -- Mosaic TPU kernels on TPU, the Triton
   lowering on NVIDIA GPUs, and the TPU kernels in Pallas's interpreter on CPU (exact, slow: for tests).
-* ``auto``: the XLA references, except on the CPU backend in float32 when the native CPU kernel of
+* ``auto``: dense attention (the model's, the MTP layer's and InfLLM v2's dense fallback) by blocks with its own
+  backward on every backend (:func:`~minicpm4_jax.ops.flash_xla.flash_attention`: memory linear in the length;
+  faster than the reference on the 2-core CPU at every measured length); InfLLM v2 by the XLA references,
+  except on the CPU backend in float32 when the native CPU kernel of
   :mod:`minicpm4_jax.ops.native` builds (:func:`native_decode`): the decode attention of the KV cache, and the
   non-forced picks of InfLLM v2's stage 2 in prefill and training forwards
   (:func:`minicpm4_jax.infllm.attention.native_stage2`, :func:`sparse_impl`; the backward stays XLA's).

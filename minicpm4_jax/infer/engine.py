@@ -47,6 +47,7 @@ from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.attention_ref import dense_attention
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention
 from minicpm4_jax.ops.dispatch import native_decode, pallas_target, resolve_impl, sparse_impl
+from minicpm4_jax.ops.flash_xla import flash_attention
 from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas
 
 __all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention"]
@@ -264,12 +265,14 @@ def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelCon
         kvp = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (b, cap))
         kt, vt = lc.k.transpose(0, 2, 1, 3), lc.v.transpose(0, 2, 1, 3)
         if cfg.attention == "dense":
-            return dense_attention(q, kt, vt, q_positions=positions, kv_positions=kvp), one
+            # by blocks (auto): key blocks past the chunk's last position are skipped, not masked
+            dense_fn = dense_attention if cfg.attention_impl == "xla" else flash_attention
+            return dense_fn(q, kt, vt, q_positions=positions, kv_positions=kvp), one
         sc = cfg.sparse_config
         out, stats = infllmv2_attention(
             q, kt, vt, q_positions=positions, kv_positions=kvp, sparse_cfg=sc, kv_len=dispatch_len,
             q_sel=q_nope if sc.use_nope else None, compressed=(lc.ck1, lc.ck2), remat=False, return_stats=True,
-            impl=sparse_impl(cfg.attention_impl, q.dtype))
+            impl=sparse_impl(cfg.attention_impl, q.dtype), flash_dense=cfg.attention_impl != "xla")
         return out, jnp.broadcast_to(stats["attended_fraction"].astype(jnp.float32), (b, t))
     # decode modes: every query row dispatches on its own length (position + 1), as token-by-token decoding does
     if mode == "dense":

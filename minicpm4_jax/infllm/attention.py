@@ -15,6 +15,7 @@ from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.select import (SelectParams, Selection, select_blocks, select_blocks_compressed,
                                         select_params)
 from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.flash_xla import flash_attention
 from minicpm4_jax.ops.infllm_ref import compact_topk, infllmv2_stage2, tiled_dense_attention
 
 __all__ = ["attended_keys", "default_select_q_tile", "infllmv2_attention", "native_stage2", "stage2_forced_split"]
@@ -168,6 +169,7 @@ def infllmv2_attention(
     gather_tile: int | None = None,
     remat: bool = True,
     impl: str = "xla",
+    flash_dense: bool = False,
     return_selection: bool = False,
     return_stats: bool = False,
 ) -> jax.Array | tuple:
@@ -194,6 +196,9 @@ def infllmv2_attention(
             ``select_q_tile=None``: :func:`default_select_q_tile` (2048 with the Pallas kernels on an NVIDIA
             GPU, else 128).
         remat: checkpoint each stage-2 tile (see :func:`infllmv2_stage2`).
+        flash_dense: compute the dense fallback by blocks with its own backward
+            (:func:`~minicpm4_jax.ops.flash_xla.flash_attention`, what ``attention_impl: auto`` and ``pallas``
+            run) instead of the materialising reference (``xla``).
         impl: ``"xla"`` (the references), ``"native"`` (the XLA selection, then :func:`native_stage2`: the
             non-forced picks by the native CPU kernel, the backward the reference's, reverse-mode first
             derivatives only; it runs for float32 inputs without ``kv_valid``, with ``scale`` ``None`` or a
@@ -228,8 +233,8 @@ def infllmv2_attention(
     s = k.shape[1]
     dl = sparse_cfg.dense_len
     if dl > 0 and s < dl:
-        out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid,
-                              scale=scale)
+        dense_fn = flash_attention if flash_dense else dense_attention
+        out = dense_fn(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid, scale=scale)
         return _result(out, None, jnp.float32(1.0), return_selection, return_stats)
     if select_q_tile is None:  # after the static dense shortcut, which needs no selection (nor a kernel target)
         select_q_tile = default_select_q_tile(impl)
@@ -285,6 +290,9 @@ def infllmv2_attention(
         kvv_d = None if kv_valid is None else kv_valid[:, :dl]
 
         def dense_branch(_):
+            if flash_dense:
+                return flash_attention(q, kd, vd, q_positions=q_positions, kv_positions=kvp_d, kv_valid=kvv_d,
+                                       scale=scale)
             return tiled_dense_attention(q, kd, vd, q_positions=q_positions, kv_positions=kvp_d, kv_valid=kvv_d,
                                 scale=scale, q_tile=max(1, select_q_tile // 4))
 

@@ -2,7 +2,8 @@
 
 Two config switches choose what runs: ``model.attention`` (the algorithm: ``dense`` | ``infllmv2``)
 and ``model.attention_impl`` (the implementation: ``xla`` | ``pallas`` | ``auto``, :mod:`minicpm4_jax.ops.dispatch`;
-InfLLM v2 stage 2 has Pallas kernels, dense attention runs XLA). Every decoder
+InfLLM v2 stage 2 has Pallas kernels; dense attention runs XLA: by blocks with its own backward under ``auto``
+(and as InfLLM v2's dense fallback under ``pallas``), the materialising reference under ``xla``). Every decoder
 layer calls :func:`attend`; no attention code is duplicated per layer.
 """
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.flash_xla import flash_attention
 from minicpm4_jax.ops.dispatch import sparse_impl
 
 __all__ = ["attend"]
@@ -53,7 +55,8 @@ def attend(
     """
     if cfg.attention == "dense":
         if cfg.attention_impl in ("xla", "auto"):
-            out = dense_attention(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid)
+            dense_fn = flash_attention if cfg.attention_impl == "auto" else dense_attention
+            out = dense_fn(q, k, v, q_positions=q_positions, kv_positions=kv_positions, kv_valid=kv_valid)
             return (out, {"attended_fraction": jnp.float32(1.0)}) if return_stats else out
         raise ConfigError(
             f"model.attention_impl={cfg.attention_impl!r} has no dense kernel in this version; use 'xla' or 'auto'"
@@ -64,6 +67,6 @@ def attend(
             q, k, v, q_positions=q_positions, kv_positions=kv_positions, sparse_cfg=sc, kv_valid=kv_valid,
             q_sel=q_nope if sc.use_nope else None, k_sel=k_nope if sc.use_nope else None,
             kernel_offby1_quirk=sc.kernel_offby1_quirk, return_stats=return_stats,
-            impl=sparse_impl(cfg.attention_impl, q.dtype),
+            impl=sparse_impl(cfg.attention_impl, q.dtype), flash_dense=cfg.attention_impl != "xla",
         )
     raise ConfigError(f"model.attention={cfg.attention!r}; use 'dense' or 'infllmv2'")
