@@ -205,7 +205,8 @@ class ModelConfig:
         """Build from an official MiniCPM ``config.json`` dict (spec §1.1 constructor defaults).
 
         Raises:
-            ConfigError: unsupported ``hidden_act``, unknown ``rope_scaling.rope_type``.
+            ConfigError: unsupported ``hidden_act``, unknown ``rope_scaling.rope_type``, a ``rope_scaling``
+                that is not a mapping or lacks ``short_factor`` / ``long_factor``.
         """
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -213,11 +214,18 @@ class ModelConfig:
         rs = hf.get("rope_scaling")
         rope_scaling = None
         if rs is not None:
+            if not isinstance(rs, dict):
+                raise ConfigError(f"rope_scaling={rs!r} is not a mapping; give the LongRoPE settings "
+                                  "(rope_type, short_factor, long_factor) or remove rope_scaling")
             rtype = rs.get("rope_type", rs.get("type"))
             if rtype != "longrope":
                 raise ConfigError(
                     f"rope_scaling.rope_type={rtype!r} is not supported; use 'longrope' or remove rope_scaling"
                 )
+            missing = [k for k in ("short_factor", "long_factor") if k not in rs]
+            if missing:
+                raise ConfigError(f"rope_scaling has no {' or '.join(map(repr, missing))}; LongRoPE needs both "
+                                  "factor lists (head_dim/2 values each): add them or remove rope_scaling")
             orig = rs.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
             rope_scaling = RopeScalingConfig(
                 short_factor=tuple(float(x) for x in rs["short_factor"]),

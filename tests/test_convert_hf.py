@@ -356,6 +356,19 @@ def test_import_rejects_wrong_architecture(official_dir, tmp_path, arch, needle)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("drop", ["short_factor", "long_factor"])
+def test_import_names_a_missing_rope_factor_list(official_dir, tmp_path, capsys, drop):
+    folder, _ = official_dir
+    cfg = read_json(folder / "config.json")
+    del cfg["rope_scaling"][drop]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["import", "hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {folder / 'config.json'}: rope_scaling has no {drop!r}"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_import_tied_model_with_redundant_head(tmp_path, tiny_tokenizer_dir):
     cfg = tiny_cfg(tied=True)
     write_hf(random_params(cfg, seed=8), cfg, tmp_path / "hf", no_tokenizer=True)
