@@ -711,7 +711,14 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if path in seen:
         raise ConfigError(f"preset {path} includes itself through 'base'")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"preset {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"preset {path} cannot be read ({e.strerror or e}); check the path and its permissions") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -26,6 +26,14 @@ def test_invalid_yaml_names_line(tmp_path):
         load_config(str(bad))
 
 
+def test_non_utf8_yaml_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "n.yaml"
+    bad.write_bytes(b"\xff\xfe bad")
+    assert main(["train", "--config", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: preset {bad} is not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"]
+
+
 def test_wsd_length_error_names_the_keys():
     with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=30 .*lower optimizer.warmup_steps"):
         load_config("cpu_tiny", ["steps=12"])
