@@ -275,6 +275,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.tokenizer import load_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
+    _check_utf8("--prompt", args.prompt)
+    for stop in args.stop:
+        _check_utf8("--stop", stop)
     ckpt_dir = find_checkpoint_dir(args.checkpoint)
     cands = [Path(args.checkpoint) / "tokenizer", ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
     tok_dir = next((c for c in cands if c.is_dir()), None)
@@ -317,6 +320,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{out.new_tokens} new tokens ({out.finish_reasons[0]}); prefill {out.prompt_tokens} tokens in "
           f"{out.prefill_seconds:.2f} s; {decode}]", file=sys.stderr)
     return 0
+
+
+def _check_utf8(flag: str, value: str) -> None:
+    """Refuse a command-line text that is not valid UTF-8: Python hands such bytes over as lone surrogates
+    (``surrogateescape``), which the tokenizer cannot encode and no decoded text can match."""
+    from minicpm4_jax.config import ConfigError
+
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code, offset = ord(value[e.start]), len(value[:e.start].encode("utf-8"))
+        where = f" (byte 0x{code - 0xDC00:02x} at offset {offset})" if 0xDC80 <= code <= 0xDCFF else ""
+        raise ConfigError(f"{flag} is not valid UTF-8 text{where}; give UTF-8 text (check the terminal's or "
+                          "the script's encoding)") from None
 
 
 def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):

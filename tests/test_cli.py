@@ -34,6 +34,19 @@ def test_non_utf8_yaml_is_one_line(tmp_path, capsys):
     assert err == [f"error: preset {bad} is not UTF-8 text (byte 0xff at offset 0); save it as UTF-8"]
 
 
+@pytest.mark.parametrize("flag", ["--prompt", "--stop"])
+def test_non_utf8_prompt_or_stop_is_one_line(flag, tmp_path, capsys):
+    """Python hands non-UTF-8 argv bytes over as lone surrogates (``surrogateescape``): refused, naming the byte,
+    before the checkpoint is read (here there is none)."""
+    text = b"ok\xff\xfe\x80abc".decode("utf-8", "surrogateescape")
+    args = {"--prompt": "hello", "--stop": None}
+    args[flag] = text
+    argv = ["generate", "--checkpoint", str(tmp_path / "none")] + [a for k, v in args.items() if v for a in (k, v)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag} is not valid UTF-8 text (byte 0xff at offset 2); "), err
+
+
 def test_wsd_length_error_names_the_keys():
     with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=30 .*lower optimizer.warmup_steps"):
         load_config("cpu_tiny", ["steps=12"])
