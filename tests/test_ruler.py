@@ -222,6 +222,21 @@ def test_missing_input_names_the_option(trained_tok):
         generate_task("niah_single_2", 4096, trained_tok, num_samples=1, inputs=RulerInputs())
 
 
+@pytest.mark.parametrize("task,field,what", [("niah_single_2", "essay", "essay haystack"),
+                                             ("qa_1", "squad", "SQuAD file"), ("qa_2", "hotpotqa", "HotpotQA file")])
+def test_non_utf8_input_file_is_one_line_and_writes_nothing(tmp_path, inputs, trained_tok, task, field, what):
+    """An input that is not UTF-8 is one ConfigError naming the file and the byte (was UnicodeDecodeError), and
+    the output folder is not created."""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"abc \xff\xfe\x80 def")
+    given = RulerInputs(**{**{k: getattr(inputs, k) for k in ("essay", "squad", "hotpotqa")}, field: bad})
+    with pytest.raises(ConfigError) as e:
+        run_ruler(None, out_dir=tmp_path / "r", lengths=[4096], tasks=task, num_samples=1, inputs=given,
+                  tokenizer=trained_tok, generate_only=True, progress=False)
+    assert str(e.value) == f"{what} {bad}: not UTF-8 text (byte 0xff at offset 4); save it as UTF-8"
+    assert not (tmp_path / "r").exists()
+
+
 # -- content -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def data4k(inputs, trained_tok):

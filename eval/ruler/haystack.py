@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from minicpm4_jax.config import ConfigError
+from minicpm4_jax.eval.ruler.records import read_text
 
 __all__ = [
     "NOISE", "NEEDLE", "load_essay_words", "sent_tokenize", "wonderwords_list", "NiahWordKeys", "niah_word_keys",
@@ -70,11 +71,7 @@ def load_essay_words(path: str | os.PathLike) -> list[str]:
         ConfigError: a missing/unreadable file, a JSON without a ``text`` string, or an empty text.
     """
     p = Path(path)
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"essay haystack {p}: cannot read ({e.strerror or e}); give RULER's "
-                          "PaulGrahamEssays.json or a text file") from None
+    raw = read_text(p, "essay haystack", "give RULER's PaulGrahamEssays.json or a text file")
     text = raw
     if p.suffix.lower() == ".json":
         try:
@@ -194,10 +191,7 @@ def load_word_list(path: str | os.PathLike) -> list[str]:
         ConfigError: unreadable, or not one of these shapes, or empty.
     """
     p = Path(path)
-    try:
-        raw = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"word list {p}: cannot read ({e.strerror or e})") from None
+    raw = read_text(p, "word list")
     if p.suffix.lower() == ".json":
         try:
             data = json.loads(raw)
@@ -245,10 +239,9 @@ class QADataset:
 
 def _load_json(path: str | os.PathLike, what: str) -> Any:
     p = Path(path)
+    raw = read_text(p, what)
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"{what} {p}: cannot read ({e.strerror or e})") from None
+        return json.loads(raw)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{what} {p}: invalid JSON ({e})") from None
 

@@ -22,7 +22,25 @@ from typing import Any
 
 from minicpm4_jax.config import ConfigError
 
-__all__ = ["write_jsonl", "read_jsonl", "read_data", "read_predictions", "prediction_record", "dumps_record"]
+__all__ = ["read_text", "write_jsonl", "read_jsonl", "read_data", "read_predictions", "prediction_record", "dumps_record"]
+
+
+def read_text(path: str | os.PathLike, what: str = "", fix: str = "") -> str:
+    """The UTF-8 text of a user's input file.
+
+    Raises:
+        ConfigError: one line naming ``what`` and the file: unreadable (``fix`` appended, if given), or not
+            UTF-8 (naming the first bad byte).
+    """
+    p = Path(path)
+    name = f"{what} {p}" if what else str(p)
+    try:
+        return p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot read ({e.strerror or e}){'; ' + fix if fix else ''}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "save it as UTF-8") from None
 
 
 def dumps_record(rec: dict[str, Any]) -> str:
@@ -49,12 +67,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
         ConfigError: unreadable file, or a line that is not a JSON object (names file and line).
     """
     p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: not UTF-8 ({e})") from None
+    lines = read_text(p).splitlines()
     out = []
     for no, line in enumerate(lines, start=1):
         if not line.strip():

@@ -229,8 +229,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
     wrapper = resolve_chat_template(chat_template)
     max_len = getattr(model, "max_length", None)
     inputs = inputs if inputs is not None else RulerInputs()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # created once the data is there: a refused input leaves no empty folder behind
 
     # 1. data ------------------------------------------------------------------------------------------------
     datasets: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -264,6 +263,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
         # data files of the others behind to be mistaken for a complete set
         for (n, t), records in datasets.items():
             data_files[f"data/{n}/{t}"] = write_jsonl(out / "data" / str(n) / t / "validation.jsonl", records)
+    out.mkdir(parents=True, exist_ok=True)
     input_files = inputs.files_for(task_names) if not data else {}
     hashes = {name: _sha(p) for name, p in {**input_files, **data_files}.items()}
 
