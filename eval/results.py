@@ -136,7 +136,7 @@ def read_results(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:  # UnicodeDecodeError: not UTF-8
         raise ValueError(f"{p}: cannot read a results JSON ({e})") from None
     if not isinstance(data, dict) or "kind" not in data or "scores" not in data:
         raise ValueError(f"{p}: not a minicpm4 results file (no 'kind'/'scores'); give a *_results.json")

@@ -91,6 +91,9 @@ def test_report_errors(tmp_path):
     (tmp_path / "bad_results.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(ConfigError, match="not a minicpm4 results file"):
         render_report([tmp_path / "bad_results.json"], tmp_path / "o")
+    (tmp_path / "bad_results.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: the message names the file
+    with pytest.raises(ConfigError, match=r"bad_results.json: cannot read a results JSON \('utf-8' codec"):
+        render_report([tmp_path / "bad_results.json"], tmp_path / "o")
     other, _ = write_results(tmp_path / "x", kind="lm_eval", config={}, model_info={}, datasets={}, items=[],
                              scores={})
     with pytest.raises(ConfigError, match="no ruler or bench results"):
