@@ -479,6 +479,27 @@ def test_refused_runs_write_nothing(corpus, cache_dir, tmp_path, monkeypatch):
     assert not (tmp_path / "empty" / "tokenizer").exists() and not (tmp_path / "empty" / "config.json").exists()
 
 
+@pytest.mark.parametrize("bad", ["missing_source", "py_source", "missing_tokenizer"])
+def test_refused_data_checks_leave_no_empty_folders(corpus, cache_dir, tmp_path, bad):
+    """A run refused by the data/tokenizer checks (after the output checks created out_dir and checkpoints/)
+    removes the empty folders it made (was: an empty out_dir/checkpoints/ left behind); a folder that existed
+    before stays, and so does anything holding a file."""
+    (tmp_path / "a.py").write_text("print(1)\n")
+    kw = {"missing_source": {"data.sources": f"[{tmp_path / 'none.txt'}]"},
+          "py_source": {"data.sources": f"[{tmp_path / 'a.py'}]"},
+          "missing_tokenizer": {"data.tokenizer": str(tmp_path / "no_tok")}}[bad]
+    fresh = tmp_path / "new" / "run"
+    with pytest.raises(ConfigError):
+        run_training(tiny_cfg(corpus, cache_dir, fresh, **kw), log=lambda _m: None, progress=False)
+    assert not (tmp_path / "new").exists()
+    given, ck = tmp_path / "given", tmp_path / "ck" / "x"
+    (given / "keep").mkdir(parents=True)
+    with pytest.raises(ConfigError):
+        run_training(tiny_cfg(corpus, cache_dir, given, **kw, **{"checkpoint.directory": str(ck)}),
+                     log=lambda _m: None, progress=False)
+    assert sorted(p.name for p in given.iterdir()) == ["keep"] and not (tmp_path / "ck").exists()
+
+
 def test_resume_refuses_changed_run_and_allows_logging_changes(corpus, cache_dir, tmp_path):
     out = tmp_path / "r"
     kw = {"steps": 4, "checkpoint.save_every": 4}

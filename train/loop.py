@@ -208,6 +208,26 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None) 
                               "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
 
 
+def _missing_folders(*paths: Path) -> list[Path]:
+    """The folders among ``paths`` and their parents that do not exist yet, deepest first."""
+    out: list[Path] = []
+    for p in paths:
+        while not p.exists() and p not in out and p != p.parent:
+            out.append(p)
+            p = p.parent
+    return sorted(out, key=lambda q: len(q.parts), reverse=True)
+
+
+def _remove_empty_folders(folders: list[Path]) -> None:
+    """Remove those of ``folders`` (deepest first) that are still empty: what a refused run created for its checks
+    (``out_dir``, ``checkpoints/``) is not left behind; anything holding a file stays."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
 _DATA_RECORD = "data.json"  # the corpus and tokenizer a run was started with (checked on --resume)
 
 
@@ -294,7 +314,8 @@ def run_training(
             ``--resume`` when the files under ``data.sources`` changed since the run started
             (:func:`check_run_data`) / a damaged checkpoint step / an ``out_dir`` that is a file, an
             export folder or holds another program's ``config.json`` (:func:`check_run_folder`).
-            Raised before anything is written into ``out_dir``.
+            Raised before anything is written into ``out_dir``; the folders the checks created
+            (``out_dir``, the checkpoint folder) are removed again while empty.
         TrainingDiverged: a non-finite loss or gradient norm (the step is named).
         CheckpointWriteError: a checkpoint write failed (e.g. disk full); earlier checkpoints are intact.
     """
@@ -307,14 +328,18 @@ def run_training(
     out_dir = Path(cfg.out_dir).expanduser().resolve()
     ckpt_dir = checkpoint_dir_of(cfg)
     need = required_free_bytes(cfg)
-    check_run_folder(out_dir, resume, ckpt_dir)
-    check_output_dir(out_dir, need)
-    check_output_dir(ckpt_dir, need, what="checkpoint.directory")
-
-    ckpt = Checkpointer(cfg, ckpt_dir)
+    created = _missing_folders(out_dir, ckpt_dir)  # made by the checks below; removed again if the run is refused
+    try:
+        check_run_folder(out_dir, resume, ckpt_dir)
+        check_output_dir(out_dir, need)
+        check_output_dir(ckpt_dir, need, what="checkpoint.directory")
+        ckpt = Checkpointer(cfg, ckpt_dir)
+    except ConfigError:
+        _remove_empty_folders(created)
+        raise
     writer: MetricsWriter | None = None
     stop = dist.StopWatch()
-    failed = False
+    failed = refused = False
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
         mesh = make_mesh(cfg.mesh)
@@ -684,8 +709,8 @@ def run_training(
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
         return summary
-    except BaseException:
-        failed = True
+    except BaseException as e:
+        failed, refused = True, isinstance(e, ConfigError)
         raise
     finally:
         stop.restore()
@@ -695,3 +720,5 @@ def run_training(
             ckpt.close(quiet=True)  # do not mask the error in flight
         else:
             ckpt.close()
+        if refused:
+            _remove_empty_folders(created)
