@@ -215,20 +215,16 @@ class EvalModel:
                 :class:`EvalModel`.
         """
         from minicpm4_jax.infer.engine import with_attention
-        from minicpm4_jax.tokenizer import load_tokenizer
+        from minicpm4_jax.tokenizer import load_run_tokenizer
         from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
         if attention not in (None, "dense", "sparse"):
             raise ConfigError(f"attention={attention!r}; use 'dense', 'sparse' or leave it unset (as trained)")
         ckpt_dir = find_checkpoint_dir(path)
-        cands = [Path(path) / "tokenizer", ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
-        tok_dir = next((c for c in cands if c.is_dir()), None)
-        if tok_dir is None:
-            raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]})")
+        tokenizer = load_run_tokenizer(path, ckpt_dir)  # before the parameters: a bad one fails fast
         _cfg, model = load_params_for_inference(ckpt_dir, step)
         if attention is not None:
             model = with_attention(model, "infllmv2" if attention == "sparse" else "dense")
-        tokenizer = load_tokenizer(str(tok_dir))
         return cls(model, tokenizer, name=Path(path).resolve().name, batch_size=batch_size,
                    prefill_chunk=prefill_chunk, prefix=prefix, max_length=max_length,
                    checkpoint=str(Path(path).resolve()), progress=progress)

@@ -267,22 +267,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from minicpm4_jax.config import ConfigError
     from minicpm4_jax.generate import generate
     from minicpm4_jax.infer.engine import InferenceEngine
-    from minicpm4_jax.tokenizer import load_tokenizer
+    from minicpm4_jax.tokenizer import load_run_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
     _check_utf8("--prompt", args.prompt)
     for stop in args.stop:
         _check_utf8("--stop", stop)
     ckpt_dir = find_checkpoint_dir(args.checkpoint)
-    cands = [Path(args.checkpoint) / "tokenizer", ckpt_dir.parent / "tokenizer", ckpt_dir / "tokenizer"]
-    tok_dir = next((c for c in cands if c.is_dir()), None)
-    if tok_dir is None:
-        raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]})")
+    tokenizer = load_run_tokenizer(args.checkpoint, ckpt_dir)  # before the parameters: a bad one fails fast
     _cfg, model = load_params_for_inference(ckpt_dir, args.step)
     if args.sparse is not None:
         from minicpm4_jax.infer.engine import with_attention
@@ -290,7 +284,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = with_attention(model, "infllmv2" if args.sparse else "dense")
     engine = InferenceEngine(model, prefill_chunk=args.prefill_chunk)
     speculative = _speculative_decoder(args, model, engine, ckpt_dir)
-    tokenizer = load_tokenizer(str(tok_dir))
     # This project's data pipeline separates documents with EOS: a new document follows an EOS.
     prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     stream = None

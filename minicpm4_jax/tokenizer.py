@@ -39,6 +39,7 @@ from minicpm4_jax.config import ConfigError
 __all__ = [
     "Tokenizer",
     "load_tokenizer",
+    "load_run_tokenizer",
     "train_tokenizer",
     "sentencepiece_to_hf_json",
     "SPM_TRAINER_SETTINGS",
@@ -485,15 +486,45 @@ def _read_json(p: Path) -> Any:
         raise ConfigError(f"{p} is not valid JSON ({e}); fix or remove it") from None
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, *, fix: str | None = None) -> Tokenizer:
     """Load a tokenizer from a ``tokenizer.model``/``*.model`` file, a ``tokenizer.json``/``*.json``
     file, or a folder holding ``tokenizer.model`` (preferred) or ``tokenizer.json``.
+
+    Args:
+        fix: the hint that ends an error's message in place of the default one, which suits a training
+            config's ``data.tokenizer`` (``... or data.tokenizer=train``); e.g. a command's ``--tokenizer``.
 
     Raises:
         ConfigError: (one line, naming the path and the fix) when the path does not exist, the folder
             holds neither file, the extension is unknown, or the file does not parse.
     """
-    p = Path(os.path.expanduser(str(path)))
+    try:
+        return _load_tokenizer(Path(os.path.expanduser(str(path))))
+    except ConfigError as e:
+        what, sep, hint = str(e).rpartition("; ")
+        if fix is None or not sep or "data.tokenizer" not in hint:
+            raise
+        raise ConfigError(f"{what}; {fix}") from None
+
+
+def load_run_tokenizer(run: str | os.PathLike, ckpt_dir: str | os.PathLike) -> Tokenizer:
+    """The tokenizer saved beside a run's checkpoints (``generate``, ``eval``): the first folder of
+    ``run/tokenizer``, ``ckpt_dir/../tokenizer`` and ``ckpt_dir/tokenizer``.
+
+    Raises:
+        ConfigError: no such folder, or its tokenizer does not load (the fix names that folder).
+    """
+    ckpt = Path(ckpt_dir)
+    cands = [Path(run) / "tokenizer", ckpt.parent / "tokenizer", ckpt / "tokenizer"]
+    tok_dir = next((c for c in cands if c.is_dir()), None)
+    if tok_dir is None:
+        raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]}); "
+                          f"copy the tokenizer folder of the run the model was trained in (or imported from) to {cands[0]}")
+    return load_tokenizer(tok_dir, fix=f"restore {tok_dir} from the tokenizer the model was trained with (the "
+                                       "run's tokenizer/ folder, or the Hugging Face folder it was imported from)")
+
+
+def _load_tokenizer(p: Path) -> Tokenizer:
     if not p.exists():
         raise ConfigError(
             f"tokenizer path {p} does not exist; give a tokenizer.model / tokenizer.json file, a folder holding "

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         tok_dir = run / "tokenizer"
         if not tok_dir.is_dir():
             raise ConfigError(f"{tok_dir} does not exist; pass a run folder written by minicpm4 train or import")
-        tok = load_tokenizer(str(tok_dir))
+        tok = load_tokenizer(str(tok_dir), fix=f"restore {tok_dir} from the tokenizer the model was trained with")
         cfg_path = run / "config.json"
         if args.sources:
             data_cfg = DataConfig(sources=tuple(args.sources))

@@ -47,6 +47,25 @@ def test_non_utf8_prompt_or_stop_is_one_line(flag, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"error: {flag} is not valid UTF-8 text (byte 0xff at offset 2); "), err
 
 
+@pytest.mark.parametrize("command", ["generate", "eval ruler", "eval bench"])
+def test_corrupt_run_tokenizer_gets_a_hint_for_the_command(command, tmp_path, capsys):
+    """generate/eval read the tokenizer saved beside the checkpoint: the hint says to restore that folder, not
+    the training-only ``data.tokenizer=train``; it is read (and refused) before the parameters."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "3").mkdir(parents=True)
+    (run / "tokenizer").mkdir()
+    (run / "tokenizer" / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    argv = {"generate": ["generate", "--checkpoint", str(run), "--prompt", "hi"],
+            "eval ruler": ["eval", "ruler", str(run), "--out", str(tmp_path / "o"), "--lengths", "1024",
+                           "--tasks", "niah_single_1", "--num-samples", "1", "--no-progress"],
+            "eval bench": ["eval", "bench", str(run), "--data-dir", str(tmp_path), "--tasks", "gsm8k",
+                           "--no-progress"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a valid SentencePiece model" in err[0], err
+    assert "data.tokenizer" not in err[0] and f"; restore {run / 'tokenizer'} from the tokenizer" in err[0], err
+
+
 def test_wsd_length_error_names_the_keys():
     with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=30 .*lower optimizer.warmup_steps"):
         load_config("cpu_tiny", ["steps=12"])

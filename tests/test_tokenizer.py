@@ -200,6 +200,16 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(tmp_path / "tokenizer_config.json")
 
 
+def test_load_tokenizer_fix_replaces_only_the_training_hint(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(tmp_path, fix="pass --tokenizer")
+    assert str(e.value).endswith("; pass --tokenizer") and "data.tokenizer" not in str(e.value)
+    (tmp_path / "vocab.txt").write_text("a b c")
+    with pytest.raises(ConfigError, match="; give one of those or its folder$"):  # a hint that is not training's
+        load_tokenizer(tmp_path / "vocab.txt", fix="pass --tokenizer")
+
+
 def test_tokenizer_class_requires_one_backend():
     with pytest.raises(ValueError):
         Tokenizer()

@@ -549,13 +549,14 @@ def _tokenizer_only(args: argparse.Namespace) -> Any:
     from minicpm4_jax.tokenizer import load_tokenizer
 
     if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
+        return load_tokenizer(args.tokenizer, fix="give --tokenizer a tokenizer.model / tokenizer.json file or a "
+                                                  "folder holding one")
     if not args.checkpoint:
         raise ConfigError("--generate-only needs a checkpoint or --tokenizer (prompts are fitted with its tokenizer)")
     root = Path(args.checkpoint)
     for cand in (root / "tokenizer", root.parent / "tokenizer"):
         if cand.is_dir():
-            return load_tokenizer(str(cand))
+            return load_tokenizer(str(cand), fix=f"restore {cand} from the model's tokenizer, or pass --tokenizer")
     raise ConfigError(f"no tokenizer folder beside {root}; pass --tokenizer")
 
 

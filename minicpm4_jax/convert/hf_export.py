@@ -329,10 +329,9 @@ def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
     from minicpm4_jax.tokenizer import load_tokenizer
 
     try:
-        tok = load_tokenizer(tokenizer_dir)
-    except ConfigError as e:  # its hint is for training (data.tokenizer=...): give this command's fix
-        what = (str(e).splitlines() or [""])[0].rsplit("; ", 1)[0]
-        raise ConvertError(f"{what}; {fix}") from None
+        tok = load_tokenizer(tokenizer_dir, fix=fix)
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
     if tok.vocab_size > cfg.vocab_size:
         raise ConvertError(
             f"tokenizer {tokenizer_dir} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "

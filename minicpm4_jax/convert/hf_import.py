@@ -259,11 +259,10 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         from minicpm4_jax.tokenizer import load_tokenizer
 
         try:
-            tok = load_tokenizer(folder)
-        except ConfigError as e:  # its hint is for training (data.tokenizer=...): give this command's fix
-            what = (str(e).splitlines() or [""])[0].rsplit("; ", 1)[0]
-            raise ConvertError(f"{what}; fix the tokenizer files in {folder}, or pass --no-tokenizer to import "
-                               "the weights only") from None
+            tok = load_tokenizer(folder, fix=f"fix the tokenizer files in {folder}, or pass --no-tokenizer to "
+                                             "import the weights only")
+        except ConfigError as e:
+            raise ConvertError(str(e)) from None
         if tok.vocab_size > cfg.vocab_size:
             raise ConvertError(f"the tokenizer in {folder} has {tok.vocab_size} tokens but config.json has vocab_size "
                                f"{cfg.vocab_size}; they do not belong together: fix vocab_size or the tokenizer")
