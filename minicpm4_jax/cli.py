@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-decode", action="store_true",
                    help="speculative decoding with the checkpoint's MTP head as the draft (model.mtp=true); greedy "
                         "output is identical, sampling keeps the model's distribution")
-    g.add_argument("--num-draft", type=int, default=3, metavar="K", help="tokens drafted per round (default 3)")
+    g.add_argument("--num-draft", type=int, default=None, metavar="K",
+                   help="tokens drafted per round with --spec-decode (default 3)")
     g.add_argument("--fr-spec-vocab", type=int, default=None, metavar="N",
                    help="FR-Spec: the draft scores only the N most frequent tokens, from <run>/fr_spec/freq_N.txt "
                         "(or .pt; build it with scripts/build_fr_spec.py) or from --fr-spec FILE")
@@ -275,6 +276,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _check_utf8("--prompt", args.prompt)
     for stop in args.stop:
         _check_utf8("--stop", stop)
+    _check_draft_options(args)
     ckpt_dir = find_checkpoint_dir(args.checkpoint)
     tokenizer = load_run_tokenizer(args.checkpoint, ckpt_dir)  # before the parameters: a bad one fails fast
     _cfg, model = load_params_for_inference(ckpt_dir, args.step)
@@ -308,7 +310,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s (compilation included: "
                   f"scripts/bench_decode.py measures warm); attention {attn}, "
                   f"attended fraction {out.attended_fraction:.3f}"
-                  + (f"; acceptance length {out.acceptance_length:.2f} (drafts {args.num_draft})"
+                  + (f"; acceptance length {out.acceptance_length:.2f} (drafts {speculative.k})"
                      if speculative else ""))
     print(f"[{out.new_tokens} new tokens ({out.finish_reasons[0]}); prefill {out.prompt_tokens} tokens in "
           f"{out.prefill_seconds:.2f} s; {decode}]", file=sys.stderr)
@@ -329,18 +331,28 @@ def _check_utf8(flag: str, value: str) -> None:
                           "the script's encoding)") from None
 
 
-def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
-    """The :class:`SpeculativeDecoder` asked for by ``--spec-decode`` / ``--fr-spec*`` (``None`` without them)."""
-    from pathlib import Path
-
+def _check_draft_options(args: argparse.Namespace) -> None:
+    """Refuse draft options given without ``--spec-decode`` (they would be ignored), before anything is loaded."""
     from minicpm4_jax.config import ConfigError
 
     if args.draft_window is not None and args.draft_window < 0:
         raise ConfigError(f"--draft-window={args.draft_window} must be >= 0 (0 = the whole context)")
     if not args.spec_decode:
-        if args.fr_spec_vocab is not None or args.fr_spec is not None or args.draft_window is not None:
-            raise ConfigError("--fr-spec-vocab/--fr-spec/--draft-window shape the draft of --spec-decode; add "
-                              "--spec-decode")
+        given = [flag for flag, val in (("--num-draft", args.num_draft), ("--fr-spec-vocab", args.fr_spec_vocab),
+                                        ("--fr-spec", args.fr_spec), ("--draft-window", args.draft_window))
+                 if val is not None]
+        if given:
+            raise ConfigError(f"{'/'.join(given)} shape{'s' if len(given) == 1 else ''} the draft of --spec-decode; "
+                              "add --spec-decode")
+
+
+def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
+    """The :class:`SpeculativeDecoder` asked for by ``--spec-decode`` (``None`` without it)."""
+    from pathlib import Path
+
+    from minicpm4_jax.config import ConfigError
+
+    if not args.spec_decode:
         return None
     if not getattr(model.cfg, "mtp", False):
         raise ConfigError("--spec-decode needs a model trained with its MTP draft head (model.mtp=true); this "
@@ -360,7 +372,8 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
             if not 1 <= args.fr_spec_vocab <= len(ids):
                 raise ConfigError(f"--fr-spec-vocab={args.fr_spec_vocab} must be in [1, {len(ids)}] for {path}")
             ids = ids[:args.fr_spec_vocab]
-    return SpeculativeDecoder(engine, model.mtp, num_draft=args.num_draft, fr_spec_ids=ids,
+    return SpeculativeDecoder(engine, model.mtp, num_draft=3 if args.num_draft is None else args.num_draft,
+                              fr_spec_ids=ids,
                               draft_window=1024 if args.draft_window is None else (args.draft_window or None))
 
 

@@ -66,6 +66,22 @@ def test_corrupt_run_tokenizer_gets_a_hint_for_the_command(command, tmp_path, ca
     assert "data.tokenizer" not in err[0] and f"; restore {run / 'tokenizer'} from the tokenizer" in err[0], err
 
 
+@pytest.mark.parametrize("extra, refused", [
+    (["--num-draft", "3"], "--num-draft shapes"),
+    (["--num-draft", "5", "--draft-window", "8"], "--num-draft/--draft-window shape"),
+    (["--fr-spec-vocab", "64"], "--fr-spec-vocab shapes"), ([], None)])
+def test_draft_options_without_spec_decode_are_refused(extra, refused, tmp_path, capsys):
+    """--num-draft without --spec-decode was silently ignored (its default must not trigger the refusal); all draft
+    options are refused before the checkpoint is read (here there is none)."""
+    assert main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "hi", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    if refused:
+        assert err[0] == f"error: {refused} the draft of --spec-decode; add --spec-decode", err
+    else:
+        assert "does not exist" in err[0], err
+
+
 def test_wsd_length_error_names_the_keys():
     with pytest.raises(ConfigError, match=r"optimizer.warmup_steps=30 .*lower optimizer.warmup_steps"):
         load_config("cpu_tiny", ["steps=12"])

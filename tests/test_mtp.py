@@ -351,7 +351,8 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
                      (["--spec-decode", "--fr-spec", str(tmp_path)], "is a directory"),
                      (["--spec-decode", "--fr-spec-vocab", "0"], "--fr-spec-vocab=0 must be in [1, vocab_size="),
                      (["--spec-decode", "--draft-window", "-3"], "--draft-window=-3 must be >= 0"),
-                     (["--draft-window", "7"], "--draft-window shape the draft of --spec-decode")):
+                     (["--draft-window", "7"], "--draft-window shapes the draft of --spec-decode"),
+                     (["--num-draft", "2"], "--num-draft shapes the draft of --spec-decode")):
         capsys.readouterr()
         assert main(["generate", "--checkpoint", run, "--prompt", "def ", *bad]) == 2, bad
         o = capsys.readouterr()
