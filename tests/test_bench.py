@@ -406,6 +406,10 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
     assert normalize_number("inf") == "inf" and normalize_number("1e999") == "1e999"
     assert normalize_number("1,234.0") == "1234"
     assert parse_tasks("gsm8k,mmlu,gsm8k") == ["gsm8k", "mmlu"]
+    for spec in ("", " , "):  # was "no benchmark named", without the value or the fix
+        with pytest.raises(ValueError, match=rf"^--tasks {spec!r} names no benchmark; give comma-separated names "
+                                             r"\(mmlu, .*\) or 'all'$"):
+            parse_tasks(spec)
 
 
 def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch):

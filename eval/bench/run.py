@@ -59,7 +59,8 @@ def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
     if unknown:
         raise ValueError(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(LOADERS)}")
     if not names:
-        raise ValueError("no benchmark named")
+        raise ValueError(f"--tasks {spec if isinstance(spec, str) else list(spec)!r} names no benchmark; give "
+                         f"comma-separated names ({', '.join(LOADERS)}) or 'all'")
     return list(dict.fromkeys(names))  # a task named twice runs once
 
 
