@@ -394,6 +394,11 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
     empty = folder("empty", {"gsm8k/test.jsonl": ""})
     with pytest.raises(DataError, match="gsm8k: no records in .*test.jsonl"):
         load_task("gsm8k", empty, k_shot=0)
+    # the few-shot pool has records: only the empty file is named (was "no records in .../test.jsonl, .../train.jsonl")
+    pool = json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n"
+    shots = folder("shots", {"gsm8k/test.jsonl": "", "gsm8k/train.jsonl": pool * 5})
+    with pytest.raises(DataError, match=r"^gsm8k: no records in [^,]*test\.jsonl$"):
+        load_task("gsm8k", shots, k_shot=5)
     header = folder("header", {"mmlu/test/foo_test.csv": ""})
     with pytest.raises(DataError, match="mmlu: no records"):
         load_task("mmlu", header, k_shot=0)

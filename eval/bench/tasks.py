@@ -38,6 +38,7 @@ class Task:
     files: list[Path] = field(default_factory=list)  #: every data file read (hashed in the results)
     k_shot: int = 0
     meta: dict = field(default_factory=dict)
+    shot_files: list[Path] = field(default_factory=list)  #: those of ``files`` read for few-shot exemplars only
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -128,7 +129,7 @@ def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob
     eval_files = find_files(root / eval_split, [eval_glob])
     if not eval_files:
         raise DataError(f"{root / eval_split}: no files matching {eval_glob}")
-    items, files = [], []
+    items, files, shot_files = [], [], []
     for f in eval_files:
         subject = f.name
         for suf in (suffixes[0] + ".gz", suffixes[0]):
@@ -149,6 +150,7 @@ def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob
                 raise DataError(f"{root / 'dev'}: no dev file for subject {subject!r} (needed for {k_shot}-shot)")
             dev_recs = read_records(dev, csv_header=csv_header)
             files.append(dev)
+            shot_files.append(dev)
             if len(dev_recs) < k_shot:
                 raise DataError(f"{dev}: {k_shot}-shot needs {k_shot} dev rows, the file has {len(dev_recs)}")
             for r in dev_recs[:k_shot]:
@@ -163,7 +165,7 @@ def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob
                 "choices": [f" {LETTERS[j]}" for j in range(len(ch))], "gold": g,
             })
     return Task(name, "mc", "acc", _limit(items, limit), files, k_shot,
-                {"acc_norm": name != "mmlu", "subtasks": len(eval_files)})
+                {"acc_norm": name != "mmlu", "subtasks": len(eval_files)}, shot_files)
 
 
 def _single_file_mc(name: str, data_dir: Path, folder: str, eval_split: str, description: Callable[[str], str],
@@ -184,6 +186,7 @@ def _single_file_mc(name: str, data_dir: Path, folder: str, eval_split: str, des
     recs = [r for f in files for r in read_records(f)]
     require(recs, ["subject"], name)
     by_dev: dict[str, list[dict]] = {}
+    dev_files: list[Path] = []
     if k_shot:
         dev_files = find_files(root, [p.replace(eval_split, "dev", 1) for p in pats])
         if not dev_files:
@@ -209,7 +212,7 @@ def _single_file_mc(name: str, data_dir: Path, folder: str, eval_split: str, des
                       "choices": [f" {LETTERS[j]}" for j in range(len(ch))], "gold": g})
     items.sort(key=lambda it: it["subtask"])  # stable: file order within a subject
     return Task(name, "mc", "acc", _limit(items, limit), files, k_shot,
-                {"acc_norm": name != "mmlu", "subtasks": len(counters)})
+                {"acc_norm": name != "mmlu", "subtasks": len(counters)}, dev_files)
 
 
 # ---------------------------------------------------------------------------- MC tasks
@@ -297,7 +300,7 @@ def _load_arc(name: str, prefix: str, data_dir: Path, k_shot: int = 0, limit: in
         s, texts, g = _arc_fields(r)
         items.append({"id": str(r.get("id", i)), "subtask": name, "where": r[WHERE],
                       "context": shots + f"Question: {s}\nAnswer:", "choices": [" " + t for t in texts], "gold": g})
-    return Task(name, "mc", "acc", _limit(items, limit), files, k_shot, {"acc_norm": True})
+    return Task(name, "mc", "acc", _limit(items, limit), files, k_shot, {"acc_norm": True}, files[1:])
 
 
 def load_arc_challenge(data_dir: Path, **kw) -> Task:
@@ -350,7 +353,7 @@ def load_gsm8k(data_dir: Path, k_shot: int = 5, limit: int | None = None, seed: 
                       "prompt": shots + f"Question: {r['question']}\nAnswer:",
                       "until": ["Question:", "</s>", "<|im_end|>", "\n\n"], "max_new_tokens": 256,
                       "gold": gold, "extract": "gsm8k"})
-    return Task("gsm8k", "gen", "exact_match", _limit(items, limit), files, k_shot, {"shot_seed": seed})
+    return Task("gsm8k", "gen", "exact_match", _limit(items, limit), files, k_shot, {"shot_seed": seed}, files[1:])
 
 
 def load_math500(data_dir: Path, k_shot: int = 0, limit: int | None = None, **_) -> Task:
@@ -381,7 +384,7 @@ def load_math500(data_dir: Path, k_shot: int = 0, limit: int | None = None, **_)
                       + f"Problem:\n{r['problem']}\n\nSolution:",
                       "until": ["Problem:", "</s>", "<|im_end|>"], "max_new_tokens": 512, "gold": gold,
                       "extract": "math"})
-    return Task("math500", "gen", "exact_match", _limit(items, limit), files, k_shot)
+    return Task("math500", "gen", "exact_match", _limit(items, limit), files, k_shot, shot_files=files[1:])
 
 
 _BBH_SHOT = re.compile(r"Q: (?P<q>.*?)\nA: Let's think step by step\.(?P<cot>[ \n].*?)(?=\n\nQ: |\Z)", re.S)
@@ -447,7 +450,7 @@ def _load_bbh(data_dir: Path, cot: bool, limit: int | None, k_shot: int = 3, **_
                           "max_new_tokens": 512 if cot else 32, "gold": str(r["target"]),
                           "extract": "bbh_cot" if cot else "bbh_direct"})
     name = "bbh" if cot else "bbh_direct"
-    return Task(name, "gen", "exact_match", _limit(items, limit), files, k, {"cot": cot})
+    return Task(name, "gen", "exact_match", _limit(items, limit), files, k, {"cot": cot}, [prompts_file])
 
 
 def load_bbh(data_dir: Path, limit: int | None = None, **kw) -> Task:
@@ -545,7 +548,8 @@ def load_task(name: str, data_dir: str | Path, *, k_shot: int | None = None, lim
         kw["k_shot"] = k_shot
     task = LOADERS[name](Path(data_dir), **kw)
     if not task.items:  # an empty or header-only file would score 0 over n = 0 and enter the average
-        raise DataError(f"{name}: no records in {', '.join(str(f) for f in task.files) or data_dir}")
+        evaluated = [str(f) for f in task.files if f not in task.shot_files]
+        raise DataError(f"{name}: no records in {', '.join(evaluated) or data_dir}")
     return task
 
 
