@@ -131,6 +131,35 @@ def test_jsonl_reader(tmp_path):
     assert read_corpus(_cfg(tmp_path, [p], text_field="content")).documents == docs
 
 
+def test_records_without_the_text_field_are_counted_and_reported(tmp_path):
+    """jsonl records without a string ``text_field`` (and parquet rows with none) were dropped silently (a 3-row
+    file became "1 documents"); they are counted like non-UTF-8 files, named in the log line and the manifest; a
+    file with records but none usable is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = _docs(30)
+    p = tmp_path / "c.jsonl"
+    rows = [{"text": d} for d in docs[:20]] + [{"content": "x"}, {"text": 42}, ["not", "an", "object"]]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    q = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": docs[20:] + [None]}), q)
+    corpus = read_corpus(_cfg(tmp_path, [p, q]))
+    assert corpus.documents == docs
+    assert corpus.skipped_records == [f"{p}:21", f"{p}:22", f"{p}:23", f"{q}:row 11"]
+    logs: list[str] = []
+    man = prepare_data(_cfg(tmp_path, [p, q]), log=logs.append).manifest
+    assert man["skipped_records"] == 4 and man["skipped_record_examples"][0] == f"{p}:21"
+    line = next(m for m in logs if m.startswith("data: "))
+    assert f"30 documents (4 records without a string 'text' field, skipped: first at {p}:21;" in line, line
+    (tmp_path / "none.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="has no string field 'text' in any record"):
+        read_corpus(_cfg(tmp_path, [tmp_path / "none.jsonl"]))
+    pq.write_table(pa.table({"text": pa.array([None, None], pa.string())}), tmp_path / "none.parquet")
+    with pytest.raises(ConfigError, match="has no string value in column 'text' \\(2 rows\\)"):
+        read_corpus(_cfg(tmp_path, [tmp_path / "none.parquet"]))
+
+
 def test_parquet_reader(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

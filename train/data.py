@@ -9,7 +9,10 @@ Flow of :func:`prepare_data`:
    folders of such files (recursive, sorted), or a Hugging Face ``save_to_disk`` folder
    (``state.json`` + ``*.arrow`` IPC stream files, read with pyarrow; a ``DatasetDict`` folder uses
    its ``train`` split). Files that are not valid UTF-8 are skipped and counted
-   (``manifest["skipped_files"]``); empty files inside a folder or the stdlib are skipped.
+   (``manifest["skipped_files"]``); empty files inside a folder or the stdlib are skipped. Records
+   (jsonl lines, parquet/arrow rows) without a string ``text_field`` are skipped and counted
+   (``manifest["skipped_records"]``, the first places in ``skipped_record_examples``); a file with
+   records but none usable is refused.
 2. **Hashes.** Every file's bytes are SHA-256 hashed; the corpus hash covers paths, sizes and content
    hashes. The token cache key hashes the corpus hash, the tokenizer's file hash and every setting
    that changes the tokens (``text_field``, ``val_fraction``, ``seed``, format version), so a changed
@@ -148,8 +151,9 @@ class Corpus:
     """The documents of a corpus and what was skipped while reading it.
 
     ``documents``: non-empty texts in corpus order. ``skipped_files``: paths of files that are not
-    valid UTF-8 (skipped). ``empty_files``: files with no text (skipped). ``corpus_hash``: SHA-256
-    over every file's path, size and content hash.
+    valid UTF-8 (skipped). ``empty_files``: files with no text (skipped). ``skipped_records``:
+    ``path:line`` (jsonl) or ``path:row N`` (parquet/arrow) of the records without a string
+    ``text_field`` (skipped). ``corpus_hash``: SHA-256 over every file's path, size and content hash.
     """
 
     files: list[dict[str, Any]]
@@ -157,6 +161,7 @@ class Corpus:
     documents: list[str] | None = None
     skipped_files: list[str] = dataclasses.field(default_factory=list)
     empty_files: list[str] = dataclasses.field(default_factory=list)
+    skipped_records: list[str] = dataclasses.field(default_factory=list)
     raw: list[_File] = dataclasses.field(default_factory=list, repr=False)  # file bytes, until decoded
 
 
@@ -259,16 +264,23 @@ def _corpus_hash(files: list[_File]) -> str:
     return h.hexdigest()
 
 
-def _table_texts(table, field: str, path: Path) -> list[str]:
+def _table_texts(table, field: str, path: Path, skipped: list[str]) -> list[str]:
     if field not in table.column_names:
         raise ConfigError(
             f"{path} has no column {field!r} (columns: {table.column_names}); set data.text_field to the text column"
         )
-    return [t for t in table.column(field).to_pylist() if isinstance(t, str)]
+    values = table.column(field).to_pylist()
+    docs = [t for t in values if isinstance(t, str)]
+    if values and not docs:
+        raise ConfigError(f"{path} has no string value in column {field!r} ({len(values)} rows); set "
+                          "data.text_field to the text column")
+    skipped.extend(f"{path}:row {i + 1}" for i, t in enumerate(values) if not isinstance(t, str))
+    return docs
 
 
-def _documents(f: _File, field: str) -> list[str] | None:
-    """Texts of one file; ``None`` when the file is not valid UTF-8."""
+def _documents(f: _File, field: str, skipped: list[str]) -> list[str] | None:
+    """Texts of one file; ``None`` when the file is not valid UTF-8. The places of records without a string
+    ``field`` are appended to ``skipped``."""
     if f.kind in ("py", "txt"):
         try:
             return [f.data.decode("utf-8")]
@@ -280,6 +292,7 @@ def _documents(f: _File, field: str) -> list[str] | None:
         except UnicodeDecodeError:
             return None
         docs: list[str] = []
+        missing: list[str] = []
         n_records = 0
         keys: set[str] = set()
         for lineno, line in enumerate(text.splitlines(), 1):
@@ -290,16 +303,19 @@ def _documents(f: _File, field: str) -> list[str] | None:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{f.path}:{lineno} is not valid JSON ({e.msg}); fix the line or remove the file") from None
             n_records += 1
+            v = rec.get(field) if isinstance(rec, dict) else None
             if isinstance(rec, dict):
                 keys.update(rec)
-                v = rec.get(field)
-                if isinstance(v, str):
-                    docs.append(v)
+            if isinstance(v, str):
+                docs.append(v)
+            else:
+                missing.append(f"{f.path}:{lineno}")
         if n_records and not docs:
             raise ConfigError(
                 f"{f.path} has no string field {field!r} in any record (fields: {sorted(keys)[:10]}); "
                 "set data.text_field to the text field"
             )
+        skipped.extend(missing)
         return docs
     import pyarrow as pa
 
@@ -315,13 +331,13 @@ def _documents(f: _File, field: str) -> list[str] | None:
                 table = pa.ipc.open_file(pa.BufferReader(f.data)).read_all()
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"{f.path} cannot be read as {f.kind} ({e}); fix or remove the file") from None
-    return _table_texts(table, field, f.path)
+    return _table_texts(table, field, f.path, skipped)
 
 
 def _decode_files(files: list[_File], cfg: DataConfig, corpus: Corpus) -> None:
     docs: list[str] = []
     for f in files:
-        got = _documents(f, cfg.text_field)
+        got = _documents(f, cfg.text_field, corpus.skipped_records)
         if got is None:
             corpus.skipped_files.append(str(f.path))
             continue
@@ -414,7 +430,8 @@ class PreparedData:
     ``train_tokens``/``val_tokens``: read-only 1-D ``np.memmap`` (uint16 or uint32) of token ids,
     each document followed by ``tokenizer.eos_id``. ``manifest``: the cache's ``manifest.json``
     (``num_documents``, ``num_train_documents``, ``num_val_documents``, ``skipped_files`` (count of
-    non-UTF-8 files), ``skipped_file_paths``, ``empty_files``, ``num_train_tokens``,
+    non-UTF-8 files), ``skipped_file_paths``, ``empty_files``, ``skipped_records`` (count of records
+    without a string ``text_field``), ``skipped_record_examples``, ``num_train_tokens``,
     ``num_val_tokens``, ``corpus_hash``, ``tokenizer_hash``, ``key``, ``settings``, ``val_split``,
     ``dtype``, ``vocab_size``, ``timings``, ``files``). ``cache_dir``: the folder holding the token
     files (``<cache root>/tokens/<key>``).
@@ -576,6 +593,8 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
                 "skipped_files": len(corpus.skipped_files),
                 "skipped_file_paths": corpus.skipped_files,
                 "empty_files": len(corpus.empty_files),
+                "skipped_records": len(corpus.skipped_records),
+                "skipped_record_examples": corpus.skipped_records[:10],
                 "num_documents": len(corpus.documents),
                 "num_train_documents": len(train_docs),
                 "num_val_documents": len(val_docs),
@@ -603,10 +622,13 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+        bad = man.get("skipped_records", 0)
+        records = (f" ({bad} records without a string {cfg.text_field!r} field, skipped: first at "
+                   f"{man['skipped_record_examples'][0]}; set data.text_field or fix them)" if bad else "")
         log(
-            f"data: {man['num_files']} files ({man['skipped_files']} not UTF-8, skipped), {man['num_documents']} documents, "
-            f"{man['num_train_tokens']:,} train / {man['num_val_tokens']:,} val tokens ({rule} split), "
-            f"tokenized in {timings['tokenize_s']:.1f}s -> {final}"
+            f"data: {man['num_files']} files ({man['skipped_files']} not UTF-8, skipped), {man['num_documents']} "
+            f"documents{records}, {man['num_train_tokens']:,} train / {man['num_val_tokens']:,} val tokens "
+            f"({rule} split), tokenized in {timings['tokenize_s']:.1f}s -> {final}"
         )
     window = cfg.seq_len + 1
     for split_name, n in (("train", man["num_train_tokens"]), ("validation", man["num_val_tokens"])):
