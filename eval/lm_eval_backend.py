@@ -235,6 +235,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as e:  # this backend's own input errors (model_args, checkpoint): one line, status 2
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         raise SystemExit(2) from None
+    except FileNotFoundError as e:  # e.g. datasets' "Unable to find '<data file>'" for a task YAML's data_files
+        print(f"error: {' '.join(str(e).split())}; fix the path (dataset_kwargs.data_files of a task YAML: relative "
+              "paths start from the folder lm-eval runs in)", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

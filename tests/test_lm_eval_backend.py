@@ -191,7 +191,8 @@ def _local_tasks(tmp_path):
     out = tmp_path / "tasks"
     out.mkdir()
     for y in TASK_DIR.glob("*.yaml"):
-        (out / y.name).write_text(y.read_text().replace("@BENCH@", str(bench)))
+        # the shipped paths are relative to the repository root (README); absolute here, for any working directory
+        (out / y.name).write_text(y.read_text().replace('"../shared/data/benchmarks/', f'"{bench}/'))
     return out
 
 
@@ -244,6 +245,42 @@ def test_simple_evaluate_offline_with_local_task_yamls(tmp_path):
         if blp is not None:
             assert float(s["resps"][0][0]) == pytest.approx(blp, abs=1e-6)
     assert r["minicpm4_rolling_local"]["word_perplexity,none"] > 1.0
+
+
+def test_readme_lm_eval_example_names_shipped_tasks_whose_files_exist():
+    """The README's minicpm4-lm-eval command runs as written from the repository root: its --include_path folder
+    holds its --tasks, and every data file they name exists from there (the YAMLs held an @BENCH@ placeholder:
+    datasets' FileNotFoundError)."""
+    import yaml
+
+    shared_path("data", "benchmarks")
+    cmd = re.search(r"minicpm4-lm-eval (.*?)\n```", (_REPO / "README.md").read_text(), re.S).group(1)
+    cmd = cmd.replace("\\\n", " ")
+    folder = _REPO / re.search(r"--include_path (\S+)", cmd).group(1)
+    tasks = {}
+    for p in folder.glob("*.yaml"):
+        y = yaml.safe_load(p.read_text())
+        tasks[y["task"]] = y
+    assert set(re.search(r"--tasks (\S+)", cmd).group(1).split(",")) <= set(tasks), (cmd, sorted(tasks))
+    for name, y in tasks.items():
+        for f in y["dataset_kwargs"]["data_files"].values():
+            assert (_REPO / f).is_file(), (name, f)
+
+
+@needs_lm_eval
+def test_missing_task_data_file_is_one_line(monkeypatch, capsys):
+    import lm_eval.__main__
+
+    from minicpm4_jax.eval.lm_eval_backend import main
+
+    def missing():
+        raise FileNotFoundError("Unable to find '/nowhere/test.jsonl'")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", missing)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "minicpm4-jax", "--tasks", "t"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: Unable to find '/nowhere/test.jsonl'; ")
 
 
 @needs_lm_eval
