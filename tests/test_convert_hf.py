@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import jax
@@ -74,8 +75,12 @@ def test_official_layout_round_trip_is_bit_identical(tmp_path, tiny_tokenizer_di
     imp = import_hf(hf, tmp_path / "run")
     _assert_bit_identical(flat_params(imp.params), params)
     assert imp.cfg == cfg
-    # the import is a checkpoint this project reads back (generate / export use this path)
-    train_cfg, model = load_params_for_inference(tmp_path / "run")
+    # the import is a checkpoint this project reads back (generate / export use this path), verified against
+    # the checksums saved with it
+    assert (tmp_path / "run" / "checkpoints" / "0" / "checksums").is_dir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "loaded unverified" warning
+        train_cfg, model = load_params_for_inference(tmp_path / "run")
     assert train_cfg.model == cfg
     _assert_bit_identical(flat_params(model), params)
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.model").is_file()

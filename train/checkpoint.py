@@ -1,10 +1,12 @@
 """orbax checkpoints of a training run: train state, config and data-iterator state, keep-last-N.
 
-One checkpoint step directory holds three items (an ``ocp.args.Composite``):
+One checkpoint step directory holds these items (an ``ocp.args.Composite``):
 
 * ``state``: ``{"step", "params", "opt_state"}`` of the :class:`~minicpm4_jax.train.step.TrainState`
   (``ocp.args.StandardSave``; restored into abstract targets from ``jax.eval_shape``);
 * ``config``: the whole :class:`~minicpm4_jax.config.TrainConfig` as JSON (``config_to_dict``);
+* ``checksums``: :func:`~minicpm4_jax.train.checksums.checksum_record` of ``state`` as JSON: per array two
+  32-bit sums that do not depend on its sharding (written by process 0);
 * ``data``: the grain iterator state (``grain.checkpoint.CheckpointSave``), when an iterator is given:
   one ``process_<i>-of-<n>.json`` per process. The state counts *global* batches
   (:func:`~minicpm4_jax.train.data.train_iterator`), so it is the same on every process and restores
@@ -26,6 +28,12 @@ it surfaces in :meth:`Checkpointer.save` or later when the async write is awaite
 :class:`CheckpointWriteError` that names the step, the folder, the cause and the last complete
 checkpoint (which is left intact).
 
+Damage after the save: TensorStore keeps no checksum of the array data, so every load
+(:meth:`Checkpointer.restore`, :func:`load_params_for_inference`) recomputes the checksums on the restored
+arrays (on device, each device over its shards) and refuses a step whose arrays differ from them with the
+one-line damaged-step :class:`ConfigError`. A step saved before the checksums existed (no ``checksums`` item)
+loads unverified, with a warning.
+
 Resuming (:meth:`Checkpointer.check_compatible`): every field of the checkpoint's config must equal
 the current one, except :data:`RESUME_MAY_CHANGE` (fields that change neither the math nor the
 data order).
@@ -34,19 +42,19 @@ data order).
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 
 from minicpm4_jax.config import (MTP_DRAFT_FIELDS, ConfigError, TrainConfig, config_from_dict, config_to_dict,
                                  diff_configs)
+from minicpm4_jax.train.checksums import ChecksumMismatch, checksum_record, on_mesh_of, verify_checksums
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of", "sharded_abstract_state",
            "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "params_all_finite",
-           "resume_differences", "restore_data_iterator"]
+           "resume_differences", "restore_data_iterator", "state_save_args", "CHECKSUM_ITEM"]
 
 #: Config fields that a ``--resume`` may change: they affect neither the math nor the data order.
 RESUME_MAY_CHANGE = frozenset({
@@ -167,6 +175,72 @@ def _read_data_state(data_dir: Path) -> Any:
 
 def _state_dict(state: Any) -> dict[str, Any]:
     return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+#: The checkpoint item holding the checksums of the ``state`` item's arrays.
+CHECKSUM_ITEM = "checksums"
+
+
+def state_save_args(state: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
+    """The orbax save args of a checkpoint step's ``state``, ``config`` and ``checksums`` items.
+
+    Computes the checksums of ``state`` (a collective: call it on every process); the three items are
+    committed together (one orbax step), so no complete step lacks its checksums.
+    """
+    import orbax.checkpoint as ocp
+
+    return {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_to_dict(cfg)),
+            CHECKSUM_ITEM: ocp.args.JsonSave(checksum_record(state))}
+
+
+def _has_checksums(step_dir: Path) -> bool:
+    """Whether the step was saved with a checksum item: its folder exists, or the step's orbax metadata
+    names it (a step whose checksum folder was removed is then refused, not loaded unverified)."""
+    import json
+
+    if (step_dir / CHECKSUM_ITEM).exists():
+        return True
+    try:
+        meta = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and CHECKSUM_ITEM in (meta.get("item_handlers") or {})
+
+
+def _restore_verified(manager: Any, directory: Path, step: int, state_args: Any,
+                      corrupt: Callable[[BaseException], ConfigError]) -> Any:
+    """Restore the ``state`` item of ``step`` with ``state_args`` and check it against the step's checksums.
+
+    Args:
+        corrupt: ``exception -> ConfigError``, the caller's damaged-step error.
+
+    Returns:
+        The restored ``state`` item (all of it or the part ``state_args`` asks for).
+
+    Raises:
+        ConfigError: ``corrupt(e)``: the restore failed, or a restored array differs from its checksum.
+    """
+    import orbax.checkpoint as ocp
+
+    items = {"state": state_args}
+    checked = _has_checksums(directory / str(step))
+    if checked:
+        items[CHECKSUM_ITEM] = ocp.args.JsonRestore()
+    try:
+        out = manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
+        raise corrupt(e) from None
+    if not checked:
+        import warnings
+
+        warnings.warn(f"checkpoint step {step} in {directory} has no checksums (saved before they were added): "
+                      "its arrays are loaded unverified", stacklevel=3)
+        return out["state"]
+    try:
+        verify_checksums(out["state"], out[CHECKSUM_ITEM])
+    except ChecksumMismatch as e:
+        raise corrupt(e) from None
+    return out["state"]
 
 
 def short_cause(e: BaseException, limit: int = 220) -> str:
@@ -297,10 +371,11 @@ class Checkpointer:
 
     # ---- save ---------------------------------------------------------------------------------
     def save(self, step: int, state: Any, data_iterator: Any = None, *, force: bool = True) -> bool:
-        """Start an (async) save of ``state`` (+ config, + iterator state) as checkpoint ``step``.
+        """Start an (async) save of ``state`` (+ config, + checksums, + iterator state) as checkpoint ``step``.
 
-        Waits for a previous pending save first. Returns whether a save was started (``False`` when
-        that step already exists).
+        Waits for a previous pending save first; the checksums of ``state`` are computed before the save
+        starts (on device, a few integer operations per element). Returns whether a save was started
+        (``False`` when that step already exists).
 
         Raises:
             CheckpointWriteError: this write, or the previous pending one, failed.
@@ -309,10 +384,7 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         self._finish_pending()
-        items: dict[str, Any] = {
-            "state": ocp.args.StandardSave(_state_dict(state)),
-            "config": ocp.args.JsonSave(config_to_dict(self.cfg)),
-        }
+        items = state_save_args(_state_dict(state), self.cfg)
         if data_iterator is not None:
             import grain
 
@@ -462,14 +534,11 @@ class Checkpointer:
             warnings.warn(f"checkpoint step {step} in {self.directory} holds no data-iterator state (no data/ "
                           "folder): the data order restarts from the beginning, so the resumed run differs from an "
                           "uninterrupted one", stacklevel=2)
-        try:
-            with _closed_loop_reports_dropped():
-                out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
-            raise self._corrupt(step, e) from None
+        with _closed_loop_reports_dropped():
+            s = _restore_verified(self.manager, self.directory, step, ocp.args.StandardRestore(target),
+                                  lambda e: self._corrupt(step, e))
         if data_state is not None:
             data_iterator.set_state(data_state)
-        s = out["state"]
         state = type(abstract_state)(step=s["step"], params=s["params"], opt_state=s["opt_state"])
         return step, state
 
@@ -572,19 +641,13 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
             abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
             graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
             target = _with_default_sharding({"params": abstract_params})
-            # Partial restore: only the params subtree of the saved state.
-            try:
-                restored = mngr.restore(
-                    step,
-                    args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                        item=target,
-                        restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
-                        partial_restore=True,
-                    )),
-                )
-            except Exception as e:  # noqa: BLE001
-                raise corrupt(e) from None
-            params = restored["state"]["params"]
+            # Partial restore: only the params subtree of the saved state (verified against its checksums).
+            restored = _restore_verified(mngr, directory, step, ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
+                partial_restore=True,
+            ), corrupt)
+            params = restored["params"]
     finally:
         mngr.close()
     from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec
@@ -628,16 +691,7 @@ def params_all_finite(params: Any) -> bool:
 
     The answer is replicated on the parameters' mesh, so every process reads the same value.
     """
-    mesh = next((x.sharding.mesh for x in jax.tree.leaves(params)
-                 if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)), None)
-    return bool(jax.device_get(_all_finite_on(mesh)(params)))
-
-
-@functools.lru_cache(maxsize=8)
-def _all_finite_on(mesh: Any) -> Any:
-    if mesh is None:
-        return jax.jit(_all_finite)
-    return jax.jit(_all_finite, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return bool(jax.device_get(on_mesh_of(_all_finite, params)(params)))
 
 
 def _all_finite(tree: Any) -> jax.Array:

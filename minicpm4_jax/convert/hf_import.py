@@ -228,6 +228,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     import orbax.checkpoint as ocp
     from flax import nnx
 
+    from minicpm4_jax.train.checkpoint import state_save_args
     from minicpm4_jax.train.step import init_model
 
     folder = Path(src).expanduser().resolve()
@@ -314,10 +315,8 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         mngr = ocp.CheckpointManager(stage / "checkpoints",
                                      options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
         try:
-            mngr.save(0, args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"step": jnp.asarray(0, jnp.int32), "params": state}),
-                config=ocp.args.JsonSave(config_to_dict(train_cfg)),
-            ))
+            mngr.save(0, args=ocp.args.Composite(**state_save_args(
+                {"step": jnp.asarray(0, jnp.int32), "params": state}, train_cfg)))
             mngr.wait_until_finished()
         finally:
             mngr.close()
