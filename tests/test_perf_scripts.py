@@ -49,3 +49,25 @@ def test_bench_decode_runs_dense_and_sparse(tmp_path):
     (row2,) = json.loads(out.read_text())["rows"]
     assert row2["batch"] == 2 and row2["dense_tok_s"] > 0 and row2["sparse_tok_s"] > 0
     assert row["bound_with_weights"] < row2["bound_with_weights"] < row2["bound"] == row["bound"]
+
+
+def test_bench_dense_attention_runs(tmp_path, capsys):
+    """``scripts/bench_dense_attention.py`` times both programs and reports their memory; bad shapes are one line."""
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_dense_attention
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "r.json"
+    assert bench_dense_attention.main(["--shape", "2,40,4,2,16", "--repeats", "1", "--block-q", "8", "--block-k", "16",
+                                       "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["shape"]["T"] == 40 and r["time_ratio"] > 0
+    assert r["reference"]["temp_bytes"] > 0 and r["blockwise"]["temp_bytes"] > 0
+    assert "2,40,4,2,16" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bench_dense_attention.main(["--shape", "2,40,3,2,16"])
+    assert e.value.code == 2
+    assert "heads a multiple of kv_heads" in capsys.readouterr().err
