@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from minicpm4_jax.ops.attention_ref import check_qkv
 from minicpm4_jax.ops.tiling import pad_axis
 
-__all__ = ["flash_attention"]
+__all__ = ["default_blocks", "flash_attention"]
 
 _BIG = jnp.iinfo(jnp.int32).max
 
@@ -45,8 +45,8 @@ def flash_attention(
     kv_positions: jax.Array,
     kv_valid: jax.Array | None = None,
     scale: float | None = None,
-    block_q: int = 128,
-    block_k: int = 512,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention by blocks with an online softmax (module docstring), differentiable.
 
@@ -57,8 +57,9 @@ def flash_attention(
         kv_positions: int ``[batch, kv_len]`` absolute positions of the keys (any order).
         kv_valid: optional bool ``[batch, kv_len]``, False for padding / unwritten cache slots.
         scale: softmax scale, default ``1/sqrt(head_dim)``.
-        block_q: query tokens per block (the rows of a product are ``block_q * num_heads / num_kv_heads``).
-        block_k: keys per block.
+        block_q: query tokens per block (the rows of a product are ``block_q * num_heads / num_kv_heads``);
+            default :func:`default_blocks`.
+        block_k: keys per block; default :func:`default_blocks`.
 
     Returns:
         ``[batch, q_len, num_heads, head_dim]`` in ``q.dtype``: equal to
@@ -69,6 +70,9 @@ def flash_attention(
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, mismatched shapes, or a block size < 1.
     """
     b, t, nq, d, s, nkv = check_qkv(q, k, v)
+    dq_, dk_ = default_blocks()
+    block_q = dq_ if block_q is None else block_q
+    block_k = dk_ if block_k is None else block_k
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be >= 1")
     scale = d**-0.5 if scale is None else float(scale)
@@ -77,6 +81,18 @@ def flash_attention(
         kv_valid = jnp.ones((b, s), bool)
     return _flash(q, k, v, q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32), kv_valid.astype(bool),
                   scale, bq, bk)
+
+
+def default_blocks(backend: str | None = None) -> tuple[int, int]:
+    """``(block_q, block_k)`` for ``backend`` (default: JAX's default backend).
+
+    CPU: 64 x 128, the fastest of the sizes timed on the 2-core CPU (``docs/benchmarks.md``, "Dense attention by
+    blocks"). GPU / TPU: 512 x 1024, chosen without a measurement so that each loop iteration is a large product
+    (8192 rows x 1024 keys for the 8B layout) and a 32K sequence ~1000 live block pairs instead of ~65000;
+    ``scripts/gpu_check.sh --tune`` times it against the reference and cuDNN on an NVIDIA GPU.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    return (64, 128) if backend == "cpu" else (512, 1024)
 
 
 # -- layout helpers ----------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@
 #                batch 1; 128K also at batch 16 (--decode-big-batch)
 #   prefill      stage-2 kernel (+ selection) vs dense jax.nn.dot_product_attention (cuDNN) at 8K/32K/128K
 #   prefill-bwd  the same, forward + backward (only with the budget left)
-#   tune         (--tune only) stage-2 / stage-1 kernel parameters swept at 32K, the selection tile and stage-2
-#                tokens per tile at 128K; reported, not part of the verdict
+#   tune         (--tune only) dense attention forward + backward at 8K (cuDNN, the XLA reference, the blockwise
+#                XLA path of attention_impl auto at several block sizes), stage-2 / stage-1 kernel parameters swept
+#                at 32K, the selection tile and stage-2 tokens per tile at 128K; reported, not part of the verdict
 #   summary      summary.txt / summary.json from the part files
 # Output: DIR/{env,correctness,decode,prefill,prefill-bwd,summary}.log, DIR/*.json, DIR/steps.tsv,
 # DIR/summary.{txt,json}. Exit status 0 iff every step and every check passed.

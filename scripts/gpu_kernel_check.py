@@ -112,7 +112,9 @@ from minicpm4_jax.infllm.attention import attended_keys, stage2_forced_split  # 
 from minicpm4_jax.infllm.compress import compress_keys  # noqa: E402
 from minicpm4_jax.infllm.select import (pool_block_scores, select_blocks, select_blocks_compressed,  # noqa: E402
                                         select_params, stage1_scores, topk_blocks)
+from minicpm4_jax.ops.attention_ref import dense_attention  # noqa: E402
 from minicpm4_jax.ops.decode_ref import dense_decode_attention, sparse_decode_attention  # noqa: E402
+from minicpm4_jax.ops.flash_xla import flash_attention  # noqa: E402
 from minicpm4_jax.ops.infllm_ref import infllmv2_stage2  # noqa: E402
 from minicpm4_jax.ops.pallas.block_lists import build_block_lists, max_blocks_bound  # noqa: E402
 from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas  # noqa: E402
@@ -802,7 +804,8 @@ def part_decode(rep, args):
 
 
 def part_tune(rep, args):
-    """Kernel-parameter sweep (not part of the gpu_check verdict): the XLA references and, at 32K, the stage-2
+    """Kernel-parameter sweep (not part of the gpu_check verdict): the XLA references, dense attention forward +
+    backward at 8K (cuDNN, the materialising reference, the blockwise XLA path over block sizes) and, at 32K, the stage-2
     forward and forward+backward over tokens per tile / warps / stages and the stage-1 kernel over query tile /
     key chunk / warps; at 128K the selection's query tile, stage 2 over tokens per tile, and the decode kernel's
     flash-decoding split at batch 1 and 16. Each prefill config's ms is the median of ``iters`` calls, each
@@ -837,7 +840,14 @@ def part_tune(rep, args):
     # the decode kernel's flash-decoding split at the goal length, batch 1 and 16 (stage 2 alone, 4 layers chained)
     dec_n = 1024 if interp else 131072
     grid_dec = [(b_, ns) for b_ in (1, 16 if not interp else 2) for ns in ((0, 4) if interp else (0, 33, 65, 130))]
+    # dense attention forward + backward at 8K (the model's dense layers): cuDNN, the materialising reference
+    # (attention_impl: xla) and the blockwise XLA path (auto) at several block sizes; its GPU default is unmeasured
+    t_dense = 256 if interp else 8192
+    grid_dense = [("cudnn",), ("reference",)] + [("blockwise", bq, bk) for bq, bk in (
+        ((16, 32),) if interp else ((512, 1024), (256, 512), (1024, 1024), (512, 2048), (128, 256)))]
+    dense_inputs = None
     cases = ([("xla reference", ("select",)), ("xla reference", ("stage2",))]
+             + [("dense fwd+bwd", c) for c in grid_dense]
              + [("select q_tile", c) for c in grids] + [("stage2 fwd long", c) for c in grid2_long]
              + [("decode splits", c) for c in grid_dec]
              + [("stage1", c) for c in grid1]
@@ -850,7 +860,7 @@ def part_tune(rep, args):
             rep.row(dict(kind=kind, config=list(c), skipped="time budget"))
             continue
         row = dict(kind=kind, T=t_sel if kind in ("select q_tile", "stage2 fwd long") else dec_n
-                   if kind == "decode splits" else t, config=list(c))
+                   if kind == "decode splits" else t_dense if kind == "dense fwd+bwd" else t, config=list(c))
         rep.row(row)
         try:
             if kind == "xla reference":
@@ -862,6 +872,18 @@ def part_tune(rep, args):
                         q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=window,
                         init_blocks=init, gather_width=width), idx=idx)
                     fargs = (q, k, v)
+            elif kind == "dense fwd+bwd":
+                if dense_inputs is None:
+                    dense_inputs = _inputs(t_dense, dtype)
+                pos_d = jnp.arange(t_dense, dtype=jnp.int32)[None]
+                if c[0] == "cudnn":
+                    f = _dense_fn("cudnn", True)
+                elif c[0] == "reference":
+                    f = functools.partial(dense_attention, q_positions=pos_d, kv_positions=pos_d)
+                else:
+                    f = functools.partial(flash_attention, q_positions=pos_d, kv_positions=pos_d, block_q=c[1],
+                                          block_k=c[2])
+                fn, fargs = _fwd_bwd(f), dense_inputs
             elif kind == "select q_tile":
                 if sel_inputs is None:
                     sel_inputs = _inputs(t_sel, dtype)[:3]
@@ -1039,7 +1061,7 @@ def part_summary(out_dir: str) -> int:
         with open(tune_path) as fh:
             tune = json.load(fh)
         lines.append(f"\ntune sweep (--part tune; not part of the verdict), fastest configs per kernel:")
-        for kind in ("xla reference", "select q_tile", "stage2 fwd long", "decode splits", "stage1", "stage2 fwd",
+        for kind in ("xla reference", "dense fwd+bwd", "select q_tile", "stage2 fwd long", "decode splits", "stage1", "stage2 fwd",
                      "stage2 fwd+bwd"):
             rows = sorted((r for r in tune.get("bench", []) if r.get("kind") == kind and "ms" in r),
                           key=lambda r: r["ms"])

@@ -17,8 +17,8 @@ valid index), the tokenizer files, ``generation_config.json`` and ``minicpm4_man
 renamed into place only when complete (``io.staged_output``). A missing tokenizer is an error
 unless ``no_tokenizer`` (``--no-tokenizer``, recorded in the manifest). :func:`export_hf` runs every
 check that needs no parameters (arguments, source paths, ``--out`` against the source and the file
-system, tokenizer, the stored model config) before the checkpoint's parameters are read. The MTP/EAGLE
-draft export is not implemented: the model has no MTP module yet.
+system, tokenizer, the stored model config) before the checkpoint's parameters are read. The MTP module is
+not part of these folders: ``minicpm4 export eagle`` (:mod:`minicpm4_jax.convert.eagle`) writes it as an EAGLE draft.
 
 A ternary checkpoint (a QAT run past its QAT start, BitCPM4 paper §3.3) is exported in the released
 BitCPM4 convention (``export.md`` §5): **fake-quantized** weights, each ternary tensor holding
