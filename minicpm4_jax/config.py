@@ -707,6 +707,21 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if path in seen:
         raise ConfigError(f"preset {path} includes itself through 'base'")
@@ -718,7 +733,7 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"preset {path} cannot be read ({e.strerror or e}); check the path and its permissions") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

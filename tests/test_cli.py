@@ -26,6 +26,18 @@ def test_invalid_yaml_names_line(tmp_path):
         load_config(str(bad))
 
 
+@pytest.mark.parametrize("text,key,lines", [
+    ("model:\n  hidden_size: 64\n  hidden_size: 128\n", "hidden_size", (2, 3)),
+    ("model:\n  hidden_size: 64\nsteps: 3\nmodel:\n  vocab_size: 128\n", "model", (1, 4)),
+])
+def test_duplicate_yaml_key_is_refused(tmp_path, text, key, lines):
+    """PyYAML keeps the last of two equal keys silently; a preset that gives one twice is refused, naming both."""
+    bad = tmp_path / "dup.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=rf"key '{key}' given twice \(lines {lines[0]} and {lines[1]}\)"):
+        load_config(str(bad))
+
+
 def test_non_utf8_yaml_is_one_line(tmp_path, capsys):
     bad = tmp_path / "n.yaml"
     bad.write_bytes(b"\xff\xfe bad")

@@ -40,6 +40,7 @@ __all__ = ["CHECKSUM_FORMAT", "ChecksumMismatch", "checksum_record", "leaf_name"
 #: ``format`` of the saved checksum item (a change of the formula must change it).
 CHECKSUM_FORMAT = "minicpm4-jax array checksums v1 (lowbias32, two uint32 sums)"
 
+
 class ChecksumMismatch(ValueError):
     """A restored array does not match the checksum saved with it (its data changed after the save)."""
 
