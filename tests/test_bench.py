@@ -400,8 +400,14 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
     with pytest.raises(DataError, match=r"^gsm8k: no records in [^,]*test\.jsonl$"):
         load_task("gsm8k", shots, k_shot=5)
     header = folder("header", {"mmlu/test/foo_test.csv": ""})
-    with pytest.raises(DataError, match="mmlu: no records"):
+    with pytest.raises(DataError, match="no records"):
         load_task("mmlu", header, k_shot=0)
+    # one empty subject among others: named, instead of leaving that subject out of the score silently
+    row = "What?,a,b,c,d,A\n"
+    some = folder("some", {"mmlu/test/bar_test.csv": row * 3, "mmlu/test/foo_test.csv": ""})
+    with pytest.raises(DataError, match=r"foo_test\.csv: no records in this mmlu subject file; restore it or remove"):
+        load_task("mmlu", some, k_shot=0)
+    assert len(load_task("mmlu", folder("ok", {"mmlu/test/bar_test.csv": row * 3}), k_shot=0).items) == 3
     for task, files, what in (("gsm8k", {"gsm8k/test.csv": "q,a\n"}, "no gsm8k test file"),
                               ("humaneval", {"humaneval/HumanEval_README.md": "x"}, "no humaneval file"),
                               ("arc_easy", {"arc/ARC-Easy-Test.csv": "x"}, "no arc_easy test file"),

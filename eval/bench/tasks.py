@@ -137,6 +137,8 @@ def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob
                 subject = subject[: -len(suf)]
                 break
         recs = read_records(f, csv_header=csv_header)
+        if not recs:  # a broken download would otherwise drop the subject from the score without a word
+            raise DataError(f"{f}: no records in this {name} subject file; restore it or remove it from the folder")
         files.append(f)
         shots = ""
         if k_shot > 0:
