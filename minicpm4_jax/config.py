@@ -473,6 +473,11 @@ class TrainConfig:
     rematerialised scan over chunks, the blockwise loss of Levanter / MaxText's vocabulary tiling). The losses
     are unchanged up to float32 summation order; the head's matmul runs once more in the backward. ``0`` (the
     default): the whole sequence at once.
+
+    ``profile_start_step``: trace training steps ``profile_start_step .. profile_start_step + profile_steps - 1``
+    (numbered as in the log, from 1) with ``jax.profiler`` into ``<out_dir>/profile/process_<i>`` (every process
+    its own folder; TensorBoard's profile plugin / XProf / Perfetto read it); ``None`` (default): no trace. The
+    traced steps' tokens/s include the tracer's overhead.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -500,6 +505,8 @@ class TrainConfig:
     mtp_train_depth: int = 1
     mtp_detach: bool = False
     logits_chunk_size: int = 0
+    profile_start_step: int | None = None
+    profile_steps: int = 3
 
     @property
     def qat_start_step(self) -> int | None:
@@ -883,6 +890,11 @@ def validate(cfg: TrainConfig) -> None:
     if not 1 <= cfg.mtp_train_depth < d.seq_len:
         raise ConfigError(f"mtp_train_depth={cfg.mtp_train_depth} must be in [1, data.seq_len={d.seq_len}) "
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
+    if cfg.profile_start_step is not None and not 1 <= cfg.profile_start_step <= cfg.steps:
+        raise ConfigError(f"profile_start_step={cfg.profile_start_step} must be in [1, steps={cfg.steps}] (the first "
+                          "traced step, numbered as in the log; null = no trace)")
+    if cfg.profile_steps < 1:
+        raise ConfigError(f"profile_steps={cfg.profile_steps} must be >= 1 (steps traced from profile_start_step)")
     if cfg.logits_chunk_size < 0:
         raise ConfigError(f"logits_chunk_size={cfg.logits_chunk_size} must be >= 0 (sequence positions whose logits "
                           "are computed at once in the loss; 0 = the whole sequence)")

@@ -38,6 +38,16 @@ def test_duplicate_yaml_key_is_refused(tmp_path, text, key, lines):
         load_config(str(bad))
 
 
+@pytest.mark.parametrize("over,msg", [
+    (["profile_start_step=0"], r"profile_start_step=0 must be in \[1, steps=1000\]"),
+    (["profile_start_step=1001"], r"profile_start_step=1001 must be in \[1, steps=1000\]"),
+    (["profile_start_step=3", "profile_steps=0"], r"profile_steps=0 must be >= 1"),
+])
+def test_bad_profile_window(over, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config("cpu_tiny", ["steps=1000"] + over)
+
+
 def test_non_utf8_yaml_is_one_line(tmp_path, capsys):
     bad = tmp_path / "n.yaml"
     bad.write_bytes(b"\xff\xfe bad")

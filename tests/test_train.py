@@ -94,9 +94,13 @@ def _restore(cfg):
 
 def test_trains_and_loss_decreases(corpus, cache_dir, tmp_path):
     cfg = tiny_cfg(corpus, cache_dir, tmp_path / "run", steps=24, log_every=4, eval_every=12,
-                   **{"checkpoint.save_every": 12, "optimizer.decay_steps": 4})
+                   profile_start_step=5, profile_steps=2, **{"checkpoint.save_every": 12, "optimizer.decay_steps": 4})
     logs: list[str] = []
     s = run_training(cfg, log=logs.append, progress=False)
+    # steps 5..6 traced by jax.profiler into <out_dir>/profile/process_0 (XProf / TensorBoard's profile plugin)
+    traces = list((tmp_path / "run" / "profile" / "process_0").glob("plugins/profile/*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0, traces
+    assert any(line.startswith("profile: steps 5..6 traced into ") for line in logs), logs
     hist = [h["loss"] for h in s["history"]]
     assert s["step"] == 24 and s["stop_reason"] == "steps"
     assert hist[-1] < hist[0] - 0.5, hist

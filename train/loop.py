@@ -228,6 +228,39 @@ def _remove_empty_folders(folders: list[Path]) -> None:
             pass
 
 
+class _StepTracer:
+    """``jax.profiler`` trace of the steps ``cfg.profile_start_step ..`` (``cfg.profile_steps`` of them) into
+    ``<out_dir>/profile/process_<i>``; does nothing without ``profile_start_step`` or when the run resumes past
+    the window."""
+
+    def __init__(self, cfg: TrainConfig, out_dir: Path, say: Callable[[str], None]):
+        self.first = cfg.profile_start_step
+        self.last = None if self.first is None else min(self.first + cfg.profile_steps - 1, cfg.steps)
+        self.dir = out_dir / "profile" / f"process_{jax.process_index()}"
+        self.say, self.active = say, False
+
+    def before(self, step_no: int) -> None:
+        """Called before step ``step_no`` (from 1) runs."""
+        if step_no == self.first:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(str(self.dir))
+            self.active = True
+
+    def after(self, step_no: int, metrics: Any) -> None:
+        """Called after step ``step_no`` was dispatched: the trace stops once its device work has finished."""
+        if self.active and step_no == self.last:
+            jax.block_until_ready(metrics)
+            self.close()
+            self.say(f"profile: steps {self.first}..{self.last} traced into {self.dir} (tensorboard --logdir "
+                     f"{self.dir}, or XProf / ui.perfetto.dev on plugins/profile/*/*.xplane.pb / *.trace.json.gz)")
+
+    def close(self) -> None:
+        """Stop a running trace (the run ended inside the window)."""
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
+
+
 _DATA_RECORD = "data.json"  # the corpus and tokenizer a run was started with (checked on --resume)
 
 
@@ -338,6 +371,7 @@ def run_training(
         _remove_empty_folders(created)
         raise
     writer: MetricsWriter | None = None
+    tracer: _StepTracer | None = None
     stop = dist.StopWatch()
     failed = refused = False
     try:
@@ -507,6 +541,7 @@ def run_training(
         window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
         tps_all: list[float] = []
         multi = jax.process_count() > 1
+        tracer = _StepTracer(cfg, out_dir, say)
         while step < cfg.steps:
             if stop.should_stop(step):  # every process, every step: the same answer everywhere
                 stop_reason = "signal"
@@ -523,8 +558,10 @@ def run_training(
             batch = make_global_batch(next(it)["input_ids"], batch_sh, (b, t + 1))
             if step_hook is not None:
                 state = step_hook(step, state)
+            tracer.before(step + 1)
             state, metrics = step_fn(state, batch)
             step += 1
+            tracer.after(step, metrics)
             meter.step()
             if pending is not None:  # checked one step late, so the host never stalls the device
                 last_vals = check(*pending)
@@ -713,6 +750,8 @@ def run_training(
         failed, refused = True, isinstance(e, ConfigError)
         raise
     finally:
+        if tracer is not None:
+            tracer.close()
         stop.restore()
         if writer is not None:
             writer.close()
