@@ -23,6 +23,7 @@ returns zeros (and gets zero gradients). Source: spec ``minicpm4_model.md`` §2 
 
 from __future__ import annotations
 
+import numbers
 from functools import partial
 
 import jax
@@ -56,7 +57,7 @@ def flash_attention(
         q_positions: int ``[batch, q_len]`` absolute positions of the queries (any order).
         kv_positions: int ``[batch, kv_len]`` absolute positions of the keys (any order).
         kv_valid: optional bool ``[batch, kv_len]``, False for padding / unwritten cache slots.
-        scale: softmax scale, default ``1/sqrt(head_dim)``.
+        scale: softmax scale (a Python number), default ``1/sqrt(head_dim)``.
         block_q: query tokens per block (the rows of a product are ``block_q * num_heads / num_kv_heads``);
             default :func:`default_blocks`.
         block_k: keys per block; default :func:`default_blocks`.
@@ -67,7 +68,8 @@ def flash_attention(
         accumulation are float32; in bf16 the probabilities enter the value product in bf16, as in the oracle).
 
     Raises:
-        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, mismatched shapes, or a block size < 1.
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, mismatched shapes, a block size < 1, or a
+            ``scale`` that is not a Python number.
     """
     b, t, nq, d, s, nkv = check_qkv(q, k, v)
     dq_, dk_ = default_blocks()
@@ -75,6 +77,9 @@ def flash_attention(
     block_k = dk_ if block_k is None else block_k
     if block_q < 1 or block_k < 1:
         raise ValueError(f"block_q={block_q} and block_k={block_k} must be >= 1")
+    if scale is not None and not isinstance(scale, numbers.Real):
+        raise ValueError(f"scale={scale!r} must be a Python number or None (it is static here); pass a traced scale to "
+                         "ops.attention_ref.dense_attention instead")
     scale = d**-0.5 if scale is None else float(scale)
     bq, bk = min(block_q, t), min(block_k, s)
     if kv_valid is None:

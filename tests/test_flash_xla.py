@@ -117,6 +117,12 @@ def test_bad_block_size():
     q, k, v = _inputs(1, 4, 4, 2, 1, 8)
     with pytest.raises(ValueError, match="block_q=0"):
         flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), block_q=0)
+    with pytest.raises(ValueError, match="must be a Python number"):
+        flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), scale=jnp.float32(0.5))
+    # a numpy scalar is a number: the same result as the float
+    np.testing.assert_array_equal(
+        np.asarray(flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), scale=np.float32(0.5))),
+        np.asarray(flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), scale=0.5)))
 
 
 def test_compiled_memory_is_linear_in_length():
