@@ -641,9 +641,10 @@ def apply_overrides(data: dict[str, Any], overrides: typing.Sequence[str]) -> di
         key, raw = item.split("=", 1)
         key = key.strip()
         try:
-            value = yaml.safe_load(raw) if raw.strip() != "" else None
+            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() != "" else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({e.__class__.__name__})") from None
+            what = getattr(e, "problem", None) or e.__class__.__name__
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({what})") from None
         parts = key.split(".")
         cls: Any = TrainConfig
         node = data
@@ -718,14 +719,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
 
     def construct_mapping(self, node, deep=False):
-        seen: dict[Any, Any] = {}
+        seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            # merge keys (``<<:``) may be overridden by design, and non-scalar keys are PyYAML's own error
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            ident = (type(key), key)  # 1 and true are different keys, though equal in Python
+            if ident in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                    None, None, f"key {key!r} given twice (lines {seen[ident] + 1} and {key_node.start_mark.line + 1})",
                     key_node.start_mark)
-            seen[key] = key_node.start_mark.line
+            seen[ident] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 

@@ -75,8 +75,9 @@ def flash_attention(
     dq_, dk_ = default_blocks()
     block_q = dq_ if block_q is None else block_q
     block_k = dk_ if block_k is None else block_k
-    if block_q < 1 or block_k < 1:
-        raise ValueError(f"block_q={block_q} and block_k={block_k} must be >= 1")
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1 for x in (block_q, block_k)):
+        raise ValueError(f"block_q={block_q!r} and block_k={block_k!r} must be integers >= 1")
+    block_q, block_k = int(block_q), int(block_k)
     if scale is not None and not isinstance(scale, numbers.Real):
         raise ValueError(f"scale={scale!r} must be a Python number or None (it is static here); pass a traced scale to "
                          "ops.attention_ref.dense_attention instead")

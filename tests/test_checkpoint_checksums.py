@@ -237,6 +237,14 @@ def test_damaged_array_data_is_refused_on_resume_and_load(corpus, cache_dir, tmp
     load_params_for_inference(out, 2)  # the other step is intact
     restore_backup()
 
+    # a whole step folder copied over another (arrays and checksums agree with each other): the step recorded with
+    # the checksums names it
+    shutil.rmtree(step4)
+    shutil.copytree(out / "checkpoints" / "2", step4)
+    for err in (_train_error(ov, resume=True), _load_error(out)):
+        assert "checkpoint step 4" in err and "holds the checkpoint saved as step 2 (a moved or copied step" in err, err
+    restore_backup()
+
     # the tester's repro: 64 bytes XOR-ed in the middle of the largest data file (resume reads every array)
     _flip_middle(step4)
     err = _train_error(ov, resume=True)
@@ -248,7 +256,7 @@ def test_damaged_array_data_is_refused_on_resume_and_load(corpus, cache_dir, tmp
     cfg = load_config(None, ov)
     mngr = ocp.CheckpointManager(only, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
     mngr.save(0, args=ocp.args.Composite(**state_save_args(
-        {"step": jnp.asarray(0, jnp.int32), "params": nnx.state(model, nnx.Param)}, cfg)))
+        {"step": jnp.asarray(0, jnp.int32), "params": nnx.state(model, nnx.Param)}, cfg, 0)))
     mngr.close()
     assert {k: v.tobytes() for k, v in _params(load_params_for_inference(only)[1]).items()} == {
         k: v.tobytes() for k, v in good.items()}

@@ -48,6 +48,27 @@ def test_bad_profile_window(over, msg):
         load_config("cpu_tiny", ["steps=1000"] + over)
 
 
+def test_yaml_merge_keys_and_unusual_keys(tmp_path):
+    """Merge keys (``<<:``) may be overridden by design; 1 and true are different keys; a non-scalar key is a
+    one-line error (not the duplicate check's TypeError); a CLI override giving a key twice is refused too."""
+    ok = tmp_path / "merge.yaml"
+    ok.write_text("base: cpu_tiny\noptimizer: {<<: [{learning_rate: 0.01, warmup_steps: 3}, {weight_decay: 0.3}], "
+                  "warmup_steps: 5}\n")
+    cfg = load_config(str(ok))
+    assert (cfg.optimizer.learning_rate, cfg.optimizer.warmup_steps, cfg.optimizer.weight_decay) == (0.01, 5, 0.3)
+    import yaml
+
+    from minicpm4_jax.config import _UniqueKeyLoader
+
+    yaml.load("{1: a, true: b}", Loader=_UniqueKeyLoader)  # different YAML keys: no duplicate error
+    bad = tmp_path / "unhashable.yaml"
+    bad.write_text("? [a, b]\n: 1\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+, column \d+: .*unhashable"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=r"override .*key 'learning_rate' given twice"):
+        load_config("cpu_tiny", ["optimizer={learning_rate: 0.5, learning_rate: 0.7}"])
+
+
 def test_non_utf8_yaml_is_one_line(tmp_path, capsys):
     bad = tmp_path / "n.yaml"
     bad.write_bytes(b"\xff\xfe bad")

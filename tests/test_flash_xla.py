@@ -115,8 +115,9 @@ def test_skipped_blocks_change_nothing():
 
 def test_bad_block_size():
     q, k, v = _inputs(1, 4, 4, 2, 1, 8)
-    with pytest.raises(ValueError, match="block_q=0"):
-        flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), block_q=0)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"block_q={bad!r} and block_k=128 must be integers >= 1"):
+            flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), block_q=bad)
     with pytest.raises(ValueError, match="must be a Python number"):
         flash_attention(q, k, v, q_positions=_pos(1, 4), kv_positions=_pos(1, 4), scale=jnp.float32(0.5))
     # a numpy scalar is a number: the same result as the float

@@ -811,3 +811,33 @@ def test_qat_tokenizer_check_compares_files_of_the_same_kind(tmp_path):
     other = train_tokenizer(_corpus_text(seed=6), 400, tmp_path / "spm2", 0, log=lambda _m: None)
     assert not check_init_tokenizer(src, other, logs.append)
     assert len(logs) == 1 and "tokenizer differs" in logs[0]
+
+
+def test_step_tracer_window_resume_and_early_stop(tmp_path):
+    """The profile window: cut by a resume (traced from the next step, or nothing when it is past), stopped and
+    reported when the loop ends inside it (time limit, signal), and an unusable folder is refused up front."""
+    from minicpm4_jax.config import load_config
+    from minicpm4_jax.train.loop import _StepTracer
+
+    cfg = load_config("cpu_tiny", ["steps=40", "profile_start_step=5", "profile_steps=4"])
+    said: list[str] = []
+    tr = _StepTracer(cfg, tmp_path / "a", said.append, start=6)  # resumed inside the window 5..8
+    assert (tr.first, tr.last) == (7, 8) and "tracing steps 7..8 of the window 5..8" in said[-1]
+    tr = _StepTracer(cfg, tmp_path / "b", said.append, start=8)
+    assert tr.first is None and "nothing traced" in said[-1]
+    for s in range(9, 12):  # a window in the past never starts a trace
+        tr.before(s)
+    assert not tr.active and not (tmp_path / "b" / "profile").exists()
+    # the loop stops after step 6, inside the window: the trace is stopped and reported there
+    tr = _StepTracer(cfg, tmp_path / "c", said.append)
+    for s in (5, 6):
+        tr.before(s)
+        tr.after(s, jnp.ones(2) * s)
+    assert tr.active
+    tr.finish(6, None)
+    assert not tr.active and said[-1].startswith("profile: steps 5..6 traced into ")
+    assert list((tmp_path / "c" / "profile" / "process_0").glob("plugins/profile/*/*.xplane.pb"))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "profile").write_text("a file")
+    with pytest.raises(ConfigError, match="profile folder .* cannot be created"):
+        _StepTracer(cfg, tmp_path / "d", said.append)

@@ -182,16 +182,16 @@ def _state_dict(state: Any) -> dict[str, Any]:
 CHECKSUM_ITEM = "checksums"
 
 
-def state_save_args(state: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
-    """The orbax save args of a checkpoint step's ``state``, ``config`` and ``checksums`` items.
+def state_save_args(state: dict[str, Any], cfg: TrainConfig, step: int) -> dict[str, Any]:
+    """The orbax save args of checkpoint step ``step``'s ``state``, ``config`` and ``checksums`` items.
 
-    Computes the checksums of ``state`` (a collective: call it on every process); the three items are
-    committed together (one orbax step), so no complete step lacks its checksums.
+    Computes the checksums of ``state`` (a collective: call it on every process) and records ``step`` with them;
+    the three items are committed together (one orbax step), so no complete step lacks its checksums.
     """
     import orbax.checkpoint as ocp
 
     return {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config_to_dict(cfg)),
-            CHECKSUM_ITEM: ocp.args.JsonSave(checksum_record(state))}
+            CHECKSUM_ITEM: ocp.args.JsonSave(checksum_record(state, step))}
 
 
 def _has_checksums(step_dir: Path) -> bool:
@@ -239,6 +239,10 @@ def _restore_verified(manager: Any, directory: Path, step: int, state_args: Any,
         return out["state"]
     try:
         verify_checksums(out["state"], out[CHECKSUM_ITEM])
+        saved_step = out[CHECKSUM_ITEM].get("step")
+        if saved_step is not None and saved_step != step:
+            raise ChecksumMismatch(f"the folder holds the checkpoint saved as step {saved_step} (a moved or copied "
+                                   "step folder)")
     except ChecksumMismatch as e:
         raise corrupt(e) from None
     return out["state"]
@@ -385,7 +389,7 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         self._finish_pending()
-        items = state_save_args(_state_dict(state), self.cfg)
+        items = state_save_args(_state_dict(state), self.cfg, step)
         if data_iterator is not None:
             import grain
 

@@ -158,6 +158,11 @@ def verify_checksums(tree: Any, saved: Any) -> None:
                                    "save")
 
 
-def checksum_record(tree: Any) -> dict[str, Any]:
-    """The JSON item saved with a checkpoint: ``{"format": CHECKSUM_FORMAT, "arrays": tree_checksums(tree)}``."""
-    return {"format": CHECKSUM_FORMAT, "arrays": tree_checksums(tree)}
+def checksum_record(tree: Any, step: int | None = None) -> dict[str, Any]:
+    """The JSON item saved with a checkpoint: ``{"format": CHECKSUM_FORMAT, "arrays": tree_checksums(tree)}``, and
+    ``"step"``: the step number the checkpoint is saved as (a load compares it with the step folder it reads, so a
+    moved or copied step folder is refused)."""
+    out = {"format": CHECKSUM_FORMAT, "arrays": tree_checksums(tree)}
+    if step is not None:
+        out["step"] = int(step)
+    return out

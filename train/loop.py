@@ -233,26 +233,53 @@ class _StepTracer:
     ``<out_dir>/profile/process_<i>``; does nothing without ``profile_start_step`` or when the run resumes past
     the window."""
 
-    def __init__(self, cfg: TrainConfig, out_dir: Path, say: Callable[[str], None]):
+    def __init__(self, cfg: TrainConfig, out_dir: Path, say: Callable[[str], None], start: int = 0):
+        """``start``: the steps done before this run (a resume); a window it cut is traced from ``start + 1``.
+
+        Raises:
+            ConfigError: the trace folder cannot be created (before any step runs).
+        """
         self.first = cfg.profile_start_step
         self.last = None if self.first is None else min(self.first + cfg.profile_steps - 1, cfg.steps)
         self.dir = out_dir / "profile" / f"process_{jax.process_index()}"
         self.say, self.active = say, False
+        if self.first is None:
+            return
+        if start >= self.last:
+            say(f"profile: steps {self.first}..{self.last} were run before the resumed step {start}; nothing traced")
+            self.first = self.last = None
+            return
+        if start >= self.first:
+            say(f"profile: resumed at step {start}: tracing steps {start + 1}..{self.last} of the window "
+                f"{self.first}..{self.last}")
+            self.first = start + 1
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"profile folder {self.dir} cannot be created ({e.strerror or e}); free that path or "
+                              "unset profile_start_step") from None
 
     def before(self, step_no: int) -> None:
         """Called before step ``step_no`` (from 1) runs."""
         if step_no == self.first:
-            self.dir.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.dir))
             self.active = True
 
     def after(self, step_no: int, metrics: Any) -> None:
         """Called after step ``step_no`` was dispatched: the trace stops once its device work has finished."""
         if self.active and step_no == self.last:
+            self.finish(step_no, metrics)
+
+    def finish(self, step_no: int, metrics: Any) -> None:
+        """Stop a running trace after step ``step_no``'s device work (``metrics``: its outputs, or ``None``) and say
+        where it is; called when the window ends and when the training loop stops (time limit, signal)."""
+        if not self.active:
+            return
+        if metrics is not None:
             jax.block_until_ready(metrics)
-            self.close()
-            self.say(f"profile: steps {self.first}..{self.last} traced into {self.dir} (tensorboard --logdir "
-                     f"{self.dir}, or XProf / ui.perfetto.dev on plugins/profile/*/*.xplane.pb / *.trace.json.gz)")
+        self.close()
+        self.say(f"profile: steps {self.first}..{step_no} traced into {self.dir} (tensorboard --logdir "
+                 f"{self.dir}, or XProf / ui.perfetto.dev on plugins/profile/*/*.xplane.pb / *.trace.json.gz)")
 
     def close(self) -> None:
         """Stop a running trace (the run ended inside the window)."""
@@ -541,7 +568,7 @@ def run_training(
         window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
         tps_all: list[float] = []
         multi = jax.process_count() > 1
-        tracer = _StepTracer(cfg, out_dir, say)
+        tracer = _StepTracer(cfg, out_dir, say, start)
         while step < cfg.steps:
             if stop.should_stop(step):  # every process, every step: the same answer everywhere
                 stop_reason = "signal"
@@ -633,6 +660,7 @@ def run_training(
                     save(step)
         if pending is not None:
             last_vals = check(*pending)
+        tracer.finish(step, metrics if step > start else None)  # before the final save, eval and sample
         if pbar is not None:
             pbar.close()
 

@@ -316,7 +316,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
                                      options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
         try:
             mngr.save(0, args=ocp.args.Composite(**state_save_args(
-                {"step": jnp.asarray(0, jnp.int32), "params": state}, train_cfg)))
+                {"step": jnp.asarray(0, jnp.int32), "params": state}, train_cfg, 0)))
             mngr.wait_until_finished()
         finally:
             mngr.close()
