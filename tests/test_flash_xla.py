@@ -31,7 +31,7 @@ def _loss(fn, kw, w):
     return lambda q, k, v: jnp.sum(fn(q, k, v, **kw).astype(jnp.float32) * w)
 
 
-def _check(q, k, v, kw, *, block_q, block_k, fwd_tol=1e-5, grad_tol=1e-4):
+def _assert_close_to_reference(q, k, v, kw, *, block_q, block_k, fwd_tol=1e-5, grad_tol=1e-4):
     out = flash_attention(q, k, v, block_q=block_q, block_k=block_k, **kw)
     ref = dense_attention(q, k, v, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -63,7 +63,8 @@ def _pos(b, n, offset=0):
 ])
 def test_causal_matches_reference(b, t, nq, nkv, d, block_q, block_k):
     q, k, v = _inputs(b, t, t, nq, nkv, d)
-    _check(q, k, v, dict(q_positions=_pos(b, t), kv_positions=_pos(b, t)), block_q=block_q, block_k=block_k)
+    _assert_close_to_reference(q, k, v, dict(q_positions=_pos(b, t), kv_positions=_pos(b, t)), block_q=block_q,
+                               block_k=block_k)
 
 
 def test_padding_keys_and_queries_that_see_nothing():
@@ -72,7 +73,7 @@ def test_padding_keys_and_queries_that_see_nothing():
     valid = jnp.arange(t)[None, :] < jnp.asarray([[t], [13]])  # the second sequence has 13 keys
     valid = valid & (jnp.arange(t)[None, :] >= jnp.asarray([[0], [5]]))  # ... from position 5 on
     kw = dict(q_positions=_pos(b, t), kv_positions=_pos(b, t), kv_valid=valid)
-    out = _check(q, k, v, kw, block_q=8, block_k=8)
+    out = _assert_close_to_reference(q, k, v, kw, block_q=8, block_k=8)
     # its queries at positions 0..4 see no key: zeros, and no gradient reaches them
     np.testing.assert_array_equal(np.asarray(out[1, :5]), 0.0)
     dq = jax.grad(lambda q_: jnp.sum(flash_attention(q_, k, v, block_q=8, block_k=8, **kw)))(q)
@@ -85,10 +86,11 @@ def test_permuted_query_positions_and_a_later_chunk():
     # queries in any order (a packed or shuffled batch): visibility follows the positions, not the index
     q, k, v = _inputs(b, 33, 33, nq, nkv, d, seed=2)
     perm = jax.random.permutation(jax.random.key(5), _pos(b, 33), axis=1, independent=True)
-    _check(q, k, v, dict(q_positions=perm, kv_positions=_pos(b, 33)), block_q=8, block_k=8)
+    _assert_close_to_reference(q, k, v, dict(q_positions=perm, kv_positions=_pos(b, 33)), block_q=8, block_k=8)
     # a chunk of 20 queries at positions 30..49 over 50 keys (chunked prefill over a cache)
     q, k, v = _inputs(b, 20, 50, nq, nkv, d, seed=3)
-    _check(q, k, v, dict(q_positions=_pos(b, 20, 30), kv_positions=_pos(b, 50)), block_q=8, block_k=16)
+    _assert_close_to_reference(q, k, v, dict(q_positions=_pos(b, 20, 30), kv_positions=_pos(b, 50)), block_q=8,
+                               block_k=16)
 
 
 def test_bfloat16_within_tolerance():

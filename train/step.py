@@ -35,7 +35,8 @@ from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_s
 from minicpm4_jax.train.optim import make_optimizer, two_stage_schedule, wsd_schedule
 
 __all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for", "train_state_shardings",
-           "make_train_step", "make_eval_step", "next_token_loss", "token_sums", "make_loss_fn", "activation_sharding", "print_memory_analysis", "lr_schedule",
+           "make_train_step", "make_eval_step", "next_token_loss", "token_sums", "make_loss_fn", "activation_sharding",
+           "print_memory_analysis", "lr_schedule",
            "qat_params_for_loss"]
 
 
@@ -217,7 +218,7 @@ def token_sums(fn: Callable[..., tuple[jax.Array, ...]], arrays: tuple[jax.Array
 
 def make_loss_fn(cfg: TrainConfig, graphdef: nnx.GraphDef, act_sh: NamedSharding | None = None
                  ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, dict]]:
-    """The training objective ``loss_fn(params, batch, step) -> (loss, aux)`` that :func:`make_train_step` differentiates.
+    """The objective ``loss_fn(params, batch, step) -> (loss, aux)`` that :func:`make_train_step` differentiates.
 
     ``params``: the model's ``nnx.State``; ``batch`` int32 ``[batch, seq_len + 1]``; ``step`` int32 scalar (the QAT
     switch). ``loss`` float32 is ``L_NTP`` (+ ``mtp_loss_weight * L_MTP`` and the draft objectives with
