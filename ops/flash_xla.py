@@ -166,7 +166,21 @@ def _dot(a, b_, contract):
 
 
 # -- forward / backward -----------------------------------------------------------------------------------------
+def _tie_positions(q, q_positions, kv_positions, kv_valid):
+    """The positions and validity as outputs of one ``optimization_barrier`` with ``q`` (no computation).
+
+    Under ``grad`` of a ``lax.scan`` (the layer scan) JAX's partial evaluation hoists out of the loop whatever
+    depends only on loop-invariant inputs, the positions here: the per-pair visibility masks of the block loops
+    below were hoisted and stacked for every (query block, key block) pair, a ``[nQ, nK, rows, bk]`` array
+    (``T^2 x group`` per KV head: 512 MiB per device in MiniCPM4-0.5B's train step at 4K), the very
+    materialisation this module exists to avoid. Tied to ``q`` (which depends on the layer's input) they are no
+    longer loop-invariant, and each mask lives for one block pair again.
+    """
+    return jax.lax.optimization_barrier((q, q_positions, kv_positions, kv_valid))
+
+
 def _forward(q, k, v, q_positions, kv_positions, kv_valid, scale, bq, bk):
+    q, q_positions, kv_positions, kv_valid = _tie_positions(q, q_positions, kv_positions, kv_valid)
     b, t, nq, d = q.shape
     nkv = k.shape[2]
     g = nq // nkv
@@ -217,6 +231,7 @@ def _flash_fwd(q, k, v, q_positions, kv_positions, kv_valid, scale, bq, bk):
 
 def _flash_bwd(scale, bq, bk, res, d_out):
     q, k, v, q_positions, kv_positions, kv_valid, out, lse_b = res
+    q, q_positions, kv_positions, kv_valid = _tie_positions(q, q_positions, kv_positions, kv_valid)
     b, t, nq, d = q.shape
     s = k.shape[1]
     nkv = k.shape[2]
