@@ -474,6 +474,15 @@ class TrainConfig:
     are unchanged up to float32 summation order; the head's matmul runs once more in the backward. ``0`` (the
     default): the whole sequence at once.
 
+    ``gradient_accumulation_steps``: A >= 1 microbatches per optimizer step. ``data.batch_size`` stays the global
+    batch of one update (the same data order, the same tokens per step, the same learning-rate schedule); the
+    step splits it into A microbatches of ``batch_size / A`` sequences, runs the forward and backward of one at a
+    time in a ``lax.scan`` and averages their gradients (float32) before the single optimizer update, so the
+    activations held for the backward are one microbatch's (``train.step.split_microbatches``). Every sequence
+    has the same number of targets, so the averaged loss and gradient equal the whole batch's up to float32
+    summation order; a resume may change A. ``batch_size`` must divide into A microbatches of whole
+    ``data * fsdp`` shards (a multiple of ``A * data * fsdp``). The eval step splits its batches the same way.
+
     ``profile_start_step``: trace training steps ``profile_start_step .. profile_start_step + profile_steps - 1``
     (numbered as in the log, from 1) with ``jax.profiler`` into ``<out_dir>/profile/process_<i>`` (every process
     its own folder; TensorBoard's profile plugin / XProf / Perfetto read it); ``None`` (default): no trace. The
@@ -505,6 +514,7 @@ class TrainConfig:
     mtp_train_depth: int = 1
     mtp_detach: bool = False
     logits_chunk_size: int = 0
+    gradient_accumulation_steps: int = 1
     profile_start_step: int | None = None
     profile_steps: int = 3
 
@@ -900,6 +910,10 @@ def validate(cfg: TrainConfig) -> None:
                           "traced step, numbered as in the log; null = no trace)")
     if cfg.profile_steps < 1:
         raise ConfigError(f"profile_steps={cfg.profile_steps} must be >= 1 (steps traced from profile_start_step)")
+    if cfg.gradient_accumulation_steps < 1 or d.batch_size % cfg.gradient_accumulation_steps:
+        raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be >= 1 and divide "
+                          f"data.batch_size={d.batch_size} (the global batch of one update is split into that many "
+                          "microbatches)")
     if cfg.logits_chunk_size < 0:
         raise ConfigError(f"logits_chunk_size={cfg.logits_chunk_size} must be >= 0 (sequence positions whose logits "
                           "are computed at once in the loss; 0 = the whole sequence)")

@@ -190,12 +190,17 @@ def _batch_multiple(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-def check_batch_size(batch_size: int, mesh: Mesh) -> None:
-    """Raise ConfigError unless ``batch_size`` divides over the mesh's ``data * fsdp`` devices."""
+def check_batch_size(batch_size: int, mesh: Mesh, microbatches: int = 1) -> None:
+    """Raise ConfigError unless ``batch_size`` divides over the mesh's ``data * fsdp`` devices, in each of
+    ``microbatches`` microbatches (``gradient_accumulation_steps``)."""
     n = _batch_multiple(mesh)
     if batch_size % n:
         raise ConfigError(f"data.batch_size={batch_size} is not divisible by mesh data*fsdp={n}; "
                           f"use a multiple of {n}")
+    if batch_size % (n * microbatches):
+        raise ConfigError(f"data.batch_size={batch_size} does not split into gradient_accumulation_steps="
+                          f"{microbatches} microbatches over mesh data*fsdp={n}; use a multiple of "
+                          f"{n * microbatches} or fewer accumulation steps")
 
 
 def process_batch_rows(sharding: NamedSharding, batch_size: int) -> list[int]:

@@ -63,6 +63,8 @@ RESUME_MAY_CHANGE = frozenset({
     "checkpoint.async_save", "checkpoint.directory", "out_dir", "data.cache_dir",
     # how many positions' logits exist at once: the same losses up to float32 summation order
     "logits_chunk_size",
+    # the global batch split into microbatches: the same averaged gradient up to float32 summation order
+    "gradient_accumulation_steps",
     "profile_start_step", "profile_steps",
     # the process layout and the mesh: a checkpoint restores onto any mesh / device / process count
     # (same math; float sums may then differ in the last bits, so bitwise equality holds only for the same mesh)

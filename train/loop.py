@@ -404,7 +404,7 @@ def run_training(
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
         mesh = make_mesh(cfg.mesh)
-        check_batch_size(cfg.data.batch_size, mesh)
+        check_batch_size(cfg.data.batch_size, mesh, cfg.gradient_accumulation_steps)
         latest = ckpt.latest_step()
         if resume:
             if latest is None:
@@ -494,7 +494,8 @@ def run_training(
         train_step = make_train_step(cfg, graphdef, mesh)
         # batch-sharded activations (train/step.py activation_sharding) when every validation batch is split
         eval_mesh = mesh if all(vb.shape[0] % n_split == 0 for vb in val) else None
-        eval_step = jax.jit(make_eval_step(graphdef, eval_mesh, cfg.logits_chunk_size), out_shardings=replicated(mesh))
+        eval_step = jax.jit(make_eval_step(graphdef, eval_mesh, cfg.logits_chunk_size,
+                                           cfg.gradient_accumulation_steps), out_shardings=replicated(mesh))
         b, t = cfg.data.batch_size, cfg.data.seq_len
         global_batch = b  # data.batch_size is the global batch; each process feeds its rows of it
         # abstract, with its sharding: lowering a numpy batch would fail with several processes

@@ -35,7 +35,7 @@ from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_s
 from minicpm4_jax.train.optim import make_optimizer, two_stage_schedule, wsd_schedule
 
 __all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for", "train_state_shardings",
-           "make_train_step", "make_eval_step", "next_token_loss", "token_sums", "make_loss_fn", "activation_sharding",
+           "make_train_step", "make_eval_step", "split_microbatches", "next_token_loss", "token_sums", "make_loss_fn", "activation_sharding",
            "print_memory_analysis", "lr_schedule",
            "qat_params_for_loss"]
 
@@ -293,6 +293,28 @@ def make_loss_fn(cfg: TrainConfig, graphdef: nnx.GraphDef, act_sh: NamedSharding
     return loss_fn
 
 
+def split_microbatches(batch: jax.Array, microbatches: int, mesh: Mesh | None = None) -> jax.Array:
+    """``batch [B, ...]`` -> ``[microbatches, B / microbatches, ...]``: microbatch ``a`` holds rows ``a, a + A, ...``.
+
+    Strided rather than contiguous rows so that, with the batch split over ``(data, fsdp)`` in contiguous
+    blocks of ``B / n`` rows, every microbatch keeps ``B / (n A)`` rows on each device: the split moves no
+    data between devices (``mesh``: the result is constrained to that layout, batch sharding on axis 1).
+
+    Raises:
+        ValueError: ``B`` is not a multiple of ``microbatches``.
+    """
+    b = batch.shape[0]
+    if microbatches < 1 or b % microbatches:
+        raise ValueError(f"a batch of {b} sequences does not split into {microbatches} equal microbatches; "
+                         "use a batch size that is a multiple of gradient_accumulation_steps")
+    out = jnp.swapaxes(batch.reshape(b // microbatches, microbatches, *batch.shape[1:]), 0, 1)
+    if mesh is not None:
+        spec = batch_sharding(mesh).spec
+        out = jax.lax.with_sharding_constraint(
+            out, NamedSharding(mesh, PartitionSpec(None, spec[0] if len(spec) else None)))
+    return out
+
+
 def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
                     mesh: Mesh | None = None) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """The jitted pure ``train_step(state, batch) -> (state, metrics)`` (``state`` is donated).
@@ -310,6 +332,12 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
     With ``cfg.qat.enabled`` the loss is computed on :func:`qat_params_for_loss` (ternary weights from
     ``cfg.qat_start_step`` on; ``loss`` is then the loss of the ternary model) and the gradient
     reaches the latent weights through the straight-through estimator.
+
+    With ``cfg.gradient_accumulation_steps = A > 1`` the batch is split into A microbatches
+    (:func:`split_microbatches`) walked by a ``lax.scan``: each one's loss and gradient (forward and backward of
+    ``batch / A`` sequences) are summed into float32 accumulators sharded like the parameters, and their means
+    (the whole batch's loss and gradient up to summation order: every sequence has ``seq_len`` targets) feed one
+    optimizer update. The metrics are the means over the microbatches.
     """
     tx = make_optimizer_for(cfg)
     schedule = lr_schedule(cfg)
@@ -317,9 +345,34 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
     mesh = make_mesh(cfg.mesh) if mesh is None else mesh
     state_sh = train_state_shardings(cfg, mesh)
     loss_fn = make_loss_fn(cfg, graphdef, activation_sharding(mesh))
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    accum = cfg.gradient_accumulation_steps
+
+    def accumulated(params: Any, batch: jax.Array, step: jax.Array) -> tuple[tuple[jax.Array, dict], Any]:
+        # sum over microbatches in float32 accumulators laid out like the parameters, then the means
+        def constrain(tree: Any) -> Any:
+            return jax.lax.with_sharding_constraint(tree, state_sh.params)
+
+        def body(carry, mb):
+            (loss, stats), grads = grad_fn(params, mb, step)
+            acc_loss, acc_stats, acc_grads = carry
+            acc_grads = constrain(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads))
+            acc_stats = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), acc_stats, stats)
+            return (acc_loss + loss, acc_stats, acc_grads), None
+
+        micro = split_microbatches(batch, accum, mesh)
+        stats_shape = jax.eval_shape(lambda: grad_fn(params, micro[0], step)[0][1])
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), stats_shape),
+                 constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
+        (loss, stats, grads), _ = jax.lax.scan(body, zeros, micro)
+        grads = jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, params)
+        return (loss / accum, jax.tree.map(lambda v: v / accum, stats)), grads
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict]:
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, state.step)
+        if accum == 1:
+            (loss, stats), grads = grad_fn(state.params, batch, state.step)
+        else:
+            (loss, stats), grads = accumulated(state.params, batch, state.step)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": _global_norm(grads), "lr": schedule(state.step), **stats}
@@ -359,8 +412,8 @@ def _global_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
 
 
-def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, logits_chunk_size: int = 0
-                   ) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
+def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, logits_chunk_size: int = 0,
+                   microbatches: int = 1) -> Callable[[Any, jax.Array], tuple[jax.Array, jax.Array]]:
     """The jitted ``eval_step(params, batch) -> (sum_nll, n_tokens)``.
 
     ``batch`` int32 ``[batch, seq_len + 1]``; ``sum_nll`` float32 is the summed next-token negative
@@ -368,10 +421,21 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, logits_chun
     evaluated by passing ``minicpm4_jax.quant.ternarize(params, ...)``. With ``mesh`` (FSDP-sharded
     params), the hidden states are constrained to :func:`activation_sharding` as in the train step.
     ``logits_chunk_size``: sequence positions whose logits exist at once (:func:`token_sums`; 0 = all).
+    ``microbatches``: a batch whose size is a multiple of it is evaluated that many sequences-slices at a time
+    (:func:`split_microbatches`, a ``lax.scan``; ``gradient_accumulation_steps``); other batches in one piece.
     """
     act_sh = None if mesh is None else activation_sharding(mesh)
 
     def eval_step(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if microbatches > 1 and batch.shape[0] % microbatches == 0:
+            def body(acc, mb):
+                return acc + one_batch(params, mb)[0], None
+
+            total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), split_microbatches(batch, microbatches, mesh))
+            return total, jnp.asarray(batch.shape[0] * (batch.shape[1] - 1), jnp.int32)
+        return one_batch(params, batch)
+
+    def one_batch(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
         hidden = model.hidden_states(batch[:, :-1])
         if act_sh is not None:
