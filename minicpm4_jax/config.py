@@ -29,6 +29,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "DataConfig",
+    "check_mixture",
     "MeshConfig",
     "CheckpointConfig",
     "DistributedConfig",
@@ -344,6 +345,13 @@ class DataConfig:
     dataset folder. ``tokenizer``: ``train`` (SentencePiece BPE with byte fallback trained on the
     corpus, ``tokenizer_vocab_size`` pieces) or a path to ``tokenizer.model`` / ``tokenizer.json``.
     ``cache_dir`` ``None`` means ``<repo>/.cache/data`` (gitignored).
+
+    ``weights``: ``None`` (default) reads every source into one corpus; a list of numbers >= 0, one per
+    ``sources`` entry, makes each entry a component of a data mixture, served in those proportions (each
+    component with its own validation split, token cache and validation loss; one tokenizer, trained on the
+    union of the components' training documents when ``tokenizer: train``; ``train.data``, "Mixtures").
+    ``decay_weights``: the mixture from the first step of the learning-rate schedule's decay phase on (MiniCPM's
+    recipe: the high-quality data annealed in during the decay; ``None`` = ``weights`` throughout).
     """
 
     sources: tuple[str, ...] = ("stdlib",)
@@ -355,6 +363,8 @@ class DataConfig:
     val_fraction: float = 0.02
     seed: int = 0
     cache_dir: str | None = None
+    weights: tuple[float, ...] | None = None
+    decay_weights: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -876,6 +886,24 @@ def validate_model(m: ModelConfig) -> None:
                               "tokenizer's id")
 
 
+def check_mixture(d: DataConfig) -> None:
+    """Check ``data.weights`` / ``data.decay_weights`` (see :class:`DataConfig`); one-line ConfigError."""
+    if d.weights is None:
+        if d.decay_weights is not None:
+            raise ConfigError(f"data.decay_weights={list(d.decay_weights)} needs data.weights (one weight per "
+                              "data.sources entry: the mixture before the decay phase)")
+        return
+    for key, ws in (("weights", d.weights), ("decay_weights", d.decay_weights)):
+        if ws is None:
+            continue
+        if len(ws) != len(d.sources):
+            raise ConfigError(f"data.{key} has {len(ws)} entries for {len(d.sources)} data.sources; give one weight "
+                              "per source")
+        if not all(math.isfinite(w) and w >= 0 for w in ws) or sum(ws) <= 0:
+            raise ConfigError(f"data.{key}={list(ws)} must be finite numbers >= 0 with a positive sum (the mixture's "
+                              "proportions)")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check a whole run's configuration. Raises :class:`ConfigError` naming the bad value and the fix."""
     validate_model(cfg.model)
@@ -891,6 +919,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("data.sources is empty; give 'stdlib' or paths to .txt/.jsonl/.parquet files")
     if not 0.0 < d.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+    check_mixture(d)
     if d.tokenizer == "train" and d.tokenizer_vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}"

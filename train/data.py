@@ -34,6 +34,15 @@ The cache root is ``DataConfig.cache_dir`` or ``<repo>/.cache/data`` (gitignored
 installed outside a source checkout, ``$XDG_CACHE_HOME/minicpm4_jax/data`` (``~/.cache/...``). A cache
 inside the interpreter's folders is refused.
 
+Mixtures (``DataConfig.weights``, one weight per ``sources`` entry): every entry is prepared as a corpus of
+its own by the steps above (its own validation split and token cache, the same cache a one-source run with that
+tokenizer uses), with one tokenizer for all (``tokenizer: train``: trained on the union of the components'
+training documents; cached by the components' corpus hashes). :func:`train_iterator` interleaves the components'
+shuffled, independently repeating window streams in the weights' proportions (:func:`mixture_schedule`: exact
+per period of :data:`MIXTURE_PERIOD` windows, evenly spread), switching to ``decay_weights`` at the first step of
+the learning-rate decay (each stream continues where it stopped); the training loop reports every component's
+validation loss next to the overall one.
+
 Serving: :func:`train_iterator` is a grain ``MapDataset`` pipeline over non-overlapping windows of
 ``seq_len + 1`` tokens (stride ``seq_len``), shuffled per epoch with the seed, repeated, sliced per
 process (each process reads only its rows of every global batch); :func:`val_batches` is the
@@ -60,13 +69,17 @@ from typing import Any
 import numpy as np
 
 import minicpm4_jax
-from minicpm4_jax.config import ConfigError, DataConfig
+from minicpm4_jax.config import ConfigError, DataConfig, check_mixture
 from minicpm4_jax.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 __all__ = [
     "PreparedData",
+    "MixtureComponent",
+    "component_names",
     "prepare_data",
     "train_iterator",
+    "mixture_schedule",
+    "MIXTURE_PERIOD",
     "val_batches",
     "corpus_entropies",
     "heldout_ngram_xent",
@@ -442,6 +455,32 @@ class PreparedData:
     val_tokens: np.ndarray
     manifest: dict
     cache_dir: Path
+    components: tuple["MixtureComponent", ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureComponent:
+    """One component of a data mixture: ``data.sources[i]`` served with ``data.weights[i]`` (before the decay
+    phase) and ``decay_weight`` (from it on); ``data`` is its own :class:`PreparedData` (split and token cache)."""
+
+    name: str
+    weight: float
+    decay_weight: float
+    data: PreparedData
+
+
+def component_names(sources: Sequence[str]) -> list[str]:
+    """Short unique names of mixture components: a path's file or folder name without suffix (``stdlib`` stays),
+    ``_2``, ``_3``, ... appended to repeats; characters other than letters, digits, ``-`` and ``_`` become ``_``."""
+    names: list[str] = []
+    for src in sources:
+        base = src if src == "stdlib" else (Path(os.path.expanduser(src)).stem or "source")
+        base = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in base)
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -511,10 +550,12 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
     See the module docstring for the sources, the split rule, the cache key and layout.
 
     Returns:
-        :class:`PreparedData` with memmapped ``train_tokens``/``val_tokens`` (1-D uint16/uint32).
+        :class:`PreparedData` with memmapped ``train_tokens``/``val_tokens`` (1-D uint16/uint32). With
+        ``cfg.weights`` (a mixture) its ``components`` hold each source's own :class:`PreparedData`, and
+        ``train_tokens``/``val_tokens`` are theirs concatenated in memory (for the n-gram baselines).
 
     Raises:
-        ConfigError: (one line, naming the value and the fix) cache folder not writable or inside
+        ConfigError: (one line, naming the value and the fix) bad mixture weights; cache folder not writable or inside
             the interpreter's folders; missing/empty/unsupported corpus paths; no decodable text or a
             missing ``text_field``; a bad tokenizer path; a train or validation split shorter than one
             window of ``seq_len + 1`` tokens.
@@ -523,12 +564,22 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
         raise ConfigError(f"data.seq_len={cfg.seq_len} and data.batch_size={cfg.batch_size} must be positive")
     if not 0.0 < cfg.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in (0, 0.5)")
+    check_mixture(cfg)
+    if cfg.weights is not None:
+        return _prepare_mixture(cfg, log)
     root = _check_cache_dir(cfg)
     t_start = time.perf_counter()
     corpus = read_corpus(cfg, with_documents=False)
     split_settings = {"text_field": cfg.text_field, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     timings: dict[str, float] = {}
 
+    split = _lazy_split(corpus, cfg)
+    tok = _tokenizer(cfg, root, corpus.corpus_hash, lambda: split()[0], timings, log)
+    return _token_cache(cfg, root, corpus, tok, split, split_settings, timings, t_start, log)
+
+
+def _lazy_split(corpus: Corpus, cfg: DataConfig) -> Callable[[], tuple[list[str], list[str], str]]:
+    """``split()``: decodes the corpus and splits it (:func:`_split_documents`) on the first call only."""
     docs_cache: dict[str, Any] = {}
 
     def split() -> tuple[list[str], list[str], str]:
@@ -538,24 +589,86 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
             docs_cache["split"] = _split_documents(corpus.documents, cfg.val_fraction, cfg.seed)
         return docs_cache["split"]
 
-    # ---- tokenizer ---------------------------------------------------------------------------
-    if cfg.tokenizer == "train":
-        tok_root = root / "tokenizers"
-        train_key = hashlib.sha256(
-            json.dumps({"corpus": corpus.corpus_hash, "split": split_settings, "format": _FORMAT}, sort_keys=True).encode()
-        ).hexdigest()
+    return split
 
-        class _LazyDocs:
-            def __iter__(self):
-                return iter(split()[0])
 
-        t0 = time.perf_counter()
-        tok = train_tokenizer(_LazyDocs(), cfg.tokenizer_vocab_size, tok_root, cfg.seed, corpus_hash=train_key, log=log)
-        if hasattr(tok, "train_seconds"):
-            timings["tokenizer_train_s"] = round(time.perf_counter() - t0, 3)
-    else:
-        tok = load_tokenizer(cfg.tokenizer)
+def _prepare_mixture(cfg: DataConfig, log: Callable[[str], Any]) -> PreparedData:
+    """:func:`prepare_data` of a mixture: every ``sources`` entry prepared as a corpus of its own (its split and
+    token cache: the cache a one-source run with the same tokenizer uses), one tokenizer for all."""
+    root = _check_cache_dir(cfg)
+    t_start = time.perf_counter()
+    parts = [dataclasses.replace(cfg, sources=(src,), weights=None, decay_weights=None) for src in cfg.sources]
+    corpora = [read_corpus(p, with_documents=False) for p in parts]
+    splits = [_lazy_split(c, p) for c, p in zip(corpora, parts)]
+    mixture_hash = hashlib.sha256(json.dumps({"components": [c.corpus_hash for c in corpora]}).encode()).hexdigest()
+    split_settings = {"text_field": cfg.text_field, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
+    timings: dict[str, float] = {}
+    # a trained tokenizer sees every component's training documents and no validation document
+    tok = _tokenizer(cfg, root, mixture_hash, lambda: [d for sp in splits for d in sp()[0]], timings, log)
+    decay = cfg.decay_weights if cfg.decay_weights is not None else cfg.weights
+    comps = []
+    for name, w, dw, p, c, sp in zip(component_names(cfg.sources), cfg.weights, decay, parts, corpora, splits):
+        log(f"data: mixture component {name!r} ({p.sources[0]}), weight {w:g}" + (
+            f", {dw:g} in the decay phase" if cfg.decay_weights is not None else ""))
+        comps.append(MixtureComponent(name, float(w), float(dw),
+                                      _token_cache(p, root, c, tok, sp, split_settings, dict(timings), t_start, log)))
+    man = {
+        "format": _FORMAT,
+        "mixture": True,
+        "key": hashlib.sha256(json.dumps([m.data.manifest["key"] for m in comps]).encode()).hexdigest()[:24],
+        "corpus_hash": mixture_hash,
+        "tokenizer_hash": tok.file_hash,
+        "tokenizer_source": tok.source,
+        "settings": {"format": _FORMAT, **split_settings},
+        "sources": list(cfg.sources),
+        "weights": [m.weight for m in comps],
+        "decay_weights": [m.decay_weight for m in comps],
+        "components": [{"name": m.name, "source": src, "key": m.data.manifest["key"],
+                        "corpus_hash": m.data.manifest["corpus_hash"],
+                        "num_train_tokens": m.data.manifest["num_train_tokens"],
+                        "num_val_tokens": m.data.manifest["num_val_tokens"]} for m, src in zip(comps, cfg.sources)],
+        "num_train_tokens": sum(m.data.manifest["num_train_tokens"] for m in comps),
+        "num_val_tokens": sum(m.data.manifest["num_val_tokens"] for m in comps),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+    }
+    return PreparedData(
+        tokenizer=tok,
+        # the n-gram baselines and scripts read the whole corpus: the components' tokens, concatenated in memory
+        train_tokens=np.concatenate([m.data.train_tokens for m in comps]),
+        val_tokens=np.concatenate([m.data.val_tokens for m in comps]),
+        manifest=man,
+        cache_dir=root / "tokens",
+        components=tuple(comps),
+    )
 
+
+def _tokenizer(cfg: DataConfig, root: Path, corpus_hash: str, train_docs: Callable[[], list[str]],
+               timings: dict[str, float], log: Callable[[str], Any]) -> Tokenizer:
+    """``cfg.tokenizer``: trained on ``train_docs()`` (cached by ``corpus_hash`` and the split settings), or loaded."""
+    if cfg.tokenizer != "train":
+        return load_tokenizer(cfg.tokenizer)
+    split_settings = {"text_field": cfg.text_field, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
+    train_key = hashlib.sha256(
+        json.dumps({"corpus": corpus_hash, "split": split_settings, "format": _FORMAT}, sort_keys=True).encode()
+    ).hexdigest()
+
+    class _LazyDocs:
+        def __iter__(self):
+            return iter(train_docs())
+
+    t0 = time.perf_counter()
+    tok = train_tokenizer(_LazyDocs(), cfg.tokenizer_vocab_size, root / "tokenizers", cfg.seed, corpus_hash=train_key,
+                          log=log)
+    if hasattr(tok, "train_seconds"):
+        timings["tokenizer_train_s"] = round(time.perf_counter() - t0, 3)
+    return tok
+
+
+def _token_cache(cfg: DataConfig, root: Path, corpus: Corpus, tok: Tokenizer,
+                 split: Callable[[], tuple[list[str], list[str], str]], split_settings: dict, timings: dict[str, float],
+                 t_start: float, log: Callable[[str], Any]) -> PreparedData:
+    """Open (or build) the token cache of ``corpus`` under ``tok`` (module docstring, step 5)."""
     # ---- token cache -------------------------------------------------------------------------
     settings = {"format": _FORMAT, **split_settings}
     key = hashlib.sha256(
@@ -723,6 +836,92 @@ def _row_batches_class() -> Any:
     return _ROW_BATCHES
 
 
+MIXTURE_PERIOD = 10_000  # windows per period of a mixture's schedule: proportions exact to 1 / MIXTURE_PERIOD
+
+
+def mixture_schedule(weights: Sequence[float], period: int = MIXTURE_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The order in which a mixture serves its components, one period of ``period`` windows.
+
+    Each component gets ``counts[c]`` windows per period, ``period * w_c / sum(w)`` rounded by largest remainder
+    (ties to the first component), interleaved as evenly as possible (smooth weighted round-robin: every slot goes
+    to the component furthest behind its share; a weight of 0 is never served).
+
+    Returns:
+        ``component`` int32 ``[period]`` (the component of each slot), ``rank`` int64 ``[period]`` (how many
+        earlier slots of the period went to the same component), ``counts`` int64 ``[num_components]``.
+    """
+    w = np.asarray(weights, np.float64)
+    exact = w / w.sum() * period
+    counts = np.floor(exact).astype(np.int64)
+    short = period - int(counts.sum())
+    for c in np.argsort(-(exact - counts), kind="stable")[:short]:
+        counts[c] += 1
+    current = np.where(counts > 0, 0.0, -np.inf)
+    component = np.empty(period, np.int32)
+    rank = np.empty(period, np.int64)
+    seen = np.zeros(len(w), np.int64)
+    for i in range(period):
+        current += counts
+        c = int(np.argmax(current))
+        current[c] -= period
+        component[i], rank[i] = c, seen[c]
+        seen[c] += 1
+    return component, rank, counts
+
+
+_MIXTURE: Any = None
+
+
+def _mixture_class() -> Any:
+    """The grain ``MapDataset`` that interleaves a mixture's component streams (grain imported lazily)."""
+    global _MIXTURE
+    if _MIXTURE is None:
+        import grain
+
+        class Mixture(grain.MapDataset):
+            """Element ``i``: window ``j`` of component ``c`` by :func:`mixture_schedule` of ``weights``; from element
+            ``switch`` on, by that of ``decay_weights``, each component's stream continuing where it stopped.
+
+            Random access in O(1) (periodic schedule), so the element index alone is the iterator state: the same
+            on every process, restorable from a checkpoint.
+            """
+
+            def __init__(self, parents: Sequence[Any], weights: Sequence[float],
+                         decay_weights: Sequence[float] | None = None, switch: int | None = None):
+                super().__init__(parents)
+                self._phase1 = mixture_schedule(weights)
+                self._switch = None if decay_weights is None or switch is None else int(switch)
+                if self._switch is not None:
+                    self._phase2 = mixture_schedule(decay_weights)
+                    comp, _, counts = self._phase1
+                    full, rest = divmod(self._switch, MIXTURE_PERIOD)
+                    # windows of each component served before the switch: its stream continues from there
+                    self._start = full * counts + np.bincount(comp[:rest], minlength=len(counts))
+
+            def __len__(self) -> int:
+                return sys.maxsize
+
+            def __str__(self) -> str:
+                return f"Mixture(components={len(self._parents)}, switch={self._switch})"
+
+            def __getitem__(self, index: Any) -> Any:
+                if isinstance(index, slice):
+                    return self.slice(index)
+                i = int(index)
+                if self._switch is None or i < self._switch:
+                    (comp, rank, counts), start = self._phase1, None
+                else:
+                    (comp, rank, counts), start = self._phase2, self._start
+                    i -= self._switch
+                full, slot = divmod(i, MIXTURE_PERIOD)
+                c = int(comp[slot])
+                j = full * int(counts[c]) + int(rank[slot]) + (0 if start is None else int(start[c]))
+                return self._parents[c][j]
+
+        _MIXTURE = Mixture
+    return _MIXTURE
+
+
 def train_iterator(
     data: PreparedData,
     cfg: DataConfig,
@@ -731,6 +930,7 @@ def train_iterator(
     process_count: int = 1,
     rows: Sequence[int] | None = None,
     num_epochs: int | None = None,
+    decay_start_batch: int | None = None,
 ):
     """The training batches of this process, as a checkpointable grain ``DatasetIterator``.
 
@@ -746,6 +946,13 @@ def train_iterator(
     blocks. So global batch ``k`` is the same ``cfg.batch_size`` windows, in the same order, whatever
     the process count, and the processes' rows are disjoint. The iterator state counts global
     batches, so a checkpoint's data state restores on any process count.
+
+    **Mixtures** (``data.components``): each component's windows form a stream of their own,
+    ``source(windows).seed(cfg.seed + c).shuffle().repeat()`` (every component repeats on its own), and the
+    global window order interleaves the streams by :func:`mixture_schedule` of the weights (exact proportions per
+    period of :data:`MIXTURE_PERIOD` windows); from global batch ``decay_start_batch`` on (the first step of the
+    learning-rate decay, from the training loop) by the decay weights, each stream continuing where it stopped.
+    ``num_epochs`` must be ``None`` there.
 
     Each element: ``{"input_ids": np.ndarray int32 [len(rows), seq_len + 1]}``.
     ``get_state()``/``set_state()`` work and the iterator checkpoints with orbax via
@@ -771,13 +978,29 @@ def train_iterator(
     if not rows or any(not 0 <= r < cfg.batch_size for r in rows) or list(rows) != sorted(set(rows)):
         raise ConfigError(f"rows {list(rows)[:8]} must be distinct ascending indices in [0, data.batch_size="
                           f"{cfg.batch_size})")
-    src = _Windows(data.train_tokens, cfg.seq_len)
-    if len(src) == 0:
-        raise ConfigError(
-            f"the train split has {data.train_tokens.shape[0]} tokens, fewer than data.seq_len+1={cfg.seq_len + 1}; "
-            "add text or lower data.seq_len"
-        )
-    ds = grain.MapDataset.source(src).seed(cfg.seed).shuffle().repeat(num_epochs)
+    if data.components:
+        if num_epochs is not None:
+            raise ConfigError(f"num_epochs={num_epochs}: a mixture repeats each component on its own; pass None")
+        streams = []
+        for c, comp in enumerate(data.components):
+            src = _Windows(comp.data.train_tokens, cfg.seq_len)
+            if len(src) == 0:
+                raise ConfigError(f"mixture component {comp.name!r} has {comp.data.train_tokens.shape[0]} training "
+                                  f"tokens, fewer than data.seq_len+1={cfg.seq_len + 1}; add text or lower data.seq_len")
+            streams.append(grain.MapDataset.source(src).seed(cfg.seed + c).shuffle().repeat(None))
+        weights = [m.weight for m in data.components]
+        decay = [m.decay_weight for m in data.components]
+        decay = None if decay == weights else decay  # the same mixture throughout: no switch
+        switch = None if decay_start_batch is None else int(decay_start_batch) * cfg.batch_size
+        ds = _mixture_class()(streams, weights, decay, switch)
+    else:
+        src = _Windows(data.train_tokens, cfg.seq_len)
+        if len(src) == 0:
+            raise ConfigError(
+                f"the train split has {data.train_tokens.shape[0]} tokens, fewer than data.seq_len+1={cfg.seq_len + 1}; "
+                "add text or lower data.seq_len"
+            )
+        ds = grain.MapDataset.source(src).seed(cfg.seed).shuffle().repeat(num_epochs)
     ds = _row_batches_class()(ds, cfg.batch_size, rows)
     it = ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
     return iter(it)

@@ -75,6 +75,7 @@ from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, t
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, params_all_finite, sharded_abstract_state)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
+from minicpm4_jax.train.optim import decay_steps_of
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
 from minicpm4_jax.train.step import (TrainState, init_model, init_train_state,
@@ -449,9 +450,11 @@ def run_training(
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
         batch_sh = batch_sharding(mesh)
         # this process reads only the rows of each global batch that its devices hold
+        # a mixture's decay_weights apply from the first step of the schedule's decay phase
         it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
                                      process_count=jax.process_count(),
-                                     rows=process_batch_rows(batch_sh, cfg.data.batch_size))
+                                     rows=process_batch_rows(batch_sh, cfg.data.batch_size),
+                                     decay_start_batch=cfg.steps - decay_steps_of(cfg.optimizer, cfg.steps))
         if resume:
             # abstract targets carry the current mesh's shardings: each array is read straight into its
             # shards (any saved mesh / device / process count), no full copy on one device
@@ -489,8 +492,12 @@ def run_training(
 
         n_split = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         # every process holds the (small) validation batches; as global arrays split like training batches
+        # a mixture: every component's own validation batches, its loss reported on its own
+        val_sets = ([(m.name, data_api.val_batches(m.data, cfg.data, cfg.eval_batches)) for m in data.components]
+                    if data.components else [(None, data_api.val_batches(data, cfg.data, cfg.eval_batches))])
+        val_names = [name for name, vbs in val_sets for _ in vbs]
         val = [make_global_batch(vb, batch_sh if vb.shape[0] % n_split == 0 else replicated(mesh), vb.shape)
-               for vb in data_api.val_batches(data, cfg.data, cfg.eval_batches)]
+               for _, vbs in val_sets for vb in vbs]
         train_step = make_train_step(cfg, graphdef, mesh)
         # batch-sharded activations (train/step.py activation_sharding) when every validation batch is split
         eval_mesh = mesh if all(vb.shape[0] % n_split == 0 for vb in val) else None
@@ -512,13 +519,23 @@ def run_training(
         if handle_signals:
             stop.install()
 
-        def evaluate(params: Any) -> float:
-            tot, n = 0.0, 0
-            for vb in val:
+        def evaluate(params: Any) -> tuple[float, dict[str, float]]:
+            """Mean NLL per token over all validation batches, and per mixture component (empty otherwise)."""
+            sums: dict[str | None, list[float]] = {}
+            for name, vb in zip(val_names, val):
                 s, c = eval_step(params, vb)
-                tot += float(s)
-                n += int(c)
-            return tot / max(n, 1)
+                acc = sums.setdefault(name, [0.0, 0])
+                acc[0] += float(s)
+                acc[1] += int(c)
+            total = sum(v[0] for v in sums.values()) / max(sum(v[1] for v in sums.values()), 1)
+            return total, {k: v[0] / max(v[1], 1) for k, v in sums.items() if k is not None}
+
+        def val_scalars(vl: float, parts: dict[str, float]) -> dict[str, float]:
+            return {"loss": vl, **{f"loss_{k}": v for k, v in parts.items()}}
+
+        def val_text(vl: float, parts: dict[str, float]) -> str:
+            return f"val_loss {vl:.4f}" + (" (" + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()) + ")"
+                                           if parts else "")
 
         def check(step_no: int, m: dict) -> dict[str, float]:
             vals = {k: float(v) for k, v in m.items()}
@@ -645,11 +662,11 @@ def run_training(
                     say(msg)
             if do_eval:
                 with meter.paused():  # do not charge evaluation to tokens/s
-                    vl = evaluate(model_params(state.params, step))
+                    vl, vparts = evaluate(model_params(state.params, step))
                     val_history.append((step, vl))
                     if writer is not None:
-                        writer.scalars(step, {"loss": vl}, prefix="val")
-                    (pbar.write if pbar is not None else say)(f"step {step:>6d}  val_loss {vl:.4f}"
+                        writer.scalars(step, val_scalars(vl, vparts), prefix="val")
+                    (pbar.write if pbar is not None else say)(f"step {step:>6d}  {val_text(vl, vparts)}"
                                                               + ("  (ternary)" if is_ternary(step) else ""))
                     if is_ternary(step):
                         from minicpm4_jax.train.qat import stats_lines
@@ -680,10 +697,12 @@ def run_training(
 
         if step not in ckpt.all_steps():
             save(step)
-        final_val = evaluate(model_params(state.params, step))
+        final_val, final_parts = evaluate(model_params(state.params, step))
         val_history.append((step, final_val))
         if writer is not None:
-            writer.scalars(step, {"loss": final_val}, prefix="val")
+            writer.scalars(step, val_scalars(final_val, final_parts), prefix="val")
+        if final_parts:
+            say(f"step {step:>6d}  {val_text(final_val, final_parts)}")
 
         ent = data_api.corpus_entropies(data.train_tokens, tok.vocab_size)
         held = data_api.heldout_ngram_xent(data.train_tokens, data.val_tokens, tok.vocab_size)
@@ -747,6 +766,7 @@ def run_training(
             "step": step,
             "stop_reason": stop_reason,
             "val_loss": final_val,
+            **({"val_loss_components": final_parts} if final_parts else {}),
             "val_history": val_history,
             "train_loss": last_vals.get("loss"),
             "attended_fraction": last_vals.get("attended_fraction"),
