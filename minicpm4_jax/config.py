@@ -493,6 +493,15 @@ class TrainConfig:
     summation order; a resume may change A. ``batch_size`` must divide into A microbatches of whole
     ``data * fsdp`` shards (a multiple of ``A * data * fsdp``). The eval step splits its batches the same way.
 
+    ``branch_from`` / ``branch_step``: start this run as a **decay branch** of another run (its ``out_dir`` or
+    checkpoints folder) at its checkpoint ``branch_step`` (default: its latest): the train state, optimizer
+    state and data order continue from there, so with the WSD schedule one stable phase serves decays to several
+    lengths (MiniCPM's WSD recipe; ``train.branch``). Everything but ``steps``, the decay's shape
+    (``optimizer.decay_steps`` / ``decay_fraction`` / ``decay_style`` / ``min_lr_ratio``),
+    ``data.decay_weights`` and what a resume may change must equal the source's, and both schedules must give
+    the same learning rate at every step before ``branch_step`` (the branch point lies before both decays).
+    The source's folder is only read (it may still be training).
+
     ``profile_start_step``: trace training steps ``profile_start_step .. profile_start_step + profile_steps - 1``
     (numbered as in the log, from 1) with ``jax.profiler`` into ``<out_dir>/profile/process_<i>`` (every process
     its own folder; TensorBoard's profile plugin / XProf / Perfetto read it); ``None`` (default): no trace. The
@@ -525,6 +534,8 @@ class TrainConfig:
     mtp_detach: bool = False
     logits_chunk_size: int = 0
     gradient_accumulation_steps: int = 1
+    branch_from: str | None = None
+    branch_step: int | None = None
     profile_start_step: int | None = None
     profile_steps: int = 3
 
@@ -939,6 +950,18 @@ def validate(cfg: TrainConfig) -> None:
                           "traced step, numbered as in the log; null = no trace)")
     if cfg.profile_steps < 1:
         raise ConfigError(f"profile_steps={cfg.profile_steps} must be >= 1 (steps traced from profile_start_step)")
+    if cfg.branch_step is not None and cfg.branch_from is None:
+        raise ConfigError(f"branch_step={cfg.branch_step} needs branch_from (the run whose checkpoint the decay "
+                          "branch starts from)")
+    if cfg.branch_from is not None:
+        if not str(cfg.branch_from).strip():
+            raise ConfigError("branch_from is empty; give the source run's out_dir or checkpoints folder, or null")
+        if cfg.branch_step is not None and not 1 <= cfg.branch_step < cfg.steps:
+            raise ConfigError(f"branch_step={cfg.branch_step} must be in [1, steps={cfg.steps}) (a checkpoint step "
+                              "of the source run before this run's end)")
+        if cfg.qat.enabled:
+            raise ConfigError("branch_from with qat.enabled: a QAT run starts from another run with qat.init_from; "
+                              "drop branch_from")
     if cfg.gradient_accumulation_steps < 1 or d.batch_size % cfg.gradient_accumulation_steps:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be >= 1 and divide "
                           f"data.batch_size={d.batch_size} (the global batch of one update is split into that many "

@@ -63,6 +63,8 @@ RESUME_MAY_CHANGE = frozenset({
     "checkpoint.async_save", "checkpoint.directory", "out_dir", "data.cache_dir",
     # how many positions' logits exist at once: the same losses up to float32 summation order
     "logits_chunk_size",
+    # where a decay branch started (train.branch): a resume continues the branch's own checkpoints
+    "branch_from", "branch_step",
     # the global batch split into microbatches: the same averaged gradient up to float32 summation order
     "gradient_accumulation_steps",
     "profile_start_step", "profile_steps",
@@ -346,20 +348,24 @@ class Checkpointer:
     writes and reads. Call :meth:`close` (waits for pending async writes) before the process exits.
     """
 
-    def __init__(self, cfg: TrainConfig, directory: str | Path | None = None):
+    def __init__(self, cfg: TrainConfig, directory: str | Path | None = None, *, read_only: bool = False):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
         self.cfg = cfg
+        self.read_only = read_only
         self.directory = Path(directory).resolve() if directory is not None else checkpoint_dir_of(cfg)
+        # read_only (another run's checkpoints, e.g. a decay branch's source, which may still be training):
+        # nothing is created, and its in-progress saves' temporary folders are left alone
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.checkpoint.keep,
             enable_async_checkpointing=cfg.checkpoint.async_save,
-            create=True,
-            cleanup_tmp_directories=True,
+            create=not read_only,
+            cleanup_tmp_directories=not read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
-        _await_tmp_cleanup(self.manager, self.directory)
+        if not read_only:
+            _await_tmp_cleanup(self.manager, self.directory)
         self._pending: int | None = None  # step of a started save not yet awaited
         self._last_complete: int | None = self.manager.latest_step()
 
@@ -386,7 +392,10 @@ class Checkpointer:
 
         Raises:
             CheckpointWriteError: this write, or the previous pending one, failed.
+            RuntimeError: the checkpointer was opened ``read_only``.
         """
+        if self.read_only:
+            raise RuntimeError(f"{self.directory} was opened read-only; no checkpoint is written there")
         ocp = self._ocp
         if step in self.manager.all_steps():
             return False

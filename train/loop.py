@@ -292,7 +292,8 @@ class _StepTracer:
 _DATA_RECORD = "data.json"  # the corpus and tokenizer a run was started with (checked on --resume)
 
 
-def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable[[str], Any]) -> None:
+def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable[[str], Any],
+                   label: str = "--resume") -> None:
     """On ``--resume``, refuse data that differs from what the run was started with.
 
     The data config may not change on resume (:meth:`Checkpointer.check_compatible`), but the files
@@ -301,6 +302,8 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
     embedding rows. Compares the hashes recorded in ``out_dir/data.json`` when the run started (runs
     started before this record existed are not checked).
 
+    ``label``: the option the messages name (``branch_from`` checks a decay branch against its source run).
+
     Raises:
         ConfigError: the corpus or the tokenizer differs (one line, with the fix).
     """
@@ -308,8 +311,8 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
     if not resume:
         return
     if not rec.is_file():
-        say(f"resume: {rec} is missing (a run started before the record existed, or the file was removed); "
-            "the corpus and tokenizer are not checked against the run's (and the record is not re-created)")
+        say(f"{label.lstrip('-')}: {rec} is missing (a run started before the record existed, or the file was "
+            "removed); the corpus and tokenizer are not checked against the run's (and the record is not re-created)")
         return
     try:
         saved = json.loads(rec.read_text())
@@ -317,14 +320,14 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
         saved = None
     if not isinstance(saved, dict) or not all(isinstance(saved.get(k, ""), str)
                                               for k in ("tokenizer_hash", "corpus_hash")):
-        say(f"resume: {rec} is unreadable; the corpus is not checked against the run's")
+        say(f"{label.lstrip('-')}: {rec} is unreadable; the corpus is not checked against the run's")
         return
     for key, what in (("tokenizer_hash", "tokenizer"), ("corpus_hash", "corpus under data.sources")):
         old, new = saved.get(key), manifest.get(key)
         if old and new and old != new:
             raise ConfigError(
-                f"--resume: the {what} differs from the one this run was started with ({key} {old[:12]} != "
-                f"{new[:12]}): the files under data.sources changed. Resuming would train on other data"
+                f"{label}: the {what} differs from the one this run was started with ({key} {old[:12]} != "
+                f"{new[:12]}): the files under data.sources changed. Continuing would train on other data"
                 + (" with a retrained tokenizer" if key == "tokenizer_hash" else "")
                 + "; restore those files, or start a new out_dir")
 
@@ -417,6 +420,11 @@ def run_training(
                 f"{ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to continue, "
                 "or choose another out_dir"
             )
+        branch_src = None
+        if cfg.branch_from is not None and not resume:
+            from minicpm4_jax.train.branch import resolve_branch
+
+            branch_src = resolve_branch(cfg)
         init_src = None
         if cfg.qat.enabled and cfg.qat.init_from is not None and not resume:
             from minicpm4_jax.train.qat import resolve_init
@@ -436,6 +444,8 @@ def run_training(
                 "raise model.vocab_size"
             )
         check_run_data(out_dir, data.manifest, resume=resume, say=say)
+        if branch_src is not None:  # the corpus and tokenizer the source run started with (its data.json)
+            check_run_data(branch_src.directory.parent, data.manifest, resume=True, say=say, label="branch_from")
         if init_src is not None:
             from minicpm4_jax.train.qat import check_init_tokenizer
 
@@ -464,6 +474,19 @@ def run_training(
 
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
             say(f"resumed from {ckpt_dir}/{start}")
+        elif branch_src is not None:
+            src_ck = Checkpointer(branch_src.cfg, branch_src.directory, read_only=True)
+            try:
+                start, state = src_ck.restore(sharded_abstract_state(cfg, mesh), step=branch_src.step,
+                                              data_iterator=it, check=False)
+            finally:
+                src_ck.close(quiet=True)
+            start = int(start)
+            from flax import nnx
+
+            graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
+            say(f"branch: continuing {branch_src.directory}/{start} (train state, optimizer state and data order); "
+                f"this run decays over its last {decay_steps_of(cfg.optimizer, cfg.steps)} of {cfg.steps} steps")
         else:
             start = 0
             graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed), mesh)
@@ -767,6 +790,7 @@ def run_training(
             "stop_reason": stop_reason,
             "val_loss": final_val,
             **({"val_loss_components": final_parts} if final_parts else {}),
+            **({"branch_from": str(branch_src.directory), "branch_step": branch_src.step} if branch_src else {}),
             "val_history": val_history,
             "train_loss": last_vals.get("loss"),
             "attended_fraction": last_vals.get("attended_fraction"),

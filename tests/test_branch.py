@@ -1,0 +1,133 @@
+"""Decay branches of a WSD run (``branch_from`` / ``branch_step``, ``train/branch.py``).
+
+A branch restores another run's checkpoint from its stable phase and continues with its own length and decay:
+it must equal a run trained from scratch with the branch's settings (bitwise: same machine, same mesh), also for
+a data mixture whose decay weights the branch changes; the source folder must be left untouched (only read);
+and a branch that would not be that run is refused before anything is written: another model, optimizer or
+seed, a branch point inside either decay, a step that is not a checkpoint, the run's own folder, QAT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_train import _params, _restore, cache_dir, corpus, tiny_cfg  # noqa: F401 - module fixtures
+
+from minicpm4_jax.config import ConfigError
+from minicpm4_jax.train.loop import run_training
+
+QUIET = dict(log=lambda _m: None, progress=False)
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def source(corpus, cache_dir, tmp_path_factory):  # noqa: F811
+    """12 steps, decay over the last 4; checkpoints every 2 steps (the stable phase ends after step 8)."""
+    out = tmp_path_factory.mktemp("src") / "run"
+    cfg = tiny_cfg(corpus, cache_dir, out, steps=12, **{"optimizer.decay_steps": 4, "checkpoint.save_every": 2,
+                                                        "checkpoint.keep": 10})
+    run_training(cfg, **QUIET)
+    return out
+
+
+def test_branch_equals_a_run_from_scratch_and_leaves_the_source_alone(corpus, cache_dir, tmp_path, source):  # noqa: F811
+    before = _tree_digest(source)
+    kw = {"steps": 16, "optimizer.decay_steps": 6}
+    said: list[str] = []
+    s_branch = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "branch", branch_from=source, branch_step=6, **kw),
+                            log=said.append, progress=False)
+    assert any(m.startswith("branch: continuing") and "/6 " in m for m in said), said
+    assert s_branch["step"] == 16 and s_branch["branch_step"] == 6
+    s_fresh = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "fresh", **kw), **QUIET)
+    _, a = _restore(tiny_cfg(corpus, cache_dir, tmp_path / "branch", **kw))
+    _, b = _restore(tiny_cfg(corpus, cache_dir, tmp_path / "fresh", **kw))
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    assert not [k for k in pa if not np.array_equal(pa[k], pb[k])]
+    assert s_branch["val_loss"] == s_fresh["val_loss"]
+    # the branch's log after the branch point is the fresh run's
+    def logged(summary):
+        return [(h["step"], h["loss"], h["grad_norm"], h["lr"]) for h in summary["history"] if h["step"] > 6]
+
+    assert logged(s_branch) == logged(s_fresh) and len(logged(s_fresh)) == 5
+    assert _tree_digest(source) == before
+
+
+def test_a_mixture_branch_with_new_decay_weights(corpus, cache_dir, tmp_path, tmp_path_factory):  # noqa: F811
+    other = tmp_path_factory.mktemp("other")
+    for i in range(30):
+        (other / f"o{i}.txt").write_text("class Widget:\n    size = %d\n    name = 'w%d'\n" % (i, i) * 6)
+    mix = {"data.sources": f"[{corpus},{other}]", "data.weights": "[3,1]"}
+    src = tmp_path / "src"
+    run_training(tiny_cfg(corpus, cache_dir, src, steps=8, **mix, **{"optimizer.decay_steps": 2,
+                                                                        "checkpoint.save_every": 2}), **QUIET)
+    kw = {**mix, "steps": 10, "optimizer.decay_steps": 3, "data.decay_weights": "[1,3]"}
+    s_branch = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=src, branch_step=4, **kw), **QUIET)
+    s_fresh = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "f", **kw), **QUIET)
+    assert s_branch["val_loss"] == s_fresh["val_loss"]
+    assert len(s_branch["val_loss_components"]) == 2
+    assert s_branch["val_loss_components"] == s_fresh["val_loss_components"]
+    _, a = _restore(tiny_cfg(corpus, cache_dir, tmp_path / "b", **kw))
+    _, b = _restore(tiny_cfg(corpus, cache_dir, tmp_path / "f", **kw))
+    pa, pb = _params(a), _params(b)
+    assert not [k for k in pa if not np.array_equal(pa[k], pb[k])]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(branch_step=10, steps=16), r"the learning rate of this run differs from the source's at step 10 .*the source "
+                                      r"decays from step 9 and this run from step 13; branch at a step no later"),
+    (dict(branch_step=6, steps=16, **{"optimizer.learning_rate": 0.01}),
+     r"was trained with another config: optimizer.learning_rate: 0.02 != 0.01"),
+    (dict(branch_step=6, steps=16, seed=1), r"was trained with another config: seed: 0 != 1"),
+    (dict(branch_step=6, steps=16, **{"optimizer.warmup_steps": 3}),
+     r"was trained with another config: optimizer.warmup_steps: 2 != 3"),
+    (dict(branch_step=5, steps=16), r"branch_step=5 is not a checkpoint in .* \(saved steps: 2, 4, 6, 8, 10, 12\)"),
+    (dict(branch_step=6, steps=6), r"branch_step=6 must be in \[1, steps=6\)"),
+])
+def test_branches_that_are_not_that_run_are_refused(corpus, cache_dir, tmp_path, source, kw, match):  # noqa: F811
+    cfg_kw = {"optimizer.decay_steps": 4, **kw}
+    out = tmp_path / "b"
+    with pytest.raises(ConfigError, match=match):
+        run_training(tiny_cfg(corpus, cache_dir, out, branch_from=source, **cfg_kw), **QUIET)
+    assert not out.exists() or not any(out.rglob("*"))  # refused before anything is written
+
+
+def test_bad_branch_sources(corpus, cache_dir, tmp_path, source):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"branch_from: checkpoint directory '.*nowhere' does not exist"):
+        run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=tmp_path / "nowhere", steps=16), **QUIET)
+    from minicpm4_jax.train.branch import resolve_branch
+
+    with pytest.raises(ConfigError, match=r"is this run's own checkpoint folder; a branch writes its own"):
+        resolve_branch(tiny_cfg(corpus, cache_dir, source, branch_from=source, steps=16))
+    with pytest.raises(ConfigError, match=r"branch_step=4 needs branch_from"):
+        tiny_cfg(corpus, cache_dir, tmp_path / "c", branch_step=4)
+    with pytest.raises(ConfigError, match=r"branch_from with qat.enabled"):
+        tiny_cfg(corpus, cache_dir, tmp_path / "c", branch_from=source, **{"qat.enabled": "true"})
+
+
+def test_a_branch_resumes_its_own_checkpoints(corpus, cache_dir, tmp_path, source):  # noqa: F811
+    kw = {"steps": 14, "optimizer.decay_steps": 4, "checkpoint.save_every": 2}
+    out = tmp_path / "b"
+
+    def stop_after_11(step, state):
+        if step == 10:  # flag set during update 11; the loop saves step 11 and stops
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state
+
+    s1 = run_training(tiny_cfg(corpus, cache_dir, out, branch_from=source, branch_step=8, **kw),
+                      step_hook=stop_after_11, **QUIET)
+    assert s1["stop_reason"] == "signal" and s1["step"] == 11
+    s = run_training(tiny_cfg(corpus, cache_dir, out, branch_from=source, branch_step=8, **kw), resume=True, **QUIET)
+    fresh = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "f", **kw), **QUIET)
+    assert s["step"] == 14 and s["val_loss"] == fresh["val_loss"]
+    assert json.loads((out / "summary.json").read_text())["step"] == 14

@@ -1,0 +1,116 @@
+"""Decay branches of a WSD run (``branch_from`` / ``branch_step``; MiniCPM, arXiv 2404.06395 §4.1).
+
+The warmup-stable-decay schedule keeps the learning rate constant until its decay phase, so one stable phase
+can end in decays to several lengths: a branch restores another run's checkpoint (parameters, optimizer state,
+step and data-iterator state) and continues with its own ``steps`` and decay. Up to the branch point the two
+runs are the same run, so the branch equals a run trained from scratch with its settings (bitwise on the same
+machine and mesh; ``tests/test_branch.py``).
+
+:func:`resolve_branch` checks, before anything is written: the source folder and step exist and are not this
+run's own; the configs differ only in :data:`BRANCH_MAY_CHANGE`; both learning-rate schedules agree at every
+step before the branch point; a changed ``data.decay_weights`` only matters from the branch's decay on. The
+source's folder is opened read-only (it may still be training: its in-progress saves are not touched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from minicpm4_jax.config import MTP_DRAFT_FIELDS, ConfigError, TrainConfig, diff_configs
+from minicpm4_jax.train.checkpoint import (RESUME_MAY_CHANGE, Checkpointer, _field_of, checkpoint_dir_of,
+                                           find_checkpoint_dir)
+from minicpm4_jax.train.optim import decay_steps_of
+
+__all__ = ["BranchSource", "BRANCH_MAY_CHANGE", "resolve_branch"]
+
+#: Config fields a decay branch may set differently from its source: the run's length, the decay's shape, the
+#: decay-phase data mixture, and what a resume may change anyway (logging, checkpoints, mesh, ...).
+BRANCH_MAY_CHANGE = RESUME_MAY_CHANGE | frozenset({
+    "steps", "optimizer.decay_steps", "optimizer.decay_fraction", "optimizer.decay_style", "optimizer.min_lr_ratio",
+    "data.decay_weights",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchSource:
+    """A resolved ``branch_from``: the source's checkpoint folder, the step and the config it was saved with."""
+
+    directory: Path
+    step: int
+    cfg: TrainConfig
+
+
+def _decay_start(cfg: TrainConfig) -> int:
+    """The first step (0-based update index) of ``cfg``'s decay phase."""
+    return cfg.steps - decay_steps_of(cfg.optimizer, cfg.steps)
+
+
+def resolve_branch(cfg: TrainConfig) -> BranchSource:
+    """Find ``cfg.branch_from`` at ``cfg.branch_step`` (default: its latest step) and check that ``cfg`` may branch there.
+
+    Raises:
+        ConfigError: (one line, with the fix) no such folder / checkpoint / step; this run's own folder; a config
+            that differs outside :data:`BRANCH_MAY_CHANGE`; a QAT source; a branch point at or after ``steps``;
+            learning rates that differ before the branch point (it lies inside a decay); a changed
+            ``data.decay_weights`` whose source switch lies before the branch point.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from minicpm4_jax.train.step import lr_schedule
+
+    try:
+        directory = find_checkpoint_dir(cfg.branch_from, step_option="branch_step")
+    except ConfigError as e:
+        raise ConfigError(f"branch_from: {e}") from None
+    if directory == checkpoint_dir_of(cfg):
+        raise ConfigError(f"branch_from={cfg.branch_from!r} is this run's own checkpoint folder; a branch writes its "
+                          "own checkpoints: give it another out_dir")
+    ck = Checkpointer(cfg, directory, read_only=True)
+    try:
+        steps = ck.all_steps()
+        if not steps:
+            raise ConfigError(f"branch_from={cfg.branch_from!r}: no complete checkpoint in {directory}")
+        step = steps[-1] if cfg.branch_step is None else int(cfg.branch_step)
+        if step not in steps:
+            raise ConfigError(f"branch_step={step} is not a checkpoint in {directory} (saved steps: "
+                              f"{', '.join(map(str, steps))}); pick one of those")
+        saved = ck.saved_config(step)
+    finally:
+        ck.close()
+    where = f"branch_from: checkpoint {directory}/{step}"
+    diffs = diff_configs(saved, cfg)
+    if not saved.model.mtp and not cfg.model.mtp:
+        diffs = [d for d in diffs if _field_of(d) not in MTP_DRAFT_FIELDS]
+    refused = [d for d in diffs if _field_of(d) not in BRANCH_MAY_CHANGE | {"branch_from", "branch_step"}]
+    if refused:
+        raise ConfigError(f"{where} was trained with another config: " + "; ".join(refused)
+                          + " (checkpoint value != current value); a decay branch keeps everything but steps, the "
+                          "decay's shape (optimizer.decay_steps / decay_fraction / decay_style / min_lr_ratio) and "
+                          "data.decay_weights")
+    if saved.qat.enabled:
+        raise ConfigError(f"{where} is a QAT run; branch from a high-precision run (a QAT run starts from another "
+                          "with qat.init_from)")
+    if step >= cfg.steps:
+        raise ConfigError(f"{where}: the branch point is at or after this run's end (steps={cfg.steps}); raise steps "
+                          "or pick an earlier branch_step")
+    at = jnp.arange(step, dtype=jnp.int32)
+    old = np.asarray(jax.jit(jax.vmap(lr_schedule(saved)))(at))
+    new = np.asarray(jax.jit(jax.vmap(lr_schedule(cfg)))(at))
+    differ = np.flatnonzero(old != new)
+    if differ.size:
+        first = int(differ[0])
+        raise ConfigError(
+            f"{where}: the learning rate of this run differs from the source's at step {first + 1} "
+            f"({new[first]:.6g} != {old[first]:.6g}), before the branch point: the source decays from step "
+            f"{_decay_start(saved) + 1} and this run from step {_decay_start(cfg) + 1}; branch at a step no later "
+            f"than both (saved steps: {', '.join(map(str, steps))}) or keep the source's schedule")
+    if saved.data.decay_weights != cfg.data.decay_weights and _decay_start(saved) < step:
+        # the mixture switches at the decay's first step: the source's order before the branch point was its own
+        raise ConfigError(f"{where}: data.decay_weights differ, but the source's decay phase (and its mixture switch) "
+                          f"began at step {_decay_start(saved) + 1}, before the branch point; keep its "
+                          "data.decay_weights or branch earlier")
+    return BranchSource(directory=directory, step=step, cfg=saved)
