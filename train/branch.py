@@ -49,7 +49,7 @@ def _decay_start(cfg: TrainConfig) -> int:
 
 
 def resolve_branch(cfg: TrainConfig) -> BranchSource:
-    """Find ``cfg.branch_from`` at ``cfg.branch_step`` (default: its latest step) and check that ``cfg`` may branch there.
+    """Find ``cfg.branch_from`` at ``cfg.branch_step`` (default: its latest step); check that ``cfg`` may branch there.
 
     Raises:
         ConfigError: (one line, with the fix) no such folder / checkpoint / step; this run's own folder; a config

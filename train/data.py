@@ -839,7 +839,8 @@ def _row_batches_class() -> Any:
 MIXTURE_PERIOD = 10_000  # windows per period of a mixture's schedule: proportions exact to 1 / MIXTURE_PERIOD
 
 
-def mixture_schedule(weights: Sequence[float], period: int = MIXTURE_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mixture_schedule(weights: Sequence[float],
+                     period: int = MIXTURE_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The order in which a mixture serves its components, one period of ``period`` windows.
 
     Each component gets ``counts[c]`` windows per period, ``period * w_c / sum(w)`` rounded by largest remainder

@@ -34,9 +34,9 @@ from minicpm4_jax.quant import fake_quant_params, ternary_spec
 from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_shardings
 from minicpm4_jax.train.optim import make_optimizer, two_stage_schedule, wsd_schedule
 
-__all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for", "train_state_shardings",
-           "make_train_step", "make_eval_step", "split_microbatches", "next_token_loss", "token_sums", "make_loss_fn", "activation_sharding",
-           "print_memory_analysis", "lr_schedule",
+__all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for",
+           "train_state_shardings", "make_train_step", "make_eval_step", "split_microbatches", "next_token_loss",
+           "token_sums", "make_loss_fn", "activation_sharding", "print_memory_analysis", "lr_schedule",
            "qat_params_for_loss"]
 
 
@@ -421,8 +421,9 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, logits_chun
     evaluated by passing ``minicpm4_jax.quant.ternarize(params, ...)``. With ``mesh`` (FSDP-sharded
     params), the hidden states are constrained to :func:`activation_sharding` as in the train step.
     ``logits_chunk_size``: sequence positions whose logits exist at once (:func:`token_sums`; 0 = all).
-    ``microbatches``: a batch whose size is a multiple of it is evaluated that many sequences-slices at a time
-    (:func:`split_microbatches`, a ``lax.scan``; ``gradient_accumulation_steps``); other batches in one piece.
+    ``microbatches``: a batch whose size is a multiple of it is evaluated in that many slices of sequences, one at
+    a time (:func:`split_microbatches`, a ``lax.scan``; ``gradient_accumulation_steps``); other batches in one
+    piece.
     """
     act_sh = None if mesh is None else activation_sharding(mesh)
 
