@@ -351,7 +351,8 @@ class DataConfig:
     component with its own validation split, token cache and validation loss; one tokenizer, trained on the
     union of the components' training documents when ``tokenizer: train``; ``train.data``, "Mixtures").
     ``decay_weights``: the mixture from the first step of the learning-rate schedule's decay phase on (MiniCPM's
-    recipe: the high-quality data annealed in during the decay; ``None`` = ``weights`` throughout).
+    recipe: the high-quality data annealed in during the decay; with ``qat.enabled`` the QAT stage's own decay,
+    ``train.step.decay_start_step``; ``None`` = ``weights`` throughout).
     """
 
     sources: tuple[str, ...] = ("stdlib",)

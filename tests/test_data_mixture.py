@@ -193,3 +193,25 @@ def test_training_loop_reports_each_components_loss_and_refuses_new_weights(corp
     changed = load_config(None, [f"{k}={v}" for k, v in {**ov, "data.weights": "[1,1]", "steps": 8}.items()])
     with pytest.raises(ConfigError, match=r"data.weights"):
         run_training(changed, resume=True, log=lambda _m: None, progress=False)
+
+
+@pytest.mark.parametrize("ov", [
+    [],
+    ["optimizer.decay_steps=30"],
+    ["qat.enabled=true", "qat.token_share=0.5"],
+    ["qat.enabled=true", "qat.token_share=0.05", "qat.warmup_steps=2"],
+    ["qat.enabled=true", "qat.token_share=0.5", "optimizer.decay_steps=30"],
+], ids=["wsd", "wsd_decay_steps", "qat_fraction", "qat_inside_decay", "qat_decay_steps"])
+def test_decay_weights_start_at_the_first_step_of_the_final_decay(ov):
+    # the loop switches a mixture to data.decay_weights at decay_start_step(cfg): the step from which the learning
+    # rate only falls. With QAT the last decay is the QAT stage's own, decay_fraction x the QAT steps (the switch
+    # came 50 steps early here: at steps - decay_fraction x steps)
+    from minicpm4_jax.train.step import decay_start_step, lr_schedule
+
+    cfg = load_config("cpu_tiny", ["steps=1000", "optimizer.warmup_steps=10", "optimizer.decay_fraction=0.1",
+                                   "optimizer.decay_steps=null"] + ov)
+    lr = np.asarray(lr_schedule(cfg)(np.arange(cfg.steps)))
+    rising_or_flat = np.nonzero(lr[1:] >= lr[:-1])[0] + 1
+    start = int(rising_or_flat[-1])  # lr(start) = peak, strictly falling after
+    assert np.all(np.diff(lr[start:]) < 0) and start < cfg.steps - 1
+    assert decay_start_step(cfg) == start

@@ -75,10 +75,9 @@ from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, t
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, params_all_finite, sharded_abstract_state)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
-from minicpm4_jax.train.optim import decay_steps_of
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
-from minicpm4_jax.train.step import (TrainState, init_model, init_train_state,
+from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, init_train_state,
                                      make_eval_step, make_train_step, print_memory_analysis,
                                      train_state_shardings)
 
@@ -460,11 +459,11 @@ def run_training(
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
         batch_sh = batch_sharding(mesh)
         # this process reads only the rows of each global batch that its devices hold
-        # a mixture's decay_weights apply from the first step of the schedule's decay phase
+        # a mixture's decay_weights apply from the first step of the schedule's (final) decay phase
         it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
                                      process_count=jax.process_count(),
                                      rows=process_batch_rows(batch_sh, cfg.data.batch_size),
-                                     decay_start_batch=cfg.steps - decay_steps_of(cfg.optimizer, cfg.steps))
+                                     decay_start_batch=decay_start_step(cfg))
         if resume:
             # abstract targets carry the current mesh's shardings: each array is read straight into its
             # shards (any saved mesh / device / process count), no full copy on one device

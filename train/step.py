@@ -32,11 +32,12 @@ from minicpm4_jax.nn.mtp import distill_kl, mtp_feature_loss
 from minicpm4_jax.ops.dispatch import resolve_impl
 from minicpm4_jax.quant import fake_quant_params, ternary_spec
 from minicpm4_jax.sharding import batch_sharding, make_mesh, replicated, state_shardings
-from minicpm4_jax.train.optim import make_optimizer, two_stage_schedule, wsd_schedule
+from minicpm4_jax.train.optim import decay_steps_of, make_optimizer, two_stage_schedule, wsd_schedule
 
 __all__ = ["TrainState", "init_model", "init_train_state", "abstract_train_state", "make_optimizer_for",
            "train_state_shardings", "make_train_step", "make_eval_step", "split_microbatches", "next_token_loss",
            "token_sums", "make_loss_fn", "activation_sharding", "print_memory_analysis", "lr_schedule",
+           "decay_start_step",
            "qat_params_for_loss"]
 
 
@@ -70,6 +71,16 @@ def lr_schedule(cfg: TrainConfig) -> Callable[[jax.Array | int], jax.Array]:
         return wsd_schedule(cfg.optimizer, cfg.steps)
     return two_stage_schedule(cfg.optimizer, cfg.steps, start, warmup_steps=cfg.qat.warmup_steps,
                               learning_rate=cfg.qat.learning_rate)
+
+
+def decay_start_step(cfg: TrainConfig) -> int:
+    """The first step of the final decay phase of :func:`lr_schedule` (where a mixture's ``data.decay_weights``
+    apply): ``steps - D`` of the run's WSD, or with ``qat.enabled`` that of the QAT stage's own WSD (its decay
+    ``decay_steps`` or ``decay_fraction`` of the QAT steps, counted from ``qat_start_step``)."""
+    start = cfg.qat_start_step
+    if start is None:
+        return cfg.steps - decay_steps_of(cfg.optimizer, cfg.steps)
+    return cfg.steps - decay_steps_of(cfg.optimizer, cfg.steps - start)
 
 
 def make_optimizer_for(cfg: TrainConfig) -> optax.GradientTransformation:
