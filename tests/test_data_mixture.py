@@ -215,3 +215,18 @@ def test_decay_weights_start_at_the_first_step_of_the_final_decay(ov):
     start = int(rising_or_flat[-1])  # lr(start) = peak, strictly falling after
     assert np.all(np.diff(lr[start:]) < 0) and start < cfg.steps - 1
     assert decay_start_step(cfg) == start
+
+
+@pytest.mark.parametrize("text,split", [("zulu1 zebra2\n", "train"), (None, "validation")])
+def test_a_component_too_short_for_a_window_is_named(corpora, tmp_path, text, split):
+    # the split check ran per component but its message named no source: which of the mixture's entries is short?
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if text is not None:
+        (tiny / "x.txt").write_text(text)
+    else:  # one document: enough training text, a validation tail of a few characters
+        (tiny / "x.txt").write_text(" ".join(["zulu1 zebra2"] * 40) + "\n")
+    cfg = _cfg(corpora, sources=(str(corpora["a"]), str(tiny)), val_fraction=0.01)
+    with pytest.raises(ConfigError, match=rf"^mixture component 'tiny' \({tiny}\): the {split} split has \d+ tokens, "
+                                          r"fewer than one window of data.seq_len\+1=17; [^\n]*$"):
+        D.prepare_data(cfg, log=lambda _m: None)

@@ -610,8 +610,11 @@ def _prepare_mixture(cfg: DataConfig, log: Callable[[str], Any]) -> PreparedData
     for name, w, dw, p, c, sp in zip(component_names(cfg.sources), cfg.weights, decay, parts, corpora, splits):
         log(f"data: mixture component {name!r} ({p.sources[0]}), weight {w:g}" + (
             f", {dw:g} in the decay phase" if cfg.decay_weights is not None else ""))
-        comps.append(MixtureComponent(name, float(w), float(dw),
-                                      _token_cache(p, root, c, tok, sp, split_settings, dict(timings), t_start, log)))
+        try:
+            part = _token_cache(p, root, c, tok, sp, split_settings, dict(timings), t_start, log)
+        except ConfigError as e:  # which component: the message alone names no source
+            raise ConfigError(f"mixture component {name!r} ({p.sources[0]}): {e}") from None
+        comps.append(MixtureComponent(name, float(w), float(dw), part))
     man = {
         "format": _FORMAT,
         "mixture": True,
