@@ -230,3 +230,53 @@ def test_a_component_too_short_for_a_window_is_named(corpora, tmp_path, text, sp
     with pytest.raises(ConfigError, match=rf"^mixture component 'tiny' \({tiny}\): the {split} split has \d+ tokens, "
                                           r"fewer than one window of data.seq_len\+1=17; [^\n]*$"):
         D.prepare_data(cfg, log=lambda _m: None)
+
+
+def test_a_qat_run_that_continues_the_data_order_switches_at_its_own_decay(corpora, tmp_path, monkeypatch):
+    # qat.init_from + qat.continue_data: the QAT run reads global batch 8 + s at its step s. The mixture switched at
+    # global batch decay_start_step(qat run) = 4, so all 6 steps (global batches 8..13) were served decay weights
+    # instead of the first 4; its resume must switch at the same batch
+    import os
+    import signal
+
+    from minicpm4_jax.train import loop
+
+    which = _classifier(D.prepare_data(_cfg(corpora), log=lambda _m: None))
+    served: dict[int, int] = {}  # global batch -> the component of its first row (read ahead by the prefetch too)
+    rb = D._row_batches_class()
+    real = rb.__getitem__
+
+    def record(self, index):
+        x = real(self, index)
+        if isinstance(index, int):
+            served[index] = which(np.asarray(x["input_ids"])[0])
+        return x
+
+    monkeypatch.setattr(rb, "__getitem__", record)
+    ov = {"model.vocab_size": 512, "model.hidden_size": 64, "model.intermediate_size": 128,
+          "model.num_hidden_layers": 2, "model.num_attention_heads": 4, "model.num_key_value_heads": 2,
+          "model.max_position_embeddings": 64, "model.dim_model_base": 16, "model.mtp": "false",
+          "data.sources": f"[{corpora['a']},{corpora['b']}]", "data.weights": "[1,0]", "data.decay_weights": "[0,1]",
+          "data.tokenizer_vocab_size": 300, "data.seq_len": 16, "data.batch_size": 4, "data.val_fraction": 0.1,
+          "data.cache_dir": str(corpora["cache"]), "steps": 8, "optimizer.warmup_steps": 1,
+          "optimizer.decay_steps": 2, "log_every": 100, "eval_every": 100, "eval_batches": 1,
+          "checkpoint.save_every": 100, "out_dir": str(tmp_path / "hp"), "sample_tokens": 0, "tensorboard": False}
+    run = loop.run_training
+    run(load_config(None, [f"{k}={v}" for k, v in ov.items()]), log=lambda _m: None, progress=False)
+    qat = {**ov, "out_dir": str(tmp_path / "qat"), "steps": 6, "qat.enabled": "true", "qat.init_from": str(tmp_path / "hp"),
+           "checkpoint.save_every": 2}
+    cfg = load_config(None, [f"{k}={v}" for k, v in qat.items()])
+
+    def stop_at_3(step, state):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state
+
+    said: list[str] = []
+    s1 = run(cfg, log=said.append, progress=False, step_hook=stop_at_3)
+    assert any("data order continues from step 8" in m for m in said), said
+    assert s1["stop_reason"] == "signal" and s1["step"] == 4
+    run(cfg, resume=True, log=lambda _m: None, progress=False)
+    # steps 0..3 before the QAT run's decay (steps 4, 5: decay_steps 2), then the decay weights; the resume from
+    # step 4 continues there
+    assert [served[i] for i in range(8, 14)] == [0, 0, 0, 0, 1, 1], served

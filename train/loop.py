@@ -460,10 +460,13 @@ def run_training(
         batch_sh = batch_sharding(mesh)
         # this process reads only the rows of each global batch that its devices hold
         # a mixture's decay_weights apply from the first step of the schedule's (final) decay phase
-        it = data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
-                                     process_count=jax.process_count(),
-                                     rows=process_batch_rows(batch_sh, cfg.data.batch_size),
-                                     decay_start_batch=decay_start_step(cfg))
+        def data_iterator(first_batch: int = 0) -> Any:
+            return data_api.train_iterator(data, cfg.data, process_index=jax.process_index(),
+                                           process_count=jax.process_count(),
+                                           rows=process_batch_rows(batch_sh, cfg.data.batch_size),
+                                           decay_start_batch=first_batch + decay_start_step(cfg))
+
+        it = data_iterator()
         if resume:
             # abstract targets carry the current mesh's shardings: each array is read straight into its
             # shards (any saved mesh / device / process count), no full copy on one device
@@ -497,6 +500,13 @@ def run_training(
                 say(f"qat: starting from the latent weights of {init_src.directory}/{init_src.step} "
                     "(fresh optimizer state; the learning rate re-warms)")
                 continue_data_order(cfg, init_src, it, say)
+        # a run that continues another run's data order (qat.continue_data, and the resumes of such a run) reads
+        # global batch `first + step` at its step `step`: its mixture switches at its own decay, `first` batches on
+        first = int(it.get_state()["next_index"]) - start
+        if data.components and first:
+            at = it.get_state()
+            it = data_iterator(first)
+            it.set_state(at)
         qat_start = cfg.qat_start_step
         qat_spec = ternary_spec(cfg.qat) if qat_start is not None else None
         if qat_start is not None:
