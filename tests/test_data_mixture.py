@@ -263,8 +263,8 @@ def test_a_qat_run_that_continues_the_data_order_switches_at_its_own_decay(corpo
           "checkpoint.save_every": 100, "out_dir": str(tmp_path / "hp"), "sample_tokens": 0, "tensorboard": False}
     run = loop.run_training
     run(load_config(None, [f"{k}={v}" for k, v in ov.items()]), log=lambda _m: None, progress=False)
-    qat = {**ov, "out_dir": str(tmp_path / "qat"), "steps": 6, "qat.enabled": "true", "qat.init_from": str(tmp_path / "hp"),
-           "checkpoint.save_every": 2}
+    qat = {**ov, "out_dir": str(tmp_path / "qat"), "steps": 6, "qat.enabled": "true",
+           "qat.init_from": str(tmp_path / "hp"), "checkpoint.save_every": 2}
     cfg = load_config(None, [f"{k}={v}" for k, v in qat.items()])
 
     def stop_at_3(step, state):
