@@ -22,7 +22,6 @@ import numpy as np
 from minicpm4_jax.config import MTP_DRAFT_FIELDS, ConfigError, TrainConfig, diff_configs
 from minicpm4_jax.train.checkpoint import (RESUME_MAY_CHANGE, Checkpointer, _field_of, checkpoint_dir_of,
                                            find_checkpoint_dir)
-from minicpm4_jax.train.optim import decay_steps_of
 
 __all__ = ["BranchSource", "BRANCH_MAY_CHANGE", "resolve_branch"]
 
@@ -43,11 +42,6 @@ class BranchSource:
     cfg: TrainConfig
 
 
-def _decay_start(cfg: TrainConfig) -> int:
-    """The first step (0-based update index) of ``cfg``'s decay phase."""
-    return cfg.steps - decay_steps_of(cfg.optimizer, cfg.steps)
-
-
 def resolve_branch(cfg: TrainConfig) -> BranchSource:
     """Find ``cfg.branch_from`` at ``cfg.branch_step`` (default: its latest step); check that ``cfg`` may branch there.
 
@@ -60,7 +54,7 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
     import jax
     import jax.numpy as jnp
 
-    from minicpm4_jax.train.step import lr_schedule
+    from minicpm4_jax.train.step import decay_start_step, lr_schedule
 
     try:
         directory = find_checkpoint_dir(cfg.branch_from, step_option="branch_step")
@@ -106,11 +100,11 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
         raise ConfigError(
             f"{where}: the learning rate of this run differs from the source's at step {first + 1} "
             f"({new[first]:.6g} != {old[first]:.6g}), before the branch point: the source decays from step "
-            f"{_decay_start(saved) + 1} and this run from step {_decay_start(cfg) + 1}; branch at a step no later "
+            f"{decay_start_step(saved) + 1} and this run from step {decay_start_step(cfg) + 1}; branch at a step no later "
             f"than both (saved steps: {', '.join(map(str, steps))}) or keep the source's schedule")
-    if saved.data.decay_weights != cfg.data.decay_weights and _decay_start(saved) < step:
+    if saved.data.decay_weights != cfg.data.decay_weights and decay_start_step(saved) < step:
         # the mixture switches at the decay's first step: the source's order before the branch point was its own
         raise ConfigError(f"{where}: data.decay_weights differ, but the source's decay phase (and its mixture switch) "
-                          f"began at step {_decay_start(saved) + 1}, before the branch point; keep its "
+                          f"began at step {decay_start_step(saved) + 1}, before the branch point; keep its "
                           "data.decay_weights or branch earlier")
     return BranchSource(directory=directory, step=step, cfg=saved)

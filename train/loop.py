@@ -488,7 +488,7 @@ def run_training(
 
             graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
             say(f"branch: continuing {branch_src.directory}/{start} (train state, optimizer state and data order); "
-                f"this run decays over its last {decay_steps_of(cfg.optimizer, cfg.steps)} of {cfg.steps} steps")
+                f"this run decays from step {decay_start_step(cfg) + 1} to step {cfg.steps}")
         else:
             start = 0
             graphdef, state = init_train_state(cfg, jax.random.key(cfg.seed), mesh)
