@@ -280,3 +280,11 @@ def test_a_qat_run_that_continues_the_data_order_switches_at_its_own_decay(corpo
     # steps 0..3 before the QAT run's decay (steps 4, 5: decay_steps 2), then the decay weights; the resume from
     # step 4 continues there
     assert [served[i] for i in range(8, 14)] == [0, 0, 0, 0, 1, 1], served
+
+
+def test_a_weight_below_the_schedules_resolution_is_reported(corpora):
+    said: list[str] = []
+    D.prepare_data(_cfg(corpora, weights=(1.0, 1e-9), decay_weights=(1.0, 1.0)), log=said.append)
+    warn = [m for m in said if m.startswith("warning:")]
+    assert warn == [f"warning: data.weights: component(s) 'b' get less than 1/{D.MIXTURE_PERIOD} of the windows and are "
+                    "never served; raise their weights or drop them"], said

@@ -100,8 +100,8 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
         raise ConfigError(
             f"{where}: the learning rate of this run differs from the source's at step {first + 1} "
             f"({new[first]:.6g} != {old[first]:.6g}), before the branch point: the source decays from step "
-            f"{decay_start_step(saved) + 1} and this run from step {decay_start_step(cfg) + 1}; branch at a step no later "
-            f"than both (saved steps: {', '.join(map(str, steps))}) or keep the source's schedule")
+            f"{decay_start_step(saved) + 1} and this run from step {decay_start_step(cfg) + 1}; branch at a step no "
+            f"later than both (saved steps: {', '.join(map(str, steps))}) or keep the source's schedule")
     if saved.data.decay_weights != cfg.data.decay_weights and decay_start_step(saved) < step:
         # the mixture switches at the decay's first step: the source's order before the branch point was its own
         raise ConfigError(f"{where}: data.decay_weights differ, but the source's decay phase (and its mixture switch) "

@@ -606,8 +606,17 @@ def _prepare_mixture(cfg: DataConfig, log: Callable[[str], Any]) -> PreparedData
     # a trained tokenizer sees every component's training documents and no validation document
     tok = _tokenizer(cfg, root, mixture_hash, lambda: [d for sp in splits for d in sp()[0]], timings, log)
     decay = cfg.decay_weights if cfg.decay_weights is not None else cfg.weights
+    names = component_names(cfg.sources)
+    for key, ws in (("weights", cfg.weights), ("decay_weights", cfg.decay_weights)):
+        if ws is None:
+            continue
+        counts = mixture_schedule(ws)[2]
+        lost = [n for n, w, k in zip(names, ws, counts) if w > 0 and k == 0]
+        if lost:  # below the schedule's resolution: a positive weight that serves nothing
+            log(f"warning: data.{key}: component(s) {', '.join(map(repr, lost))} get less than 1/{MIXTURE_PERIOD} of "
+                "the windows and are never served; raise their weights or drop them")
     comps = []
-    for name, w, dw, p, c, sp in zip(component_names(cfg.sources), cfg.weights, decay, parts, corpora, splits):
+    for name, w, dw, p, c, sp in zip(names, cfg.weights, decay, parts, corpora, splits):
         log(f"data: mixture component {name!r} ({p.sources[0]}), weight {w:g}" + (
             f", {dw:g} in the decay phase" if cfg.decay_weights is not None else ""))
         try:
