@@ -17,7 +17,9 @@ same function the FlashAttention-2 way (Dao 2023, Algorithms 1-2) with XLA loops
 Peak memory is ``O(batch * heads * block_q * block_k)`` for the scores plus the inputs, outputs and the
 logsumexp, independent of the sequence length squared. Visibility and results are the oracle's: key ``s`` is
 seen by query ``t`` iff ``kv_positions[s] <= q_positions[t]`` and ``kv_valid[s]``; a query that sees no key
-returns zeros (and gets zero gradients). Source: spec ``minicpm4_model.md`` §2 (causal GQA, scale
+returns zeros (and gets zero gradients). Derivatives are reverse-mode (``grad``, ``vjp``, and ``jax.hessian``'s
+forward-over-reverse); ``jax.jvp`` / ``jax.linearize`` of a ``custom_vjp`` function raise, so forward-mode users
+pick ``attention_impl: xla``. Source: spec ``minicpm4_model.md`` §2 (causal GQA, scale
 ``1/sqrt(head_dim)``); the InfLLM v2 kernels of :mod:`minicpm4_jax.ops.pallas` use the same online softmax.
 """
 
