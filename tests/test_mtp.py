@@ -357,3 +357,52 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
         assert main(["generate", "--checkpoint", run, "--prompt", "def ", *bad]) == 2, bad
         o = capsys.readouterr()
         assert o.out == "" and msg in o.err and len(o.err.strip().splitlines()) == 1, (bad, o)
+
+
+_CHAIN_WORKER = r'''
+import json
+import jax, jax.numpy as jnp, numpy as np
+from minicpm4_jax.config import load_config
+from minicpm4_jax.sharding import make_mesh
+from minicpm4_jax.train.step import activation_sharding, init_train_state, make_loss_fn
+
+assert jax.device_count() == 8, jax.devices()
+seq, depth = 12, 4
+base = {"model.vocab_size": 512, "model.hidden_size": 64, "model.intermediate_size": 128,
+        "model.num_hidden_layers": 2, "model.num_attention_heads": 4, "model.num_key_value_heads": 2,
+        "model.max_position_embeddings": 128, "model.dim_model_base": 16, "model.rope_scaling": "null",
+        "model.mtp": "true", "data.seq_len": seq, "data.tokenizer_vocab_size": 384, "data.batch_size": 8, "mtp_train_depth": depth}
+batch = jnp.asarray(np.random.default_rng(1).integers(0, 384, (8, seq + 1)), jnp.int32)
+out = {}
+for mesh in [(1, 1, 1), (2, 2, 2)]:
+    o = {**base, "mesh.data": mesh[0], "mesh.fsdp": mesh[1], "mesh.tensor": mesh[2]}
+    cfg = load_config("cpu_tiny", [f"{k}={v}" for k, v in o.items()])
+    m = make_mesh(cfg.mesh)
+    gd, st = init_train_state(cfg, 0, m)
+    loss, aux = jax.jit(make_loss_fn(cfg, gd, activation_sharding(m)))(st.params, batch, st.step)
+    out[str(mesh)] = [float(loss)] + [float(aux["mtp_loss" if d == 1 else f"mtp_loss_depth{d}"])
+                                      for d in range(1, depth + 1)]
+print("RESULT " + json.dumps(out))
+'''
+
+
+@pytest.mark.xdist_group("multidevice")
+def test_chained_depths_on_a_2x2x2_mesh_equal_one_device():
+    """``mtp_train_depth`` > 1 with a short window on a (2, 2, 2) mesh: left to sharding propagation, XLA swapped
+    the rows of two batch shards of the MTP layer's depth-1 input (every depth's loss off by ~1.5e-2, also depth
+    1's); :meth:`MTPHead.unrolled` now constrains each depth's inputs to the batch sharding."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    env = subprocess_env(JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu",
+                         XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    r = subprocess.run([sys.executable, "-c", _CHAIN_WORKER], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=900)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"worker failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    np.testing.assert_allclose(res["(2, 2, 2)"], res["(1, 1, 1)"], rtol=1e-5)

@@ -327,7 +327,7 @@ class MiniCPM4(nnx.Module):
         (positions ``d - 1 ..``). Also raises ValueError for ``depth`` outside ``[1, seq)``.
         """
         emb, positions = self._mtp_inputs(hidden, next_ids, positions, activation_sharding)
-        return self.mtp.unrolled(hidden, emb, positions, self.cfg, depth)
+        return self.mtp.unrolled(hidden, emb, positions, self.cfg, depth, activation_sharding)
 
     def _mtp_inputs(self, hidden, next_ids, positions, activation_sharding):
         cfg = self.cfg

@@ -24,6 +24,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ModelConfig
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm
+from minicpm4_jax.nn.attention import attend
 from minicpm4_jax.nn.model import DecoderLayer, _dense
 
 __all__ = ["MTPHead", "chained_attention", "distill_kl", "mtp_distill_loss", "mtp_feature_loss", "mtp_layer_config", "mtp_loss"]
@@ -82,7 +83,7 @@ class MTPHead(nnx.Module):
         return self.layer(u, cos, sin, positions, cfg_m)
 
     def unrolled(self, hidden: jax.Array, next_emb: jax.Array, positions: jax.Array, cfg: ModelConfig,
-                 depth: int) -> list[jax.Array]:
+                 depth: int, activation_sharding: jax.sharding.Sharding | None = None) -> list[jax.Array]:
         """Layer outputs of chain depths ``1 .. depth`` on a whole sequence (training-time test of the chain).
 
         Depth 1 is :meth:`__call__`. Depth ``d + 1`` at position ``p`` takes the depth-``d`` output of
@@ -94,6 +95,9 @@ class MTPHead(nnx.Module):
         Args:
             hidden, next_emb, positions, cfg: as :meth:`__call__` (``[batch, seq, ...]``).
             depth: number of chain depths, ``1 <= depth < seq``.
+            activation_sharding: under a mesh, the batch sharding of ``[batch, seq, hidden]`` activations, applied
+                to every depth's inputs (left to propagation, XLA swapped the rows of two batch shards of the
+                depth-1 input on a (2, 2, 2) mesh with chained depths and a short window).
 
         Returns:
             ``depth`` arrays; depth ``d``'s is ``[batch, seq - d + 1, hidden]`` for positions ``d - 1 .. seq - 1``,
@@ -109,15 +113,19 @@ class MTPHead(nnx.Module):
         outs: list[jax.Array] = []
         ks: list[jax.Array] = []
         vs: list[jax.Array] = []
+        def constrain(x: jax.Array) -> jax.Array:
+            return x if activation_sharding is None else jax.lax.with_sharding_constraint(x, activation_sharding)
+
         h_in = hidden
         for d in range(1, depth + 1):
             n = t - d + 1
-            u = self.inputs(next_emb[:, d - 1:], h_in, cfg)
+            u = constrain(self.inputs(constrain(next_emb[:, d - 1:]), constrain(h_in), cfg))
             cos, sin = rope_tables(positions[:, d - 1:], cfg_m)
-            if d == 1:
-                o = self.layer(u, cos, sin, positions, cfg_m)
-                if depth > 1:
-                    _, k1, v1, _, _ = self.layer.qkv(u, cos, sin, cfg_m)
+            if d == 1:  # the layer's own call, keeping its keys and values for the later depths
+                q, k1, v1, q_nope, k_nope = self.layer.qkv(u, cos, sin, cfg_m)
+                a = attend(q, k1, v1, q_positions=positions, kv_positions=positions, cfg=cfg_m, q_nope=q_nope,
+                           k_nope=k_nope)
+                o = self.layer.finish(u, a, cfg_m)
             else:
                 q, k, v, _, _ = self.layer.qkv(u, cos, sin, cfg_m)
                 ks, vs = [x[:, :n] for x in ks] + [k], [x[:, :n] for x in vs] + [v]
