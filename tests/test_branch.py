@@ -83,6 +83,34 @@ def test_a_mixture_branch_with_new_decay_weights(corpus, cache_dir, tmp_path, tm
     assert not [k for k in pa if not np.array_equal(pa[k], pb[k])]
 
 
+def test_a_mixture_branch_one_step_into_a_decay(corpus, cache_dir, tmp_path, tmp_path_factory):  # noqa: F811
+    """The first decay step keeps the stable learning rate (lr(N - D) = peak), so the schedules agree up to a branch
+    point one step into a decay; but a mixture switches to its decay_weights there: the batches differ."""
+    other = tmp_path_factory.mktemp("other")
+    for i in range(30):
+        (other / f"o{i}.txt").write_text("class Widget:\n    size = %d\n    name = 'w%d'\n" % (i, i) * 6)
+    mix = {"data.sources": f"[{corpus},{other}]", "data.weights": "[3,1]", "data.decay_weights": "[1,3]"}
+    src = tmp_path / "src"  # decays from step 5 (update 4); checkpoints 4, 5 and 6
+    run_training(tiny_cfg(corpus, cache_dir, src, steps=6, **mix, **{"optimizer.decay_steps": 2,
+                                                                        "checkpoint.save_every": 1}), **QUIET)
+    for name, at, kw, match in [
+        ("inside_source_decay", 5, {"steps": 10, "optimizer.decay_steps": 3},
+         r"checkpoints/5: the data mixture .* \(step 5 in the source, step 8 in this run\).* no later than 4 "),
+        ("inside_own_decay", 4, {"steps": 9, "optimizer.decay_steps": 6},
+         r"checkpoints/4: the data mixture .* \(step 5 in the source, step 4 in this run\).* no later than 3 "),
+    ]:
+        out = tmp_path / name
+        with pytest.raises(ConfigError, match=match):
+            run_training(tiny_cfg(corpus, cache_dir, out, branch_from=src, branch_step=at, **mix, **kw), **QUIET)
+        assert not out.exists() or not any(out.rglob("*")), name
+    # both switch at the same step to the same weights: the same batches, accepted
+    from minicpm4_jax.train.branch import resolve_branch
+
+    kw = {**mix, "steps": 8, "optimizer.decay_steps": 4}
+    same = tiny_cfg(corpus, cache_dir, tmp_path / "same", branch_from=src, branch_step=5, **kw)
+    assert resolve_branch(same).step == 5
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(branch_step=10, steps=16), r"the learning rate of this run differs from the source's at step 10 .*the source "
                                       r"decays from step 9 and this run from step 13; branch at a step no later"),
@@ -109,6 +137,15 @@ def test_bad_branch_sources(corpus, cache_dir, tmp_path, source):  # noqa: F811
 
     with pytest.raises(ConfigError, match=r"is this run's own checkpoint folder; a branch writes its own"):
         resolve_branch(tiny_cfg(corpus, cache_dir, source, branch_from=source, steps=16))
+    # the messages name the config keys (not a command's --checkpoint / --step)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=r"^branch_from=.*afile is a file, not a folder; give the training run's"):
+        run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=tmp_path / "afile", steps=16), **QUIET)
+    with pytest.raises(ConfigError, match=r"^branch_from=.*/checkpoints/6 is the folder of one checkpoint step \(6\), "
+                                          r"not a run; give the run folder instead: branch_from=.*run branch_step=6$"):
+        run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=source / "checkpoints" / "6", steps=16),
+                     **QUIET)
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").rglob("*"))
     with pytest.raises(ConfigError, match=r"branch_step=4 needs branch_from"):
         tiny_cfg(corpus, cache_dir, tmp_path / "c", branch_step=4)
     with pytest.raises(ConfigError, match=r"branch_from with qat.enabled"):

@@ -57,9 +57,9 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
     from minicpm4_jax.train.step import decay_start_step, lr_schedule
 
     try:
-        directory = find_checkpoint_dir(cfg.branch_from, step_option="branch_step")
+        directory = find_checkpoint_dir(cfg.branch_from, step_option="branch_step", path_option="branch_from")
     except ConfigError as e:
-        raise ConfigError(f"branch_from: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith("branch_from") else f"branch_from: {e}") from None
     if directory == checkpoint_dir_of(cfg):
         raise ConfigError(f"branch_from={cfg.branch_from!r} is this run's own checkpoint folder; a branch writes its "
                           "own checkpoints: give it another out_dir")
@@ -107,4 +107,18 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
         raise ConfigError(f"{where}: data.decay_weights differ, but the source's decay phase (and its mixture switch) "
                           f"began at step {decay_start_step(saved) + 1}, before the branch point; keep its "
                           "data.decay_weights or branch earlier")
+    # a mixture switches to data.decay_weights at the first step of its decay, also where that step's learning
+    # rate still equals the stable one (lr(N - D) = peak): the batches before the branch point must be the ones
+    # this run's own schedule draws
+    def switch_before_branch(c: TrainConfig) -> tuple[int, tuple[float, ...]] | None:
+        if c.data.decay_weights is None or decay_start_step(c) >= step:
+            return None
+        return decay_start_step(c), tuple(c.data.decay_weights)
+
+    if switch_before_branch(saved) != switch_before_branch(cfg):
+        raise ConfigError(
+            f"{where}: the data mixture switches to data.decay_weights at the first step of the decay (step "
+            f"{decay_start_step(saved) + 1} in the source, step {decay_start_step(cfg) + 1} in this run), and the "
+            f"batches before the branch point would differ from this run's; branch at a step no later than "
+            f"{min(decay_start_step(saved), decay_start_step(cfg))} (saved steps: {', '.join(map(str, steps))})")
     return BranchSource(directory=directory, step=step, cfg=saved)

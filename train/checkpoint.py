@@ -559,21 +559,27 @@ class Checkpointer:
         return step, state
 
 
-def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step") -> Path:
+def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
+                        path_option: str = "--checkpoint") -> Path:
     """Resolve ``path`` (a run's ``out_dir`` or its checkpoint folder) to the checkpoint folder.
 
     Args:
         path: what the user gave as ``--checkpoint``.
         step_option: the command's option choosing a step (named in the message for a step folder);
             ``None`` for a command without one (``generate`` reads the latest step).
+        path_option: the option that gave ``path`` (named in the messages); a config key (no leading ``--``,
+            e.g. ``branch_from`` with ``step_option="branch_step"``) is written ``key=value``.
 
     Raises:
         ConfigError: the path does not exist, is a file, is one step's folder (names the run folder
             and the step to give instead) or holds no checkpoint.
     """
+    def opt(name: str, value: Any) -> str:  # `--checkpoint DIR` on a command line, `branch_from=DIR` in a config
+        return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
+
     p = Path(path).expanduser().resolve()
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"--checkpoint {path} is a file, not a folder; give the training run's folder "
+        raise ConfigError(f"{opt(path_option, path)} is a file, not a folder; give the training run's folder "
                           "(its out_dir, holding checkpoints/) or its checkpoints folder")
     if not p.is_dir():
         raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
@@ -582,9 +588,9 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step")
     elif p.name.isdigit() and any((p / n).exists() for n in ("_CHECKPOINT_METADATA", "state", "config")):
         # one orbax step folder (<checkpoints>/<step>), not a run or checkpoints folder
         run = p.parent.parent if p.parent.name == "checkpoints" else p.parent
-        how = (f"--checkpoint {run} {step_option} {int(p.name)}" if step_option
-               else f"--checkpoint {run} (the latest step is used)")
-        raise ConfigError(f"--checkpoint {path} is the folder of one checkpoint step ({int(p.name)}), not a run; "
+        how = (f"{opt(path_option, run)} {opt(step_option, int(p.name))}" if step_option
+               else f"{opt(path_option, run)} (the latest step is used)")
+        raise ConfigError(f"{opt(path_option, path)} is the folder of one checkpoint step ({int(p.name)}), not a run; "
                           f"give the run folder instead: {how}")
     if not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
         raise ConfigError(f"no checkpoint found in {str(path)!r}; give a run's out_dir or its checkpoints folder")

@@ -62,9 +62,9 @@ def resolve_init(cfg: TrainConfig) -> InitSource:
 
     q = cfg.qat
     try:
-        directory = find_checkpoint_dir(q.init_from, step_option="qat.init_step")
+        directory = find_checkpoint_dir(q.init_from, step_option="qat.init_step", path_option="qat.init_from")
     except ConfigError as e:
-        raise ConfigError(f"qat.init_from: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith("qat.init_from") else f"qat.init_from: {e}") from None
     mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
     try:
         steps = sorted(mngr.all_steps())
