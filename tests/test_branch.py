@@ -168,3 +168,23 @@ def test_a_branch_resumes_its_own_checkpoints(corpus, cache_dir, tmp_path, sourc
     fresh = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "f", **kw), **QUIET)
     assert s["step"] == 14 and s["val_loss"] == fresh["val_loss"]
     assert json.loads((out / "summary.json").read_text())["step"] == 14
+
+
+def test_a_source_whose_corpus_changed_is_refused(corpus, cache_dir, tmp_path):  # noqa: F811
+    """The source run's data.json records its corpus; the message names the source run and a fix that works for a
+    branch (a new out_dir would not help)."""
+    import shutil
+
+    own = tmp_path / "corpus"
+    shutil.copytree(corpus, own)
+    src = tmp_path / "src"
+    run_training(tiny_cfg(own, cache_dir, src, steps=4, **{"optimizer.decay_steps": 1, "checkpoint.save_every": 2}),
+                 **QUIET)
+    first = sorted(own.iterdir())[0]
+    first.write_text(first.read_text() + "\n# changed\n")
+    out = tmp_path / "b"
+    with pytest.raises(ConfigError, match=r"^branch_from: the (tokenizer|corpus under data.sources) differs from the "
+                                          r"one the branch_from run \(.*src\) was started with .*; restore the files "
+                                          r"that run was trained on$"):
+        run_training(tiny_cfg(own, cache_dir, out, branch_from=src, branch_step=2, steps=8), **QUIET)
+    assert not out.exists() or not any(out.rglob("*"))

@@ -324,11 +324,14 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
     for key, what in (("tokenizer_hash", "tokenizer"), ("corpus_hash", "corpus under data.sources")):
         old, new = saved.get(key), manifest.get(key)
         if old and new and old != new:
+            which = "this run" if label == "--resume" else f"the {label} run ({out_dir})"
+            fix = ("restore those files, or start a new out_dir" if label == "--resume"
+                   else "restore the files that run was trained on")
             raise ConfigError(
-                f"{label}: the {what} differs from the one this run was started with ({key} {old[:12]} != "
+                f"{label}: the {what} differs from the one {which} was started with ({key} {old[:12]} != "
                 f"{new[:12]}): the files under data.sources changed. Continuing would train on other data"
                 + (" with a retrained tokenizer" if key == "tokenizer_hash" else "")
-                + "; restore those files, or start a new out_dir")
+                + f"; {fix}")
 
 
 def write_run_data(out_dir: Path, manifest: dict) -> None:
