@@ -142,7 +142,7 @@ class Runner:
                                                       self.seeds, np.int32(self.i))
             self.i += 1
         self.tok.block_until_ready()
-        self.fracs.append(float(frac))
+        self.fracs.append(float(np.mean(frac)))
         return (time.perf_counter() - t0) / steps
 
 

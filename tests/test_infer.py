@@ -148,6 +148,28 @@ def test_batched_generation_equals_each_alone(weights, case):
             assert batch.tokens[i] == alone.tokens[0], (sampling, i)
 
 
+@pytest.mark.parametrize("case", ["dense", "gen2_switch"])
+def test_sequences_that_stop_early_leave_the_others_unchanged(weights, case):
+    """The decode loop is pipelined (step i + 1 is dispatched before step i's tokens are read), so a sequence that
+    stops runs one step more than it keeps: the others' tokens, the stop rules and the step count must not change."""
+    variant, sp = CASES[case]
+    eng = InferenceEngine(_model(weights, _cfg(variant, **sp)), prefill_chunk=32)
+    prompts = [_ids(n, seed=20 + n) for n in (6, 126, 60)]
+    sampling = SamplingParams(temperature=1.0)
+    free = eng.generate(prompts, 12, sampling=sampling, seeds=[7, 8, 9])
+    # a stop id that the first sequence draws early and the second never draws: one stops, one runs to length
+    stop = next(t for t in free.tokens[0][1:6] if t not in free.tokens[1])
+    batch = eng.generate(prompts, 12, sampling=sampling, seeds=[7, 8, 9], stop_ids=[stop])
+    assert batch.finish_reasons[0] == "eos" and len(batch.tokens[0]) < 7
+    assert batch.finish_reasons[1] == "length" and batch.tokens[1] == free.tokens[1]
+    assert batch.decode_steps == 11  # the longest sequence's 11 steps after the prefill's token, no more
+    for i, p in enumerate(prompts):
+        alone = eng.generate([p], 12, sampling=sampling, seeds=[7 + i], stop_ids=[stop])
+        assert batch.tokens[i] == alone.tokens[0] and batch.finish_reasons[i] == alone.finish_reasons[0], i
+    one = eng.generate([prompts[0]], 12, sampling=sampling, seeds=[7], stop_ids=[stop])
+    assert one.decode_steps == len(one.tokens[0])  # the kept tokens after the first, and the one discarded step
+
+
 def test_engine_greedy_equals_uncached_reference(weights):
     from minicpm4_jax.generate import generate_ids, generate_ids_uncached
 

@@ -72,9 +72,10 @@ class GenerationOutput:
         prompt_tokens: tokens prefilled (all sequences).
         new_tokens: tokens generated (all sequences).
         prefill_seconds, decode_seconds: wall time of the two phases (the first call includes compilation).
-        decode_steps: decode steps run (each one token for every unfinished sequence).
-        attended_fraction: mean over decode steps, layers, active sequences and KV heads of attended keys /
-            causal keys (1.0 for dense attention; NaN when no decode step ran).
+        decode_steps: decode steps run (each one token for every unfinished sequence; the pipelined loop runs a
+            sequence that stopped one step more, see :meth:`InferenceEngine.decode_loop`).
+        attended_fraction: mean over the decoded tokens kept (the first token, from prefill, excluded), layers
+            and KV heads of attended keys / causal keys (1.0 for dense attention; NaN when no decode step ran).
         acceptance_length: speculative decoding only: tokens produced per sequence per verify forward
             (accepted drafts + 1), averaged over rounds and sequences; NaN otherwise.
     """
@@ -359,10 +360,10 @@ def _forward(weights: _Weights, cache: KVCache, ids: jax.Array, positions: jax.A
 
 def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs, sampling, vocab_limit, mode):
     pos = jnp.where(active, cache.lengths, -1)[:, None]
-    cache, logits, frac = _forward(weights, cache, tokens[:, None], pos, cache.lengths + 1, cfg=cfg,
-                                   graphdefs=graphdefs, mode=mode)
+    cache, logits, _, rows = _forward(weights, cache, tokens[:, None], pos, cache.lengths + 1, cfg=cfg,
+                                      graphdefs=graphdefs, mode=mode, return_row_fractions=True)
     nxt = sample_tokens(logits, row_keys(seeds, step), sampling, vocab_limit)
-    return cache, jnp.where(active, nxt, 0), frac
+    return cache, jnp.where(active, nxt, 0), rows[:, 0]
 
 
 def _first_tokens(logits, seeds, *, sampling, vocab_limit):
@@ -474,9 +475,11 @@ class InferenceEngine:
                              return_hidden=return_hidden)
 
     def decode_fn(self, sampling: SamplingParams, vocab_limit: int | None = None, mode: str = "sparse") -> Callable:
-        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fraction)``.
+        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fractions)``.
 
-        ``mode``: :func:`decode_mode` of the step (a dense model always runs ``"dense"``).
+        ``tokens``/``next_tokens`` int32 ``[batch]`` (0 for an inactive row), ``active`` bool ``[batch]``,
+        ``fractions`` float32 ``[batch]``: each active row's attended fraction, averaged over the layers (0 for
+        an inactive row). ``mode``: :func:`decode_mode` of the step (a dense model always runs ``"dense"``).
         """
         if self.cfg.attention != "infllmv2":
             mode = "dense"
@@ -494,6 +497,53 @@ class InferenceEngine:
         return self._first[key]
 
     # -- the generation loop -----------------------------------------------------------------------------
+    def decode_loop(self, cache: KVCache, tok: jax.Array, lengths: list[int], col: _Collector, seeds: jax.Array,
+                    step0: int, sampling: SamplingParams, vocab_limit: int | None,
+                    fractions: list[float]) -> tuple[KVCache, int]:
+        """Plain decode steps until every sequence of ``col`` has finished; returns ``(cache, steps run)``.
+
+        Args:
+            cache: the cache holding ``lengths[r]`` tokens of sequence ``r`` (donated step by step).
+            tok: int32 ``[batch]``, each sequence's last sampled token (already given to ``col``).
+            lengths: cached tokens per sequence (host ints; updated in place).
+            col: the token collector (stop rules, ``max_new_tokens``, streaming).
+            seeds: uint32 ``[batch]``; step ``i`` (counted from ``step0``) samples with ``row_keys(seeds, i)``.
+            fractions: receives the attended fraction of the step that produced every kept token.
+
+        Pipelined: step ``i + 1`` is dispatched before the tokens of step ``i`` are read, so the host's work
+        (reading the tokens, the stop rules, streaming) overlaps the device's instead of idling it between steps.
+        A sequence that stops at step ``i`` therefore runs one more step, whose token is discarded; no sequence
+        runs more steps than its remaining ``max_new_tokens`` (the cache's capacity). A sequence's tokens do not
+        depend on this: its sampling key depends only on its seed and the step, and every row attends by its own
+        length whatever the batch's :func:`decode_mode`.
+        """
+        b = len(lengths)
+        budget = [col.max_new - len(col.out[r]) if col.active[r] else 0 for r in range(b)]
+        sent = [0] * b
+        pending, steps = None, 0
+        while True:
+            rows = [col.active[r] and sent[r] < budget[r] for r in range(b)]
+            launched = None
+            if any(rows):
+                mode = decode_mode(self.cfg, [lengths[r] + 1 for r in range(b) if rows[r]])
+                for r in range(b):
+                    lengths[r] += int(rows[r])
+                    sent[r] += int(rows[r])
+                # numpy inputs: the jitted call takes them without a dispatch of their own
+                cache, tok, frac = self.decode_fn(sampling, vocab_limit, mode)(
+                    self.weights, cache, tok, np.asarray(rows), seeds, np.int32(step0 + steps))
+                steps += 1
+                launched = (tok, frac, rows)
+            if pending is not None:
+                tok_host, frac_host = jax.device_get(pending[:2])
+                for r in range(b):
+                    if pending[2][r] and col.active[r]:
+                        col.take(r, int(tok_host[r]))
+                        fractions.append(float(frac_host[r]))
+            if launched is None:
+                return cache, steps
+            pending = launched
+
     def _start(self, prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings, detokenize, vocab_limit,
                on_token) -> tuple:
         """Validate a request; ``(prompt lengths, seeds uint32 [b], first-token sampler, token collector)``."""
@@ -527,11 +577,10 @@ class InferenceEngine:
             ConfigError: empty prompt, ``max_new_tokens < 1``, bad sampling values, too long a request, or
                 ``stop_strings`` without ``detokenize``.
         """
-        cfg = self.cfg
         lens, seeds_arr, first, col = self._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
                                                   detokenize, vocab_limit, on_token)
         b = len(prompts)
-        out, reasons, active, take = col.out, col.reasons, col.active, col.take
+        out, reasons, take = col.out, col.reasons, col.take
 
         t0 = time.perf_counter()
         cache = self.new_cache(b, max(lens) + max_new_tokens - 1)
@@ -542,23 +591,10 @@ class InferenceEngine:
 
         for r in range(b):
             take(r, tok_host[r])
-        steps, fracs = 0, []
-        lengths = list(lens)  # cached tokens per sequence, tracked on the host for the static decode mode
-        while any(active):
-            act = np.asarray(active)  # numpy: the jitted call takes it without a dispatch of its own
-            mode = decode_mode(cfg, [lengths[r] + 1 for r in range(b) if active[r]])
-            decode = self.decode_fn(sampling, vocab_limit, mode)
-            for r in range(b):
-                lengths[r] += int(active[r])
-            cache, tok, frac = decode(self.weights, cache, tok, act, seeds_arr, np.int32(steps + 1))
-            fracs.append(frac)
-            steps += 1
-            tok_host = [int(x) for x in jax.device_get(tok)]
-            for r in range(b):
-                if active[r]:
-                    take(r, tok_host[r])
+        fracs: list[float] = []
+        cache, steps = self.decode_loop(cache, tok, list(lens), col, seeds_arr, 1, sampling, vocab_limit, fracs)
         t2 = time.perf_counter()
         return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
                                 new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
                                 decode_seconds=t2 - t1, decode_steps=steps,
-                                attended_fraction=float(jnp.mean(jnp.stack(fracs))) if fracs else float("nan"))
+                                attended_fraction=float(np.mean(fracs)) if fracs else float("nan"))

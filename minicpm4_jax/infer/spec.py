@@ -572,30 +572,16 @@ class SpeculativeDecoder:
         h_last = jnp.take_along_axis(hidden, (jnp.asarray(lens) - 1)[:, None, None], axis=1)[:, 0]
         return SpecState(cache=cache, dcache=dcache, lengths=list(lens), h_last=h_last, tok=first_token(logits))
 
-    def _plain_tail(self, st: SpecState, active: list[bool], take: Callable, seeds: jax.Array, step0: int,
-                    sampling: SamplingParams, vocab_limit: int | None, fracs: list) -> int:
+    def _plain_tail(self, st: SpecState, col: Any, seeds: jax.Array, step0: int, sampling: SamplingParams,
+                    vocab_limit: int | None, fracs: list) -> int:
         """Plain decode steps until every sequence is done (near ``max_position_embeddings``); returns the count.
 
         Their sampling keys (``row_keys(seeds, step)`` with ``step >= 1``) are never used by the rounds, whose
         keys are folded with other constants, so the draws stay independent.
         """
-        eng, cfg = self.engine, self.cfg
-        b = len(active)
-        n = list(st.lengths)
-        cache = dataclasses.replace(st.cache, lengths=jnp.asarray(n, jnp.int32))
-        tok, steps = st.tok, 0
-        while any(active):
-            mode = decode_mode(cfg, [n[r] + 1 for r in range(b) if active[r]])
-            act = np.asarray(active)
-            for r in range(b):
-                n[r] += int(active[r])
-            cache, tok, frac = eng.decode_fn(sampling, vocab_limit, mode)(eng.weights, cache, tok, act, seeds,
-                                                                           np.int32(step0 + steps))
-            fracs.append(frac)
-            steps += 1
-            for r, t in enumerate(jax.device_get(tok)):
-                if active[r]:
-                    take(r, int(t))
+        cache = dataclasses.replace(st.cache, lengths=jnp.asarray(st.lengths, jnp.int32))
+        _, steps = self.engine.decode_loop(cache, st.tok, list(st.lengths), col, seeds, step0, sampling, vocab_limit,
+                                           fracs)
         return steps
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -638,7 +624,7 @@ class SpeculativeDecoder:
             act_rows = [r for r in range(b) if active[r]]
             if any(state.lengths[r] + k >= max_pos for r in act_rows):
                 # a verify chunk would write past the last position: finish with plain decode steps
-                forwards += self._plain_tail(state, active, take, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
+                forwards += self._plain_tail(state, col, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
                 break
             state, acc, d_host, nxt_host, row_frac = self.round(state, list(active), seeds_arr, rounds + 1,
                                                                 sampling, vocab_limit)
