@@ -93,6 +93,37 @@ def test_loglikelihood_equals_brute_force(dense_model):
     assert em.loglikelihood_tokens([(TOK.encode("hello"), [nxt])])[0][1] is True
 
 
+def test_loglikelihood_left_truncation_equals_brute_force(dense_model):
+    """field_faults B19 under left truncation: a context longer than max_length is cut from the left (prefix token
+    included), the input drops the last continuation token, and the scored rows are the last len(cont) ones of
+    that truncated input; rows that are and are not truncated share a batch (different offsets per row)."""
+    em = EvalModel(dense_model, TOK, batch_size=3, max_length=16, progress=False)
+    rng = np.random.default_rng(7)
+    reqs = [([int(t) for t in rng.integers(3, 96, n)], [int(t) for t in rng.integers(3, 96, c)])
+            for n, c in ((40, 3), (9, 4), (15, 1), (30, 16))]
+    got = em.loglikelihood_tokens(reqs)
+    for (ctx, cont), (lp, greedy) in zip(reqs, got):
+        whole = ([TOK.eos_id] + ctx + cont)[-17:]  # max_length + 1 tokens: 16 inputs, the last one only a target
+        ref_lp, ref_greedy = _brute(dense_model, whole[:len(whole) - len(cont)], cont)
+        np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-4)
+        assert greedy == ref_greedy
+    # the truncation really matters for the long rows: the untruncated score differs
+    ctx, cont = reqs[0]
+    assert abs(got[0][0] - _brute(dense_model, [TOK.eos_id] + ctx, cont)[0]) > 1e-3
+
+
+def test_generate_budget_counts_the_new_tokens(dense_model):
+    """field_faults B20 for EvalModel.generate: the prompt alone fits max_length, prompt + max_new_tokens does
+    not -> a one-line error naming both, never a silently shortened input or output; exactly at the limit runs."""
+    em = EvalModel(dense_model, TOK, max_length=32, progress=False)
+    prompt = "x = 12345678901234"  # 18 tokens + the EOS prefix = 19
+    assert len(TOK.encode(prompt)) + 1 == 19
+    out = em.generate([prompt], max_new_tokens=13)  # 19 + 13 = 32: fits exactly
+    assert len(out) == 1
+    with pytest.raises(ConfigError, match=r"prompt 0 has 19 tokens \+ max_new_tokens=14 > max_length=32"):
+        em.generate([prompt], max_new_tokens=14)
+
+
 def test_loglikelihood_sparse_model_dispatches_per_row():
     model = MiniCPM4(SPARSE, rngs=nnx.Rngs(1))
     em = EvalModel(model, TOK, batch_size=2, progress=False)
