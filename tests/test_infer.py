@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minicpm4_jax.config import ConfigError, ModelConfig, SparseConfig
+from minicpm4_jax.config import ConfigError, ModelConfig, RopeScalingConfig, SparseConfig
 from minicpm4_jax.infer import InferenceEngine, SamplingParams, sample_tokens, top_k_filter
 from minicpm4_jax.infer.engine import with_attention
 from minicpm4_jax.infllm.compress import compress_keys, coarse_geometry
@@ -86,6 +86,32 @@ def test_cached_decode_equals_full_forward_every_step(weights, case):
         assert fracs[-1] == 1.0
     else:  # the last steps really are sparse: at most 4 blocks of 32 keys out of ~330
         assert fracs[-1] < 0.45
+
+
+# distinct per-frequency LongRoPE factors, long != short, max_position_embeddings 16x the original: the long list
+# and the attention scaling sqrt(1 + ln 16 / ln 64) are in force at every position
+LONGROPE = RopeScalingConfig(short_factor=tuple(np.linspace(1.0, 2.0, 8)),
+                             long_factor=tuple(np.geomspace(1.0, 40.0, 8)), original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("case", ["dense", "dense@xla", "gen2", "gen2@xla"])
+def test_cached_decode_equals_full_forward_with_longrope(weights, case):
+    """field_faults B09 for the inference engine: prefill and every decode step build their rotary tables from the
+    model's rope_scaling (long factors and attention scaling), as the full forward does, at positions far past
+    original_max_position_embeddings. BASE has no rope_scaling, so the cases above cannot see a dropped one."""
+    case, _, impl = case.partition("@")
+    cfg = dataclasses.replace(_cfg(None if case == "dense" else case, **({} if case == "dense" else {"dense_len": -1})),
+                              rope_scaling=LONGROPE, attention_impl=impl or "auto")
+    model = _model(weights, cfg)
+    seq = _ids(200, seed=3)
+    got, _ = _stepwise_logits(InferenceEngine(model, prefill_chunk=64), seq[:90], seq[90:])
+    fwd = jax.jit(lambda m, x: m(x))
+    full = np.asarray(fwd(model, jnp.asarray([seq], jnp.int32)))[0, 89:-1]
+    np.testing.assert_allclose(got, full, atol=1e-4, rtol=1e-4)
+    # the scaling really matters here: the same weights without it give other logits
+    plain = np.asarray(fwd(_model(weights, dataclasses.replace(cfg, rope_scaling=None)),
+                           jnp.asarray([seq], jnp.int32)))[0, 89:-1]
+    assert np.abs(plain - full).max() > 1e-3  # 10x the tolerance above
 
 
 def test_sparse_selection_differs_from_dense(weights):
