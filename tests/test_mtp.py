@@ -140,6 +140,39 @@ def test_unrolled_depths_equal_the_chained_draft_the_engine_runs():
         model.mtp_unrolled(hidden, nxt, 10)
 
 
+def test_decoder_draft_equals_the_mtp_head_under_longrope():
+    """field_faults B09 for the speculative decoder's draft layer (infer/spec.py): its first draft distribution,
+    from the prefilled draft cache at a position far past original_max_position_embeddings, equals the training-time
+    MTP head's (MiniCPM4.mtp_logits over the whole text) with distinct long factors and the attention scaling in
+    force. CFG has no rope_scaling, and greedy spec output stays exact with any draft, so no other test sees a draft
+    that rotates without the scaling."""
+    from minicpm4_jax.config import RopeScalingConfig
+    from minicpm4_jax.infer import InferenceEngine, SamplingParams
+    from minicpm4_jax.infer.spec import SpeculativeDecoder, _draft_propose
+
+    rs = RopeScalingConfig(short_factor=(1.0, 1.0, 1.0, 1.0), long_factor=(1.0, 3.0, 9.0, 27.0),
+                           original_max_position_embeddings=16)
+    # head_dim 8: 4 factors; initializer_range 0.5: attention far from uniform, so the rotations matter
+    cfg = dataclasses.replace(CFG, max_position_embeddings=256, rope_scaling=rs, initializer_range=0.5)
+    model = MiniCPM4(cfg, rngs=nnx.Rngs(2))
+    dec = SpeculativeDecoder(InferenceEngine(model, prefill_chunk=64), model.mtp, num_draft=1)
+    prompt = [int(x) for x in np.random.default_rng(3).integers(0, cfg.vocab_size, 90)]
+    st = dec.prefill([prompt], 100, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
+    n = st.lengths[0]
+    _, _, q = _draft_propose(dec.engine.weights, dec.draft, st.dcache, st.h_last, st.tok, jnp.asarray([n - 1]),
+                             jnp.zeros((1,), jnp.uint32), 1, k=1, sampling=SamplingParams(temperature=1.0),
+                             vocab_limit=None, **dec._kw)
+    ids = jnp.asarray([prompt + [int(st.tok[0])]], jnp.int32)  # x_0 .. x_n
+    hidden = model.hidden_states(ids[:, :-1])
+    want = jax.nn.softmax(model.mtp_logits(hidden, ids[:, 1:])[0, -1])  # position n - 1 predicts x_{n+1}
+    np.testing.assert_allclose(np.asarray(q[0, 0, :cfg.vocab_size]), np.asarray(want), atol=2e-5, rtol=1e-4)
+    # the scaling matters at these positions: the head without it gives another distribution
+    plain = dataclasses.replace(cfg, rope_scaling=None)
+    other = MiniCPM4(plain, rngs=nnx.Rngs(2))
+    h_plain = other.hidden_states(ids[:, :-1])
+    assert float(jnp.max(jnp.abs(jax.nn.softmax(other.mtp_logits(h_plain, ids[:, 1:])[0, -1]) - want))) > 1e-3
+
+
 def test_text_acceptance_equals_the_decoders_rounds_on_its_own_text():
     """On the model's own greedy text, the teacher-forced chain from position n - 1 accepts exactly what the
     decoder's round with n cached tokens accepted (FR-Spec too). A 6-token vocabulary so that a random draft agrees
