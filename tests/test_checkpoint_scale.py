@@ -180,3 +180,56 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_resume_is_bitwise(cor
     assert got.keys() == want.keys()
     differ = [k for k in want if not np.array_equal(got[k], want[k])]
     assert not differ, f"parameters differ from the uninterrupted run: {differ[:4]}"
+
+
+# A 1-device process reads a checkpoint written on a (1, 4, 2) mesh of 8 devices the way generate/eval/export do.
+_INFERENCE_WORKER = r'''
+import json, sys
+import jax, numpy as np
+from minicpm4_jax.convert import flat_params
+from minicpm4_jax.train.checkpoint import Checkpointer, load_params_for_inference
+args = json.loads(sys.argv[1])
+assert jax.device_count() == 1, jax.devices()
+cfg, model = load_params_for_inference(args["dir"], 1)
+params = flat_params(model)
+one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+from flax import nnx
+bad = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+       if x.sharding != one]
+ck = Checkpointer(cfg, read_only=True)  # metadata and config of the 8-device checkpoint on this 1-device host
+steps, saved_mesh = ck.all_steps(), ck.saved_config(1).mesh
+ck.close()
+np.savez(args["out"] + ".npz", **params)
+json.dump({"bad_shardings": bad, "steps": steps, "saved_mesh": [saved_mesh.data, saved_mesh.fsdp, saved_mesh.tensor]},
+          open(args["out"] + ".json", "w"))
+'''
+
+
+def test_inference_load_of_a_sharded_checkpoint_on_one_device(corpus, tmp_path):
+    """field_faults B21 for ``load_params_for_inference`` (generate, eval, export, qat.init_from): a train state
+    saved on a (1, 4, 2) mesh of 8 devices loads in a 1-device process onto that device, bit for bit, and its
+    metadata (steps, stored config) reads there. The resume test above covers ``Checkpointer.restore`` only."""
+    from minicpm4_jax.convert import flat_params
+    from minicpm4_jax.train.step import init_train_state
+
+    assert jax.device_count() == 8
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", tmp_path / "run",
+                                           **{"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}))
+    mesh = make_mesh(cfg.mesh)
+    _, state = init_train_state(cfg, jax.random.key(0), mesh)
+    sharded = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+               if len(x.sharding.device_set) > 1]
+    assert sharded  # the checkpoint really holds arrays split over several devices
+    ck = Checkpointer(cfg)
+    ck.save(1, state)
+    ck.close()
+    want = flat_params(state.params)
+    p = _run(_INFERENCE_WORKER, {"dir": str(tmp_path / "run"), "out": str(tmp_path / "one")}, 1)
+    text, _ = p.communicate(timeout=240)
+    assert p.returncode == 0, text[-3000:]
+    got = json.loads((tmp_path / "one.json").read_text())
+    assert got == {"bad_shardings": [], "steps": [1], "saved_mesh": [1, 4, 2]}, got
+    dumped = dict(np.load(tmp_path / "one.npz"))
+    assert dumped.keys() == want.keys()
+    differ = [k for k in want if not np.array_equal(dumped[k], np.asarray(want[k]))]
+    assert not differ, f"loaded arrays differ from the saved ones: {differ[:4]}"
