@@ -294,3 +294,38 @@ def test_default_select_q_tile_per_target(monkeypatch):
     monkeypatch.setattr(dispatch, "pallas_target", lambda: ("triton", False))
     assert default_select_q_tile("pallas") == 2048
     assert default_select_q_tile("xla") == 128
+
+
+def _drop_two_blocks(rng, nkv, t, bs):
+    """``topk_idx [1, nkv, t, nb]``: every causal block of each query except two earlier ones (random per query and
+    head), the query's own block always kept."""
+    nb = -(-t // bs)
+    idx = np.full((1, nkv, t, nb), -1, np.int32)
+    for h in range(nkv):
+        for i in range(t):
+            qb = i // bs
+            keep = list(range(qb))
+            for x in (rng.choice(qb, size=min(2, qb), replace=False) if qb else []):
+                keep.remove(x)
+            keep = sorted(keep + [qb])
+            idx[0, h, i, :len(keep)] = keep
+    return jnp.asarray(idx)
+
+
+@pytest.mark.parametrize("backend", ["triton", "tpu"])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_b05_backward_for_every_head_dim(backend, d):
+    """field_faults B05 on the Pallas kernels: forward and dq/dk/dv against the XLA reference for head_dim 32, 64
+    and 128 (the backward's tiles must not assume one head_dim), block 64, a selection that drops two blocks per
+    query (stop_gradient indices), GQA group 4; and gradient norms within 1% of the reference's."""
+    rng = np.random.default_rng(40 + d)
+    b, t, nkv, g, bs = 1, 256, 2, 4, 64
+    q, k, v = _inputs(rng, b, t, t, nkv, g, d)
+    idx = jax.lax.stop_gradient(_drop_two_blocks(rng, nkv, t, bs))
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    kw = dict(q_positions=pos, kv_positions=pos, block_size=bs)
+    got = _fwd_and_grads(lambda *a: block_sparse_attention(*a, idx, backend=backend, interpret=True, **kw), q, k, v)
+    want = _fwd_and_grads(lambda *a: infllmv2_stage2(*a, idx, **kw), q, k, v)
+    _check(got, want)
+    for a, w in zip(got[1], want[1]):
+        assert abs(float(jnp.linalg.norm(a)) / float(jnp.linalg.norm(w)) - 1) < 0.01
