@@ -294,3 +294,24 @@ def test_gguf_logits_in_llamacpp(tmp_path, tiny_tokenizer_dir):
     err = float(np.max(np.abs(scores - ref)))
     print(f"llama.cpp F32 vs JAX: max|dlogit| {err:.3e}")
     assert err <= 1e-3
+
+
+@pytest.mark.parametrize("max_pos_mult", [2, 1])
+def test_distinct_factor_lists_are_written_as_the_list_the_model_uses(tmp_path, tiny_tokenizer_dir, max_pos_mult):
+    """llama.cpp takes rope_factors_long only when its context exceeds the original length; this model picks one
+    list from the configured lengths. Both tensors hold the list the model uses, with a warning; equal lists (every
+    released config) are written unchanged and silently (test_gguf_structure)."""
+    import dataclasses
+
+    base = tiny_cfg(tied=False, max_pos=max_pos_mult * 64)
+    rs = base.rope_scaling
+    assert rs.original_max_position_embeddings == 64
+    short = tuple(float(x) for x in np.linspace(1.0, 2.0, len(rs.long_factor)))
+    cfg = dataclasses.replace(base, rope_scaling=dataclasses.replace(rs, short_factor=short))
+    used = np.asarray(rs.long_factor if max_pos_mult > 1 else short, np.float32)
+    warnings = write_gguf(random_params(cfg, seed=3), cfg, tmp_path / "m.gguf", outtype="f32",
+                          tokenizer_dir=tiny_tokenizer_dir)
+    _, tens = _fields(tmp_path / "m.gguf")
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        np.testing.assert_array_equal(tens[name].data, used, err_msg=name)
+    assert any("short_factor and long_factor differ" in w and "llama.cpp" in w for w in warnings), warnings

@@ -58,14 +58,16 @@ def _factors(n: int, lo: float = 1.0, hi: float = 8.0) -> tuple[float, ...]:
 
 
 def _tiny(seed: int, *, hidden=64, heads=4, kv=2, head_dim=None, layers=2, vocab=101, inter=96,
-          max_pos=ORIG, rope=True, tied=True, **mup) -> ModelConfig:
-    """A tiny config with random μP scalars (unless given) drawn from ``seed``."""
+          max_pos=ORIG, rope=True, tied=True, distinct_lists=False, **mup) -> ModelConfig:
+    """A tiny config with random μP scalars (unless given) drawn from ``seed``; ``distinct_lists``: a
+    ``short_factor`` unlike ``long_factor`` (released configs have equal lists)."""
     r = np.random.default_rng(1000 + seed)
     d = head_dim or hidden // heads
     rs = None
     if rope:
         f = _factors(d // 2)
-        rs = RopeScalingConfig(short_factor=f, long_factor=f, original_max_position_embeddings=ORIG)
+        short = _factors(d // 2, 1.0, 2.5)[::-1] if distinct_lists else f
+        rs = RopeScalingConfig(short_factor=short, long_factor=f, original_max_position_embeddings=ORIG)
     cfg = ModelConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=max_pos,
@@ -91,6 +93,10 @@ CASES: dict[str, tuple[ModelConfig, dict]] = {
     "gqa4_tied_max_8x_derived_scaling": (_tiny(5, heads=8, kv=2, tied=True, max_pos=8 * ORIG),
                                          {"explicit_attention_factor": False}),
     "gqa_untied_plain_rope": (_tiny(6, heads=4, kv=2, tied=False, rope=False, max_pos=64), {}),
+    # short_factor != long_factor: the model uses long_factor at every length, transformers would take the short
+    # list up to ORIG tokens (19 and 32 here) unless the export writes the used list as both
+    "gqa_tied_max_2x_distinct_lists": (_tiny(8, heads=4, kv=2, tied=True, max_pos=2 * ORIG, distinct_lists=True),
+                                       {}),
 }
 
 # B10: distinctive multipliers 3 (scale_emb), 5 (scale_depth; residual 5/sqrt(4) = 2.5), 7 (width_mult)

@@ -69,6 +69,7 @@ from minicpm4_jax.convert.io import (
 )
 from minicpm4_jax.convert.llama_fold import flat_params
 from minicpm4_jax.convert.official import from_official, iter_official_tensors, official_config, official_param_shapes
+from minicpm4_jax.nn.rope import dynamic_runtime_factor_lists
 
 __all__ = ["OUTTYPES", "TERNARY_OUTTYPES", "write_gguf", "write_gguf_dir", "export_gguf", "read_gguf_params",
            "permute_qk", "unpermute_qk", "gguf_tensor_types", "sentencepiece_vocab", "check_ternary_outtype",
@@ -336,10 +337,10 @@ def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> None:
 def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Iterator[np.ndarray]:
     names = _gguf_names(cfg)
     qtypes = {n: q for n, q, _ in plan}
-    rs = cfg.rope_scaling
-    if rs is not None:
-        yield _encode(np.asarray(rs.long_factor, np.float32), "F32")
-        yield _encode(np.asarray(rs.short_factor, np.float32), "F32")
+    if cfg.rope_scaling is not None:  # llama.cpp switches lists by context size: write the list this model uses
+        short, long_, _ = dynamic_runtime_factor_lists(cfg)
+        yield _encode(np.asarray(long_, np.float32), "F32")
+        yield _encode(np.asarray(short, np.float32), "F32")
     for hf_name, arr in iter_official_tensors(flat, cfg, np.float32):
         if hf_name.endswith("self_attn.q_proj.weight"):
             arr = permute_qk(arr, cfg.num_attention_heads)
@@ -387,6 +388,8 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     tok_dir = Path(tokenizer_dir)
     warnings = [f"{n}: row size {s[-1]} is not a multiple of the Q8_0 block; written as F16"
                 for n, q, s in plan if q == "F16" and outtype == "q8_0"] + dense_warn
+    if cfg.rope_scaling is not None and (note := dynamic_runtime_factor_lists(cfg)[2]):
+        warnings.append(note.replace("a runtime that switches", "llama.cpp, which switches"))
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MINICPM])
     try:
         _add_metadata(w, cfg, outtype, name)

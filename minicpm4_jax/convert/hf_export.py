@@ -56,6 +56,7 @@ from minicpm4_jax.convert.io import (
     write_safetensors_shards,
 )
 from minicpm4_jax.convert.llama_fold import flat_params, fold_to_llama
+from minicpm4_jax.nn.rope import dynamic_runtime_factor_lists
 from minicpm4_jax.convert.official import (
     iter_official_tensors,
     official_config,
@@ -452,6 +453,8 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
     else:
         tensors, hf_cfg = fold_to_llama(flat, cfg)
         hf_cfg["torch_dtype"] = dtype
+        if cfg.rope_scaling is not None and (note := dynamic_runtime_factor_lists(cfg)[2]):
+            warnings.append(note.replace("a runtime that switches", "transformers, which switches"))
         names = list(tensors)
         shapes = {k: v.shape for k, v in tensors.items()}
         if npdt == np.float16:

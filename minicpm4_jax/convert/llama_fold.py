@@ -212,7 +212,9 @@ def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def llama_config(cfg: ModelConfig, *, explicit_attention_factor: bool = True) -> dict[str, Any]:
     """The ``config.json`` dict of the folded ``LlamaForCausalLM``.
 
-    LongRoPE: ``rope_scaling`` keeps ``rope_type: longrope``, both factor lists and
+    LongRoPE: ``rope_scaling`` keeps ``rope_type: longrope``, both factor lists (where they differ, the one this
+    model uses written as both: transformers switches lists by sequence length, this model does not; see
+    :func:`~minicpm4_jax.nn.rope.dynamic_runtime_factor_lists`) and
     ``original_max_position_embeddings`` (also repeated at top level, where transformers 4.x reads
     it and where transformers 5 gives it priority: same value). ``factor`` is
     ``max_position_embeddings / original_max_position_embeddings``, never a bare 1.0 (export.md
@@ -224,7 +226,7 @@ def llama_config(cfg: ModelConfig, *, explicit_attention_factor: bool = True) ->
     Deliberately absent: ``scale_emb``, ``scale_depth``, ``dim_model_base`` (already folded) and
     ``sparse_config`` (the folded export is dense attention only).
     """
-    from minicpm4_jax.nn.rope import attention_scaling
+    from minicpm4_jax.nn.rope import attention_scaling, dynamic_runtime_factor_lists
 
     eos = list(cfg.eos_token_id) if len(cfg.eos_token_id) > 1 else cfg.eos_token_id[0]
     out: dict[str, Any] = {
@@ -257,10 +259,11 @@ def llama_config(cfg: ModelConfig, *, explicit_attention_factor: bool = True) ->
     rs = cfg.rope_scaling
     if rs is not None:
         orig = rs.original_max_position_embeddings
+        short, long_, _ = dynamic_runtime_factor_lists(cfg)
         scaling: dict[str, Any] = {
             "rope_type": rs.rope_type,
-            "short_factor": [float(x) for x in rs.short_factor],
-            "long_factor": [float(x) for x in rs.long_factor],
+            "short_factor": list(short),
+            "long_factor": list(long_),
             "original_max_position_embeddings": orig,
             "factor": cfg.max_position_embeddings / orig,
         }

@@ -52,6 +52,34 @@ def longrope_factors(cfg: ModelConfig, seq_len: int | None = None) -> np.ndarray
     return np.asarray(factors, dtype=np.float32)
 
 
+def dynamic_runtime_factor_lists(cfg: ModelConfig) -> tuple[tuple[float, ...], tuple[float, ...], str | None]:
+    """``(short_factor, long_factor, note)`` to write for a runtime that switches lists by sequence length.
+
+    transformers (``LlamaForCausalLM``) and llama.cpp pick ``long_factor`` only for inputs (or contexts) longer
+    than ``original_max_position_embeddings``; this model picks one list once from the configured lengths
+    (:func:`longrope_factors`). Where the two lists differ, the list this model uses is written as both, so the
+    runtime rotates exactly as the model was trained at every length, and ``note`` says so (``None`` when the
+    lists are equal, as in every released config). Spec ``export.md`` §1.3, ``minicpm4_model.md`` (LongRoPE).
+
+    Raises:
+        ValueError: the config has no ``rope_scaling``.
+    """
+    rs = cfg.rope_scaling
+    if rs is None:
+        raise ValueError("dynamic_runtime_factor_lists needs a config with rope_scaling")
+    short, long_ = tuple(float(x) for x in rs.short_factor), tuple(float(x) for x in rs.long_factor)
+    if short == long_:
+        return short, long_, None
+    use_long = cfg.max_position_embeddings > rs.original_max_position_embeddings
+    used = long_ if use_long else short
+    note = (f"rope_scaling: short_factor and long_factor differ; this model uses "
+            f"{'long_factor' if use_long else 'short_factor'} at every length (max_position_embeddings "
+            f"{cfg.max_position_embeddings} {'>' if use_long else '<='} original_max_position_embeddings "
+            f"{rs.original_max_position_embeddings}), a runtime that switches by sequence length does not: that "
+            "list is written as both so the export rotates as the model was trained")
+    return used, used, note
+
+
 def attention_scaling(cfg: ModelConfig) -> float:
     """LongRoPE magnitude factor ``sqrt(1 + ln(max/orig)/ln(orig))`` (1.0 when ``max <= orig``)."""
     rs = cfg.rope_scaling
