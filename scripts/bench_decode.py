@@ -43,6 +43,7 @@ Run::
     .venv/bin/python scripts/bench_decode.py --checkpoint runs/cpu_tiny --fr-spec-vocab 2048   # + speculative
     .venv/bin/python scripts/bench_decode.py --lengths 4096 8192 --steps 16 --rounds 3 --json out.json
     .venv/bin/python scripts/bench_decode.py --lengths 32768 --batch 4   # 4 sequences per step
+    .venv/bin/python scripts/bench_decode.py --generate-loop --batch 4 --rounds 7   # generate(): pipelined loop
 
 With ``--batch B`` every step decodes B sequences of the same length (tok/s counts all of them): the weights are
 read once per step for all B, so the "+weights" bound moves towards the KV-only one.
@@ -236,6 +237,41 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     return dict(prompts=len(prompts), prompt_len=prompt_len, gen_len=gen_len, passes=passes, results=out)
 
 
+def generate_loop(cfg, batches: list[int], prompt_len: int, gen_len: int, rounds: int) -> None:
+    """``generate()`` decode tokens/s with the pipelined loop against the sequential one, alternated ``rounds`` times.
+
+    Sampled (temperature 1, seeds fixed: both loops must give identical tokens, checked), without and with a stop
+    string that never matches (``detokenize`` = the ids joined as text, a stand-in for a tokenizer's decode: the
+    host's stop check runs after every token).
+    """
+    model = MiniCPM4(dataclasses.replace(cfg, dtype="float32"), rngs=nnx.Rngs(0))
+    engines = {"sequential": InferenceEngine(model, pipelined=False), "pipelined": InferenceEngine(model)}
+    print(f"# generate(): prompt {prompt_len} + {gen_len} new tokens, temperature 1, {rounds} alternated rounds, "
+          f"median decode tok/s (all sequences); jax {jax.__version__}, {jax.devices()[0].platform}")
+    print(f"{'batch':>5} {'stop check':>10} {'sequential':>11} {'pipelined':>10} {'ratio':>6}")
+    for b in batches:
+        rng = np.random.default_rng(b)
+        prompts = [[int(x) for x in rng.integers(3, cfg.vocab_size, prompt_len)] for _ in range(b)]
+        for stop in (False, True):
+            kw = dict(sampling=SamplingParams(temperature=1.0), seeds=1)
+            if stop:
+                kw.update(stop_strings=["never"], detokenize=lambda ids: " ".join(map(str, ids)))
+            for e in engines.values():
+                e.generate(prompts, 16, **kw)  # compile + warm-up
+            rates: dict[str, list[float]] = {k: [] for k in engines}
+            tokens = {}
+            for _ in range(rounds):
+                for k, e in engines.items():
+                    out = e.generate(prompts, gen_len, **kw)
+                    rates[k].append(out.decode_tokens_per_second)
+                    tokens[k] = out.tokens
+            if tokens["sequential"] != tokens["pipelined"]:
+                raise SystemExit("the pipelined loop's tokens differ from the sequential loop's")
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            print(f"{b:>5} {'yes' if stop else 'no':>10} {med['sequential']:>11.1f} {med['pipelined']:>10.1f} "
+                  f"{med['pipelined'] / med['sequential']:>5.2f}x", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="cpu_tiny", help="preset or YAML whose model architecture is used")
@@ -259,9 +295,16 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=32, help="trained-length prompts: held-out documents")
     ap.add_argument("--passes", type=int, default=2,
                     help="trained-length prompts: passes over the documents (variants interleaved per document)")
+    ap.add_argument("--generate-loop", action="store_true",
+                    help="instead: the engine's generate() at --prompt-len + --gen-len, pipelined decode loop against "
+                         "reading every step's tokens before the next (random --config weights, batch 1 and --batch)")
     args = ap.parse_args(argv)
     if args.batch < 1:
         ap.error(f"--batch {args.batch}: give at least 1 sequence")
+    if args.generate_loop:
+        generate_loop(load_config(args.config).model, sorted({1, args.batch}), args.prompt_len, args.gen_len,
+                      args.rounds)
+        return 0
 
     spec_rows = None
     if args.checkpoint:

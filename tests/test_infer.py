@@ -194,6 +194,12 @@ def test_sequences_that_stop_early_leave_the_others_unchanged(weights, case):
         assert batch.tokens[i] == alone.tokens[0] and batch.finish_reasons[i] == alone.finish_reasons[0], i
     one = eng.generate([prompts[0]], 12, sampling=sampling, seeds=[7], stop_ids=[stop])
     assert one.decode_steps == len(one.tokens[0])  # the kept tokens after the first, and the one discarded step
+    seq = InferenceEngine(_model(weights, _cfg(variant, **sp)), prefill_chunk=32, pipelined=False)
+    ref = seq.generate(prompts, 12, sampling=sampling, seeds=[7, 8, 9], stop_ids=[stop])
+    assert ref.tokens == batch.tokens and ref.finish_reasons == batch.finish_reasons
+    assert ref.attended_fraction == pytest.approx(batch.attended_fraction, rel=1e-6)
+    alone = seq.generate([prompts[0]], 12, sampling=sampling, seeds=[7], stop_ids=[stop])
+    assert alone.tokens == one.tokens and alone.decode_steps == len(one.tokens[0]) - 1
 
 
 def test_engine_greedy_equals_uncached_reference(weights):

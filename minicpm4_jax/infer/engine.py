@@ -377,6 +377,8 @@ class InferenceEngine:
         model: the model; its weights are split per layer once (the engine keeps its own references).
         prefill_chunk: prompt tokens per prefill step (a multiple of 16; shorter prompts use one smaller
             chunk rounded up to 16).
+        pipelined: dispatch each decode step before reading the previous one's tokens (:meth:`decode_loop`);
+            ``False`` reads every step's tokens before the next is dispatched (the benchmark's baseline).
 
     Raises:
         ConfigError: an invalid model config (``validate_model``, e.g. Pallas with dense attention), the
@@ -384,7 +386,7 @@ class InferenceEngine:
             cache), or a bad ``prefill_chunk``.
     """
 
-    def __init__(self, model: Any, *, prefill_chunk: int = 512):
+    def __init__(self, model: Any, *, prefill_chunk: int = 512, pipelined: bool = True):
         cfg: ModelConfig = model.cfg
         validate_model(cfg)  # e.g. attention_impl='pallas' with dense attention, before any work
         if cfg.attention == "infllmv2" and cfg.sparse_config.kernel_offby1_quirk:
@@ -394,6 +396,7 @@ class InferenceEngine:
             raise ConfigError(f"prefill_chunk={prefill_chunk} must be a positive multiple of 16")
         self.cfg = cfg
         self.prefill_chunk = prefill_chunk
+        self.pipelined = pipelined
         emb_gd, emb_state = nnx.split(model.embed_tokens)
         layer_gd, stacked = nnx.split(model.layers)
         layers = tuple(jax.tree.map(lambda a, i=i: a[i], stacked).to_pure_dict()
@@ -510,13 +513,21 @@ class InferenceEngine:
             seeds: uint32 ``[batch]``; step ``i`` (counted from ``step0``) samples with ``row_keys(seeds, i)``.
             fractions: receives the attended fraction of the step that produced every kept token.
 
-        Pipelined: step ``i + 1`` is dispatched before the tokens of step ``i`` are read, so the host's work
-        (reading the tokens, the stop rules, streaming) overlaps the device's instead of idling it between steps.
+        Pipelined (the engine's ``pipelined``, the default): step ``i + 1`` is dispatched before the tokens of step
+        ``i`` are read, so the host's work (reading the tokens, the stop rules, streaming) overlaps the device's
+        instead of idling it between steps.
         A sequence that stops at step ``i`` therefore runs one more step, whose token is discarded; no sequence
         runs more steps than its remaining ``max_new_tokens`` (the cache's capacity). A sequence's tokens do not
         depend on this: its sampling key depends only on its seed and the step, and every row attends by its own
         length whatever the batch's :func:`decode_mode`.
         """
+        def collect(tok_dev, frac_dev, rows):
+            tok_host, frac_host = jax.device_get((tok_dev, frac_dev))
+            for r in range(b):
+                if rows[r] and col.active[r]:
+                    col.take(r, int(tok_host[r]))
+                    fractions.append(float(frac_host[r]))
+
         b = len(lengths)
         budget = [col.max_new - len(col.out[r]) if col.active[r] else 0 for r in range(b)]
         sent = [0] * b
@@ -534,15 +545,14 @@ class InferenceEngine:
                     self.weights, cache, tok, np.asarray(rows), seeds, np.int32(step0 + steps))
                 steps += 1
                 launched = (tok, frac, rows)
-            if pending is not None:
-                tok_host, frac_host = jax.device_get(pending[:2])
-                for r in range(b):
-                    if pending[2][r] and col.active[r]:
-                        col.take(r, int(tok_host[r]))
-                        fractions.append(float(frac_host[r]))
+            if pending is not None:  # the previous step's tokens, read while this step runs
+                collect(*pending)
             if launched is None:
                 return cache, steps
             pending = launched
+            if not self.pipelined:
+                collect(*pending)
+                pending = None
 
     def _start(self, prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings, detokenize, vocab_limit,
                on_token) -> tuple:
