@@ -186,16 +186,20 @@ def test_text_acceptance_equals_the_decoders_rounds_on_its_own_text():
     prompt = [1, 4, 2, 5, 3]
     for fr in (None, [0, 1, 3, 4]):
         dec = SpeculativeDecoder(eng, model.mtp, num_draft=3, fr_spec_ids=fr)
-        rounds, orig = [], dec.round
+        accepted_per_round, orig = [], dec._unpack
 
-        def rec(st, active, *a, _orig=orig, _rounds=rounds, **kw):
-            n0 = st.lengths[0]
-            out = _orig(st, active, *a, **kw)
-            _rounds.append((n0, out[1][0]))
+        def rec(packed, _orig=orig, _acc=accepted_per_round):
+            out = _orig(packed)
+            _acc.append(out[0][0])
             return out
 
-        dec.round = rec
-        text = np.asarray([prompt + dec.generate([prompt], 64).tokens[0]])
+        dec._unpack = rec  # every round's result passes through here in order
+        gen = dec.generate([prompt], 64)
+        text = np.asarray([prompt + gen.tokens[0]])
+        rounds, n0 = [], len(prompt)  # (cached tokens before the round, accepted drafts)
+        for a in accepted_per_round[:gen.decode_steps]:
+            rounds.append((n0, a))
+            n0 += a + 1
         counts = chain_counts(model, text, 3, fr)
         checked = [(n0, a) for n0, a in rounds if n0 - 1 < counts.shape[1]]
         accepted = [a for _, a in checked]

@@ -180,6 +180,40 @@ def test_greedy_speculative_with_stop_ids_and_batch_rows_finishing_early():
     assert spec.tokens == plain.tokens and spec.finish_reasons == plain.finish_reasons
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_pipelined_rounds_equal_rounds_read_one_at_a_time(sampled):
+    """generate dispatches round i + 1 (its lengths on the device) before it reads round i; the engine's
+    ``pipelined=False`` reads every round first. Same tokens, finish reasons, acceptance and attended fractions, in a
+    batch whose rows stop early (a stop id, the budget) and cross dense_len (rounds dispatched on unknown lengths
+    must take the attention mode of every length they may have); the pipelined loop runs at most one round more."""
+    # dense_len 256: the first sparse steps already skip blocks (init + window + top-k cover 160 positions)
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=dataclasses.replace(SPARSE, dense_len=256))
+    model, mtp = _pair(cfg, seed=3)
+    prompts = _prompts(cfg.vocab_size, (240, 20, 9, 250))
+    sampling = SamplingParams(temperature=0.8, top_k=5) if sampled else SamplingParams()
+    plain = InferenceEngine(model, prefill_chunk=64).generate(prompts, 40, stop_ids=[4])
+    outs = {}
+    for pipelined in (True, False):
+        eng = InferenceEngine(model, prefill_chunk=64, pipelined=pipelined)
+        # greedy: mostly right drafts (every 7th position wrong), so that rounds advance by up to k + 1 = 5
+        # tokens and the verify rows of a round dispatched before the last was read are kept across dense_len
+        dec = (SpeculativeDecoder(eng, mtp, num_draft=4) if sampled else
+               _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts],
+                             corrupt=7))
+        outs[pipelined] = dec.generate(prompts, 40, stop_ids=[4], sampling=sampling, seeds=11)
+    p, s = outs[True], outs[False]
+    if not sampled:
+        assert s.tokens == plain.tokens
+        np.testing.assert_allclose(s.attended_fraction, plain.attended_fraction, rtol=1e-6)
+    assert p.tokens == s.tokens and p.finish_reasons == s.finish_reasons
+    assert {"eos", "length"} <= set(s.finish_reasons), s.finish_reasons  # the batch shrank while rounds ran
+    assert min(len(t) for t in s.tokens) < 30 and max(len(t) for t in s.tokens) == 40
+    assert p.acceptance_length == s.acceptance_length and s.acceptance_length > 1.0
+    np.testing.assert_allclose(p.attended_fraction, s.attended_fraction, rtol=1e-6)
+    assert 0.3 < s.attended_fraction < 1.0  # sparse rows were verified
+    assert s.decode_steps <= p.decode_steps <= s.decode_steps + 1
+
+
 def test_sampled_speculative_matches_target_distribution():
     """Chi-square of 8000 three-token continuations against the exact target probabilities."""
     cfg = dataclasses.replace(SMALL, vocab_size=4)

@@ -396,7 +396,9 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     """One whole round on the device (draft, verify, accept, draft-cache refresh; module docstring steps 1-4).
 
     ``lengths`` int32 ``[b]`` cached target tokens per row (setting them is the rollback of the last round's
-    rejected tokens), ``active`` bool ``[b]``. Returns ``(cache, dcache, h_last, next_tokens [b], packed)`` with
+    rejected tokens), ``active`` bool ``[b]`` (an inactive row's cache, state and length are left as they were).
+    Returns ``(cache, dcache, h_last, next_tokens [b], lengths [b], packed)``: the lengths after the round
+    (``lengths + accepted + 1`` on active rows, so the next round can start without the host reading this one) and
     int32 ``packed [b, 2k + 3]`` = (accepted drafts, the token after them, the ``k`` drafts, then the attended
     fraction of each of the ``k + 1`` verified rows as float32 bits) per row, so the host reads the round's result
     in one transfer. Row ``j`` of the verify is the step that produces the round's ``j``-th token, so the host
@@ -423,9 +425,11 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     dcache = _draft_fill(weights, draft, dcache, hid[:, :k], drafts, fpos, cfg=cfg, graphdefs=graphdefs,
                          mtp_gd=mtp_gd)
     h_new = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
+    h_new = jnp.where(active[:, None], h_new, h_last.astype(h_new.dtype))
+    nxt = jnp.where(active, nxt, tok)
     packed = jnp.concatenate([a[:, None], nxt[:, None], drafts, jax.lax.bitcast_convert_type(rows, jnp.int32)],
                              axis=1).astype(jnp.int32)
-    return cache, dcache, h_new, nxt, packed
+    return cache, dcache, h_new, nxt, lengths + jnp.where(active, a + 1, 0), packed
 
 
 @dataclasses.dataclass
@@ -515,7 +519,7 @@ class SpeculativeDecoder:
 
     def round(self, st: SpecState, active: list[bool], seeds: jax.Array, rnd: int, sampling: SamplingParams,
               vocab_limit: int | None = None) -> tuple:
-        """One draft-verify-accept round for the ``active`` sequences (module docstring, steps 1-4).
+        """One draft-verify-accept round for the ``active`` sequences (module docstring, steps 1-4), read at once.
 
         Returns ``(state, accepted, drafts, next_tokens, row_fractions)``: accepted drafts per row (host
         ints), the drafts ``[b, k]``, the token after the accepted ones ``[b]`` and the attended fraction of each
@@ -523,22 +527,38 @@ class SpeculativeDecoder:
         arrays). ``st`` is consumed: its caches are donated to the round (updated in place); continue from the
         returned state.
         """
-        eng, cfg, k = self.engine, self.cfg, self.k
         b = len(active)
         n = list(st.lengths)
-        mode = decode_mode(cfg, [n[r] + 1 + j for r in range(b) if active[r] for j in range(k + 1)])
-        cache, dcache, h_last, nxt, packed = self._round_fn(sampling, vocab_limit, mode)(
-            self._verify_weights, self.draft, st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32),
-            np.asarray(active), seeds, np.int32(rnd))  # numpy: no per-argument dispatch on the host
-        packed_host = np.asarray(packed)
-        a_host, nxt_host, d_host = packed_host[:, 0], packed_host[:, 1], packed_host[:, 2:2 + k]
-        fractions = np.ascontiguousarray(packed_host[:, 2 + k:]).view(np.float32)
-        acc = [int(x) for x in a_host]
+        mode = self._mode([n[r] for r in range(b) if active[r]], 0)
+        out, _, packed = self._launch(st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32), active,
+                                      seeds, rnd, sampling, vocab_limit, mode)
+        acc, d_host, nxt_host, fractions = self._unpack(np.asarray(packed))
         for r in range(b):
             if active[r]:
                 n[r] += acc[r] + 1
-        new = SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt)
-        return new, acc, d_host, nxt_host, fractions
+        cache, dcache, h_last, nxt = out
+        return SpecState(cache=cache, dcache=dcache, lengths=n, h_last=h_last, tok=nxt), acc, d_host, nxt_host, fractions
+
+    def _mode(self, lengths: Sequence[int], slack: int) -> str:
+        """The verify's :func:`decode_mode` for rows holding ``lengths[r] + [0, slack]`` cached tokens (``slack``:
+        the unknown growth of a round still running): right for every length in that range."""
+        return decode_mode(self.cfg, [x for n in lengths for x in (n + 1, n + slack + self.k + 1)])
+
+    def _launch(self, cache, dcache, h_last, tok, lengths, active: Sequence[bool], seeds, rnd: int,
+                sampling: SamplingParams, vocab_limit: int | None, mode: str) -> tuple:
+        """Dispatch one round without waiting for it: ``((cache, dcache, h_last, tok), lengths [b], packed)``,
+        all device arrays (:func:`_round`); ``lengths`` a host or a device int32 ``[b]``."""
+        cache, dcache, h_last, nxt, new_lengths, packed = self._round_fn(sampling, vocab_limit, mode)(
+            self._verify_weights, self.draft, cache, dcache, h_last, tok, lengths, np.asarray(active), seeds,
+            np.int32(rnd))  # numpy: no per-argument dispatch on the host
+        return (cache, dcache, h_last, nxt), new_lengths, packed
+
+    def _unpack(self, packed: np.ndarray) -> tuple:
+        """A round's host result ``packed [b, 2k + 3]`` -> ``(accepted [b] ints, drafts [b, k], next tokens [b],
+        row fractions float32 [b, k + 1])``."""
+        k = self.k
+        fractions = np.ascontiguousarray(packed[:, 2 + k:]).view(np.float32)
+        return [int(x) for x in packed[:, 0]], packed[:, 2:2 + k], packed[:, 1], fractions
 
     def prefill(self, prompts: Sequence[Sequence[int]], tokens: int,
                 first_token: Callable[[jax.Array], jax.Array]) -> SpecState:
@@ -600,6 +620,12 @@ class SpeculativeDecoder:
         Near ``max_position_embeddings`` (when a verify chunk would write past the last position) the remaining
         tokens are decoded plainly.
 
+        Pipelined (the engine's ``pipelined``, the default): round ``i + 1`` is dispatched before the result of round
+        ``i`` is read; its lengths come from round ``i`` on the device, its attention mode is the one right for every
+        length round ``i`` can leave (:meth:`_mode`). A sequence that stops in round ``i`` therefore runs one more
+        round, whose tokens are discarded (counted in ``decode_steps``); a round that must finish a sequence (its
+        budget) is not followed by another for it. Tokens, acceptance and fractions equal the sequential loop's.
+
         Raises:
             ConfigError: as :meth:`InferenceEngine.generate`.
         """
@@ -610,7 +636,9 @@ class SpeculativeDecoder:
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
-        state = self.prefill(prompts, max(lens) + max_new_tokens + k, lambda lg: first(lg, seeds_arr))
+        # room for one round past a sequence's last tokens: the pipelined loop dispatches a round before it has read
+        # whether the one before finished the sequence
+        state = self.prefill(prompts, max(lens) + max_new_tokens + 2 * k + 1, lambda lg: first(lg, seeds_arr))
         # wait for the whole prefill (target and draft caches): its time is prefill time, not decode time
         jax.block_until_ready((state.cache, state.dcache, state.h_last))
         tok_host = [int(x) for x in jax.device_get(state.tok)]
@@ -618,18 +646,20 @@ class SpeculativeDecoder:
 
         for r, t in enumerate(tok_host):
             take(r, t)
-        rounds, spec_rounds, produced, forwards, fracs = 0, 0, 0, 0, []
+        rounds, tail_steps, spec_rounds, produced, fracs = 0, 0, 0, 0, []
         max_pos = cfg.max_position_embeddings
-        while any(active):
-            act_rows = [r for r in range(b) if active[r]]
-            if any(state.lengths[r] + k >= max_pos for r in act_rows):
-                # a verify chunk would write past the last position: finish with plain decode steps
-                forwards += self._plain_tail(state, col, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
-                break
-            state, acc, d_host, nxt_host, row_frac = self.round(state, list(active), seeds_arr, rounds + 1,
-                                                                sampling, vocab_limit)
-            spec_rounds += len(act_rows)
-            for r in act_rows:
+        lengths = list(state.lengths)  # cached tokens per row after the rounds read so far (host)
+        carry, dev_lengths = (state.cache, state.dcache, state.h_last, state.tok), np.asarray(lengths, np.int32)
+        pending = None  # (packed, rows) of the round dispatched and not read yet
+
+        def collect(packed, rows):
+            nonlocal spec_rounds, produced
+            acc, d_host, nxt_host, row_frac = self._unpack(np.asarray(packed))
+            for r in range(b):
+                if not (rows[r] and active[r]):  # a row that finished in the round before: its result is dropped
+                    continue
+                lengths[r] += acc[r] + 1
+                spec_rounds += 1
                 before = len(out[r])
                 for j in range(acc[r]):
                     take(r, int(d_host[r, j]))
@@ -637,11 +667,39 @@ class SpeculativeDecoder:
                 kept = len(out[r]) - before  # tokens after a stop or past max_new_tokens are discarded
                 produced += kept
                 fracs.extend(float(x) for x in row_frac[r, :kept])
-            forwards += 1
-            rounds += 1
+
+        while True:
+            slack = 0 if pending is None else k + 1  # the running round adds 1 .. k + 1 tokens to each of its rows
+            # every round gives a row at least one token: a row the running round must finish is not sent again
+            rows = [active[r] and len(out[r]) + int(pending is not None and pending[1][r]) < col.max_new
+                    for r in range(b)]
+            launched, to_tail = None, False
+            if any(rows):
+                if any(lengths[r] + slack + k >= max_pos for r in range(b) if rows[r]):
+                    # a verify chunk could write past the last position: read the running round, then decide on
+                    # the exact lengths; without one, finish with plain decode steps
+                    to_tail = pending is None
+                else:
+                    mode = self._mode([lengths[r] for r in range(b) if rows[r]], slack)
+                    carry, dev_lengths, packed = self._launch(*carry, dev_lengths, rows, seeds_arr, rounds + 1,
+                                                              sampling, vocab_limit, mode)
+                    rounds += 1
+                    launched = (packed, rows)
+            if pending is not None:  # the previous round's result, read while this one runs
+                collect(*pending)
+            pending = launched
+            if pending is not None and not eng.pipelined:
+                collect(*pending)
+                pending = None
+            if to_tail:
+                st = SpecState(cache=carry[0], dcache=carry[1], lengths=lengths, h_last=carry[2], tok=carry[3])
+                tail_steps = self._plain_tail(st, col, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
+                break
+            if pending is None and not any(rows):
+                break
         t2 = time.perf_counter()
         return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
                                 new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
-                                decode_seconds=t2 - t1, decode_steps=forwards,
+                                decode_seconds=t2 - t1, decode_steps=rounds + tail_steps,
                                 attended_fraction=float(np.mean([float(f) for f in fracs])) if fracs else float("nan"),
                                 acceptance_length=produced / spec_rounds if spec_rounds else float("nan"))
