@@ -146,6 +146,15 @@ def test_bad_branch_sources(corpus, cache_dir, tmp_path, source):  # noqa: F811
         run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=source / "checkpoints" / "6", steps=16),
                      **QUIET)
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").rglob("*"))
+    # a step whose config item is gone (train.checkpoint.resolve_source): named with the branch's keys
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    shutil.rmtree(damaged / "checkpoints" / "6" / "config")
+    with pytest.raises(ConfigError, match=r"^branch_from: checkpoint step 6 in .*damaged/checkpoints has no readable "
+                                          r"config \(.*\); pick another branch_step \(saved steps: 2, 4, 8, 10, 12\)$"):
+        resolve_branch(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=damaged, branch_step=6, steps=16))
     with pytest.raises(ConfigError, match=r"branch_step=4 needs branch_from"):
         tiny_cfg(corpus, cache_dir, tmp_path / "c", branch_step=4)
     with pytest.raises(ConfigError, match=r"branch_from with qat.enabled"):

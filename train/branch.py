@@ -14,14 +14,13 @@ source's folder is opened read-only (it may still be training: its in-progress s
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
 from minicpm4_jax.config import MTP_DRAFT_FIELDS, ConfigError, TrainConfig, diff_configs
-from minicpm4_jax.train.checkpoint import (RESUME_MAY_CHANGE, Checkpointer, _field_of, checkpoint_dir_of,
-                                           find_checkpoint_dir)
+from minicpm4_jax.train.checkpoint import (RESUME_MAY_CHANGE, CheckpointSource, _field_of, checkpoint_dir_of,
+                                           resolve_source)
 
 __all__ = ["BranchSource", "BRANCH_MAY_CHANGE", "resolve_branch"]
 
@@ -32,21 +31,17 @@ BRANCH_MAY_CHANGE = RESUME_MAY_CHANGE | frozenset({
     "data.decay_weights",
 })
 
-
-@dataclasses.dataclass(frozen=True)
-class BranchSource:
-    """A resolved ``branch_from``: the source's checkpoint folder, the step and the config it was saved with."""
-
-    directory: Path
-    step: int
-    cfg: TrainConfig
+#: A resolved ``branch_from``: the source's checkpoint folder, the step and the config it was saved with
+#: (:class:`~minicpm4_jax.train.checkpoint.CheckpointSource`).
+BranchSource = CheckpointSource
 
 
-def resolve_branch(cfg: TrainConfig) -> BranchSource:
+def resolve_branch(cfg: TrainConfig) -> CheckpointSource:
     """Find ``cfg.branch_from`` at ``cfg.branch_step`` (default: its latest step); check that ``cfg`` may branch there.
 
     Raises:
-        ConfigError: (one line, with the fix) no such folder / checkpoint / step; this run's own folder; a config
+        ConfigError: (one line, with the fix) no such folder / checkpoint / step or an unreadable saved config
+            (:func:`~minicpm4_jax.train.checkpoint.resolve_source`); this run's own folder; a config
             that differs outside :data:`BRANCH_MAY_CHANGE`; a QAT source; a branch point at or after ``steps``;
             learning rates that differ before the branch point (it lies inside a decay); a changed
             ``data.decay_weights`` whose source switch lies before the branch point.
@@ -56,25 +51,14 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
 
     from minicpm4_jax.train.step import decay_start_step, lr_schedule
 
-    try:
-        directory = find_checkpoint_dir(cfg.branch_from, step_option="branch_step", path_option="branch_from")
-    except ConfigError as e:
-        raise ConfigError(str(e) if str(e).startswith("branch_from") else f"branch_from: {e}") from None
-    if directory == checkpoint_dir_of(cfg):
-        raise ConfigError(f"branch_from={cfg.branch_from!r} is this run's own checkpoint folder; a branch writes its "
-                          "own checkpoints: give it another out_dir")
-    ck = Checkpointer(cfg, directory, read_only=True)
-    try:
-        steps = ck.all_steps()
-        if not steps:
-            raise ConfigError(f"branch_from={cfg.branch_from!r}: no complete checkpoint in {directory}")
-        step = steps[-1] if cfg.branch_step is None else int(cfg.branch_step)
-        if step not in steps:
-            raise ConfigError(f"branch_step={step} is not a checkpoint in {directory} (saved steps: "
-                              f"{', '.join(map(str, steps))}); pick one of those")
-        saved = ck.saved_config(step)
-    finally:
-        ck.close()
+    def not_own(directory: Path) -> None:
+        if directory == checkpoint_dir_of(cfg):
+            raise ConfigError(f"branch_from={cfg.branch_from!r} is this run's own checkpoint folder; a branch writes "
+                              "its own checkpoints: give it another out_dir")
+
+    src = resolve_source(cfg.branch_from, cfg.branch_step, path_option="branch_from", step_option="branch_step",
+                         check_dir=not_own)
+    directory, step, saved, steps = src.directory, src.step, src.cfg, src.saved_steps
     where = f"branch_from: checkpoint {directory}/{step}"
     diffs = diff_configs(saved, cfg)
     if not saved.model.mtp and not cfg.model.mtp:
@@ -121,4 +105,4 @@ def resolve_branch(cfg: TrainConfig) -> BranchSource:
             f"{decay_start_step(saved) + 1} in the source, step {decay_start_step(cfg) + 1} in this run), and the "
             f"batches before the branch point would differ from this run's; branch at a step no later than "
             f"{min(decay_start_step(saved), decay_start_step(cfg))} (saved steps: {', '.join(map(str, steps))})")
-    return BranchSource(directory=directory, step=step, cfg=saved)
+    return src

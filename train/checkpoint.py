@@ -42,6 +42,7 @@ data order).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -53,7 +54,8 @@ from minicpm4_jax.config import (MTP_DRAFT_FIELDS, ConfigError, TrainConfig, con
 from minicpm4_jax.train.checksums import ChecksumMismatch, checksum_record, on_mesh_of, verify_checksums
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of", "sharded_abstract_state",
-           "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "params_all_finite",
+           "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "CheckpointSource",
+           "resolve_source", "params_all_finite",
            "resume_differences", "restore_data_iterator", "state_save_args", "CHECKSUM_ITEM"]
 
 #: Config fields that a ``--resume`` may change: they affect neither the math nor the data order.
@@ -595,6 +597,81 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
     if not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
         raise ConfigError(f"no checkpoint found in {str(path)!r}; give a run's out_dir or its checkpoints folder")
     return p
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSource:
+    """A resolved checkpoint of another run that a run starts from (``branch_from``, ``qat.init_from``).
+
+    Attributes:
+        directory: the source's checkpoint folder (absolute; ``<out_dir>/checkpoints`` or an ``import hf`` OUT's).
+        step: the chosen saved step.
+        cfg: the :class:`TrainConfig` saved with ``step``.
+        saved_steps: every complete step of ``directory`` when it was resolved, ascending (for messages).
+    """
+
+    directory: Path
+    step: int
+    cfg: TrainConfig
+    saved_steps: tuple[int, ...] = ()
+
+
+def resolve_source(path: str | Path, step: int | None, *, path_option: str, step_option: str,
+                   check_dir: Callable[[Path], None] | None = None) -> CheckpointSource:
+    """Find the checkpoint folder of ``path`` and read the config saved with ``step`` (``None``: the latest step).
+
+    Only the step list and the (small) config item are read. The folder is opened read-only: nothing is
+    created there and the temporary folders of saves in progress are left alone (the source may still be
+    training). What the saved config may be is the caller's check.
+
+    Args:
+        path: the source run's ``out_dir`` or its checkpoint folder, as the config gives it.
+        step: the step to read, or ``None`` for the newest complete one.
+        path_option: the config key that gave ``path`` (e.g. ``branch_from``, ``qat.init_from``); named in the
+            messages, which begin with it.
+        step_option: the config key that gave ``step`` (e.g. ``branch_step``, ``qat.init_step``); named in the
+            messages.
+        check_dir: optional ``directory -> None`` called with the checkpoint folder before its steps are read:
+            a caller's refusal of a folder (e.g. the run's own), raising :class:`ConfigError`.
+
+    Raises:
+        ConfigError: (one line, naming the bad value and the fix) no such folder, a file or one step's folder
+            (:func:`find_checkpoint_dir`); no complete checkpoint; ``step`` is not a saved step; the step's
+            config item is missing or unreadable.
+    """
+    import orbax.checkpoint as ocp
+
+    try:
+        directory = find_checkpoint_dir(path, step_option=step_option, path_option=path_option)
+    except ConfigError as e:
+        raise ConfigError(str(e) if str(e).startswith(path_option) else f"{path_option}: {e}") from None
+    if check_dir is not None:
+        check_dir(directory)
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        create=False, cleanup_tmp_directories=False))
+    try:
+        steps = tuple(sorted(mngr.all_steps()))
+        if not steps:
+            raise ConfigError(f"{path_option}={str(path)!r}: no complete checkpoint in {directory}; give a run that "
+                              "has saved one")
+        chosen = steps[-1] if step is None else int(step)
+        if chosen not in steps:
+            raise ConfigError(f"{step_option}={chosen} is not a checkpoint in {directory} (saved steps: "
+                              f"{', '.join(map(str, steps))}); pick one of those")
+        try:
+            raw = mngr.restore(chosen, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            saved = config_from_dict(raw)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged step
+            others = [s for s in steps if s != chosen]
+            fix = (f"pick another {step_option} (saved steps: {', '.join(map(str, others))})" if others
+                   else f"re-save it or give another {path_option}")
+            raise ConfigError(f"{path_option}: checkpoint step {chosen} in {directory} has no readable config "
+                              f"({short_cause(e)}); {fix}") from None
+    finally:
+        mngr.close()
+    return CheckpointSource(directory=directory, step=chosen, cfg=saved, saved_steps=steps)
 
 
 def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None, *,

@@ -13,13 +13,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig, config_to_dict, diff_configs
+from minicpm4_jax.train.checkpoint import CheckpointSource, resolve_source
 
 __all__ = ["InitSource", "resolve_init", "load_init_params", "continue_data_order", "MODEL_FIELDS_MAY_DIFFER",
            "stats_summary", "stats_lines", "SHORT_NAMES"]
@@ -37,59 +36,31 @@ SHORT_NAMES = {"layers/q_proj": "q", "layers/k_proj": "k", "layers/v_proj": "v",
                "embed_tokens/embedding": "embed", "lm_head": "head"}
 
 
-@dataclasses.dataclass(frozen=True)
-class InitSource:
-    """A resolved ``qat.init_from``: checkpoint folder, step and the config it was saved with."""
-
-    directory: Path
-    step: int
-    cfg: TrainConfig
+#: A resolved ``qat.init_from``: checkpoint folder, step and the config it was saved with
+#: (:class:`~minicpm4_jax.train.checkpoint.CheckpointSource`).
+InitSource = CheckpointSource
 
 
-def resolve_init(cfg: TrainConfig) -> InitSource:
+def resolve_init(cfg: TrainConfig) -> CheckpointSource:
     """Find ``cfg.qat.init_from`` (step ``qat.init_step`` or the latest) and check its model fits ``cfg``.
 
     Reads only the checkpoint's stored config.
 
     Raises:
-        ConfigError: no such folder / no checkpoint / no such step, or a model whose parameters or
-            μP constants differ (the differing fields are listed).
+        ConfigError: (one line, with the fix) no such folder / no checkpoint / no such step or an unreadable
+            saved config (:func:`~minicpm4_jax.train.checkpoint.resolve_source`), or a model whose parameters
+            or μP constants differ (the differing fields are listed).
     """
-    import orbax.checkpoint as ocp
-
-    from minicpm4_jax.config import config_from_dict
-    from minicpm4_jax.train.checkpoint import find_checkpoint_dir
-
     q = cfg.qat
-    try:
-        directory = find_checkpoint_dir(q.init_from, step_option="qat.init_step", path_option="qat.init_from")
-    except ConfigError as e:
-        raise ConfigError(str(e) if str(e).startswith("qat.init_from") else f"qat.init_from: {e}") from None
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
-    try:
-        steps = sorted(mngr.all_steps())
-        if not steps:
-            raise ConfigError(f"qat.init_from={q.init_from!r}: no complete checkpoint in {directory}")
-        step = steps[-1] if q.init_step is None else int(q.init_step)
-        if step not in steps:
-            raise ConfigError(f"qat.init_step={step} is not a checkpoint in {directory} (saved steps: "
-                              f"{', '.join(map(str, steps))}); pick one of those")
-        try:
-            raw = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-        except Exception as e:  # noqa: BLE001 - orbax raises many types for a damaged step
-            raise ConfigError(f"qat.init_from: checkpoint step {step} in {directory} has no readable config "
-                              f"({type(e).__name__}); pick another qat.init_step") from None
-    finally:
-        mngr.close()
-    saved = config_from_dict(raw)
-    bad = [d for d in diff_configs(saved.model, cfg.model, "model")
+    src = resolve_source(q.init_from, q.init_step, path_option="qat.init_from", step_option="qat.init_step")
+    bad = [d for d in diff_configs(src.cfg.model, cfg.model, "model")
            if d.split(":", 1)[0].split(".")[1] not in MODEL_FIELDS_MAY_DIFFER]
     if bad:
         raise ConfigError(
-            f"qat.init_from={q.init_from!r} (step {step}) holds a different model: " + "; ".join(bad)
+            f"qat.init_from={q.init_from!r} (step {src.step}) holds a different model: " + "; ".join(bad)
             + " (checkpoint value != current value); give the model section of that checkpoint (its config.json)"
         )
-    return InitSource(directory=directory, step=step, cfg=saved)
+    return src
 
 
 def load_init_params(src: InitSource, param_shardings: Any) -> Any:
