@@ -167,14 +167,28 @@ class SpecRunner:
         self.rounds = 0
 
     def run(self, rounds: int) -> tuple[float, int]:
-        """(seconds, tokens produced) over ``rounds`` rounds."""
+        """(seconds, tokens produced) over ``rounds`` rounds, pipelined as ``generate`` runs them: round ``i + 1``
+        is dispatched (its lengths from round ``i`` on the device) before round ``i``'s result is read."""
+        from minicpm4_jax.infer.spec import SpecState
+
+        st, dec = self.state, self.dec
+        carry, lengths, n = (st.cache, st.dcache, st.h_last, st.tok), np.asarray(st.lengths, np.int32), st.lengths[0]
         t0 = time.perf_counter()
-        made = 0
-        for _ in range(rounds):
-            self.i += 1
-            self.state, acc, _, _, _ = self.dec.round(self.state, [True], self.seeds, self.i, SamplingParams())
-            made += acc[0] + 1
-        self.state.tok.block_until_ready()
+        made, pending = 0, None
+        for j in range(rounds + 1):
+            launched = None
+            if j < rounds:
+                self.i += 1
+                mode = dec._mode([n], 0 if pending is None else dec.k + 1)
+                carry, lengths, packed = dec._launch(*carry, lengths, [True], self.seeds, self.i, SamplingParams(),
+                                                     None, mode)
+                launched = packed
+            if pending is not None:
+                a = dec._unpack(np.asarray(pending))[0][0]
+                made += a + 1
+                n += a + 1
+            pending = launched
+        self.state = SpecState(cache=carry[0], dcache=carry[1], lengths=[n], h_last=carry[2], tok=carry[3])
         self.produced += made
         self.rounds += rounds
         return time.perf_counter() - t0, made
@@ -199,10 +213,15 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     prompts = [t[:prompt_len].tolist() for t in texts]
     eng = InferenceEngine(model)
     variants = {"plain": None, f"spec k={k}": SpeculativeDecoder(eng, model.mtp, num_draft=k)}
+    ids = None
     if fr_vocab:
         ids = load_frequency_ranking(run_ranking_file(run, fr_vocab), model.cfg.vocab_size)[:fr_vocab]
         variants[f"spec k={k} + FR-Spec {fr_vocab}"] = SpeculativeDecoder(eng, model.mtp, num_draft=k,
                                                                          fr_spec_ids=ids)
+    # the last variant again with every round read before the next is dispatched (the loop before pipelining)
+    last = list(variants)[-1]
+    variants[f"{last}, rounds read one by one"] = SpeculativeDecoder(InferenceEngine(model, pipelined=False),
+                                                                     model.mtp, num_draft=k, fr_spec_ids=ids)
     # the draft on the held-out text itself (teacher-forced, every start position; text_acceptance): what the
     # acceptance would be without the model's own generation (its repetition loops) in the way
     text_acc = {f"spec k={k}": text_acceptance(model, texts, k)}
@@ -220,7 +239,9 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
                 o = gen([p], gen_len)
                 secs[name] += o.decode_seconds
                 toks[name] += o.new_tokens - 1  # the first token comes from prefill
-                acc[name].append((o.acceptance_length, o.decode_steps))
+                # (tokens per verify, verifies that kept tokens): decode_steps also counts a pipelined loop's
+                # discarded last round
+                acc[name].append((o.acceptance_length, (o.new_tokens - 1) / o.acceptance_length))
                 if i == 0:
                     tokens[name].append(o.tokens[0])
     def pooled(a):  # tokens per verify over all rounds of all documents (what the speed sees)
@@ -231,8 +252,8 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     out = {name: dict(tok_s=toks[name] / secs[name],
                       acceptance=1.0 if variants[name] is None else pooled(acc[name]),
                       acceptance_doc_mean=1.0 if variants[name] is None else float(np.mean([x for x, _ in acc[name]])),
-                      text_acceptance=text_acc.get(name, {}).get("acceptance", 1.0),
-                      text_rate=text_acc.get(name, {}).get("rate"),
+                      text_acceptance=text_acc.get(name.split(",")[0], {}).get("acceptance", 1.0),
+                      text_rate=text_acc.get(name.split(",")[0], {}).get("rate"),
                       identical=tokens[name] == tokens["plain"]) for name in gens}
     return dict(prompts=len(prompts), prompt_len=prompt_len, gen_len=gen_len, passes=passes, results=out)
 
@@ -275,7 +296,8 @@ def generate_loop(cfg, batches: list[int], prompt_len: int, gen_len: int, rounds
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="cpu_tiny", help="preset or YAML whose model architecture is used")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768], help="context lengths")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768],
+                    help="context lengths (none: with --checkpoint, only the trained-length measurement)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (alternating)")
     ap.add_argument("--warmup", type=int, default=16,
@@ -301,6 +323,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.batch < 1:
         ap.error(f"--batch {args.batch}: give at least 1 sequence")
+    if not args.lengths and not args.checkpoint and not args.generate_loop:
+        ap.error("--lengths without any length measures nothing; give context lengths, or --checkpoint RUN for the "
+                 "trained-length measurement alone")
     if args.generate_loop:
         generate_loop(load_config(args.config).model, sorted({1, args.batch}), args.prompt_len, args.gen_len,
                       args.rounds)
@@ -325,6 +350,12 @@ def main(argv=None) -> int:
         base = trained.cfg
     else:
         base = load_config(args.config).model
+    if not args.lengths:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(config=args.checkpoint or args.config, trained_length=spec_rows), f, indent=1,
+                          default=str)
+        return 0
     longest = max(args.lengths) + (args.rounds + 1) * (args.steps + args.warmup) * (args.num_draft + 1) + 1
     cfg = dataclasses.replace(base, max_position_embeddings=max(base.max_position_embeddings, longest),
                               attention="dense", dtype="float32")

@@ -49,6 +49,12 @@ def test_bench_decode_runs_dense_and_sparse(tmp_path):
     (row2,) = json.loads(out.read_text())["rows"]
     assert row2["batch"] == 2 and row2["dense_tok_s"] > 0 and row2["sparse_tok_s"] > 0
     assert row["bound_with_weights"] < row2["bound_with_weights"] < row2["bound"] == row["bound"]
+    # no lengths and no checkpoint: nothing to measure, one line (exit 2) instead of a crash on max([])
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        bench_decode.main(["--config", str(cfg), "--lengths"])
+    assert e.value.code == 2
 
 
 def test_bench_dense_attention_runs(tmp_path, capsys):
