@@ -94,3 +94,29 @@ def lower_for(f, args, platform: str) -> str:
         device_kind="NVIDIA H100 80GB HBM3", platform="gpu", num_cores=132))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Make ``--dist loadgroup`` honour ``xdist_group`` marks under pytest >= 9.2.
+
+    pytest-xdist (3.8) groups a worker's tests by appending ``@<group>`` to ``item._nodeid``; pytest 9.2 keeps
+    the id in ``item._id`` (``nodeid`` is derived from it), so the suffix never reached the scheduler and every
+    group's tests were spread over both workers: each worker recomputed the module fixtures (``test_sharding``,
+    ``test_train_memory``, ``test_mup``) and multi-device modules ran side by side. Where xdist's own suffix is
+    missing, set it through the structured id (a no-op under older pytest, where xdist's works).
+    """
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pragma: no cover - pytest < 9.2: xdist's own suffix works
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        nodeid = item.nodeid
+        if not names or nodeid.rfind("@") > nodeid.rfind("]"):
+            continue
+        if hasattr(item, "_id"):
+            item._id = NodeId.parse(f"{nodeid}@{'_'.join(names)}")
