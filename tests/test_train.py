@@ -324,8 +324,13 @@ def test_unwritable_or_full_output_dir(corpus, cache_dir, tmp_path, monkeypatch)
 # ---------------------------------------------------------------------------------------------
 
 
+#: the CLI subprocesses (one CPU device) reuse the persistent compilation cache as this process does (conftest:
+#: programs that compile in 0.5 s or more; JAX's own default, 1 s, left most of generate's programs out)
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(jax.config.jax_persistent_cache_min_compile_time_secs)}
+
+
 def _cli(*args, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", **_CACHE_ENV}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     env["XLA_FLAGS"] = COLLECTIVE_TIMEOUT_FLAGS
     return subprocess.run([PY, "-m", "minicpm4_jax.cli", *args], capture_output=True, text=True, env=env,
@@ -353,7 +358,8 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     ov = tiny_overrides(corpus, cache_dir, out, steps=100000, log_every=1, eval_every=100000,
                         **{"optimizer.decay_steps": 10, "checkpoint.save_every": 100000,
                            "model.rope_scaling": "null", "max_train_minutes": "null"})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS,
+           **_CACHE_ENV}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     p = subprocess.Popen([PY, "-m", "minicpm4_jax.cli", "train", "--no-progress", *ov], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
@@ -378,9 +384,10 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
 
     # generate from that checkpoint: greedy is deterministic, output starts with the prompt
     r1 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8")
-    r2 = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "8")
     assert r1.returncode == 0, r1.stderr
-    assert r1.stdout.startswith("def ") and r1.stdout == r2.stdout
+    assert r1.stdout.startswith("def ")
+    # the latest step named explicitly, in another process: the same tokens (greedy is deterministic across
+    # processes, and --step picks that checkpoint)
     r4 = _cli("generate", "--checkpoint", str(out), "--step", str(steps[-1]), "--prompt", "def ", "--max-new-tokens", "8")
     assert r4.returncode == 0 and r4.stdout == r1.stdout, r4.stderr
     assert "decode" in r1.stderr and "tokens/s" in r1.stderr and "nan" not in r1.stderr
