@@ -357,6 +357,24 @@ def test_speculative_near_the_position_limit_finishes_plainly():
     assert spec.acceptance_length > 1.0  # rounds ran before the plain tail
 
 
+def test_sampled_rows_do_not_depend_on_a_neighbour_at_the_position_limit():
+    """Break test: a row whose request ends at max_position_embeddings (50 + 14 = 64) sent the whole batch to plain
+    decode steps, so sampled rows far from the limit (30 + 14, 10 + 14) drew other tokens than alone (a sequence's
+    tokens depend only on its prompt and seed), pipelined or not; the row at the limit too (its plain steps' keys
+    counted the batch's rounds)."""
+    cfg = dataclasses.replace(SMALL, max_position_embeddings=64)
+    model, mtp = _pair(cfg, seed=3)
+    prompts = _prompts(cfg.vocab_size, (50, 30, 10))
+    sampling = SamplingParams(temperature=0.9, top_k=5)
+    for pipelined in (True, False):
+        dec = SpeculativeDecoder(InferenceEngine(model, prefill_chunk=16, pipelined=pipelined), mtp, num_draft=3)
+        batch = dec.generate(prompts, 14, sampling=sampling, seeds=5)
+        assert [len(t) for t in batch.tokens] == [14, 14, 14]
+        for i, p in enumerate(prompts):
+            alone = dec.generate([p], 14, sampling=sampling, seeds=[5 + i])
+            assert alone.tokens[0] == batch.tokens[i], (pipelined, i)
+
+
 @pytest.mark.torch
 def test_official_fr_spec_pt_written_by_torch_and_read_back(tmp_path):
     """The official freq_*.pt (torch.save of a list), written and reloaded by torch, read without torch here."""

@@ -510,7 +510,8 @@ class InferenceEngine:
             tok: int32 ``[batch]``, each sequence's last sampled token (already given to ``col``).
             lengths: cached tokens per sequence (host ints; updated in place).
             col: the token collector (stop rules, ``max_new_tokens``, streaming).
-            seeds: uint32 ``[batch]``; step ``i`` (counted from ``step0``) samples with ``row_keys(seeds, i)``.
+            seeds: uint32 ``[batch]``; step ``i`` (counted from ``step0``) samples with ``row_keys(seeds, i)``;
+                ``step0`` an int, or int ``[batch]`` (one per sequence: ``row_keys`` takes a step per row).
             fractions: receives the attended fraction of the step that produced every kept token.
 
         Pipelined (the engine's ``pipelined``, the default): step ``i + 1`` is dispatched before the tokens of step
@@ -542,7 +543,7 @@ class InferenceEngine:
                     sent[r] += int(rows[r])
                 # numpy inputs: the jitted call takes them without a dispatch of their own
                 cache, tok, frac = self.decode_fn(sampling, vocab_limit, mode)(
-                    self.weights, cache, tok, np.asarray(rows), seeds, np.int32(step0 + steps))
+                    self.weights, cache, tok, np.asarray(rows), seeds, np.asarray(step0 + steps, np.int32))
                 steps += 1
                 launched = (tok, frac, rows)
             if pending is not None:  # the previous step's tokens, read while this step runs

@@ -92,11 +92,14 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
 
 
 def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
-    """PRNG keys ``[batch]`` for sampling step ``step`` of sequences seeded with ``seeds`` (int ``[batch]``).
+    """PRNG keys ``[batch]`` for sampling step ``step`` (an int, or int ``[batch]``: a step per sequence) of
+    sequences seeded with ``seeds`` (int ``[batch]``).
 
     A sequence's draws depend only on its own seed and the step, never on its batch neighbours.
     """
-    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seeds.astype(jnp.uint32))
+    seeds = seeds.astype(jnp.uint32)
+    steps = jnp.broadcast_to(jnp.asarray(step), seeds.shape)
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, params: SamplingParams,

@@ -592,14 +592,17 @@ class SpeculativeDecoder:
         h_last = jnp.take_along_axis(hidden, (jnp.asarray(lens) - 1)[:, None, None], axis=1)[:, 0]
         return SpecState(cache=cache, dcache=dcache, lengths=list(lens), h_last=h_last, tok=first_token(logits))
 
-    def _plain_tail(self, st: SpecState, col: Any, seeds: jax.Array, step0: int, sampling: SamplingParams,
+    def _plain_tail(self, st: SpecState, col: Any, seeds: jax.Array, sampling: SamplingParams,
                     vocab_limit: int | None, fracs: list) -> int:
         """Plain decode steps until every sequence is done (near ``max_position_embeddings``); returns the count.
 
-        Their sampling keys (``row_keys(seeds, step)`` with ``step >= 1``) are never used by the rounds, whose
-        keys are folded with other constants, so the draws stay independent.
+        A sequence's step that produces its new token ``i`` (counted from 0, token 0 from the prefill) samples with
+        ``row_keys(seeds, i)``, as plain decoding does: the keys depend on the sequence alone, not on the rounds its
+        batch neighbours ran. The rounds never use these keys (theirs are folded with other constants), so the draws
+        stay independent.
         """
         cache = dataclasses.replace(st.cache, lengths=jnp.asarray(st.lengths, jnp.int32))
+        step0 = np.asarray([len(o) for o in col.out], np.int32)
         _, steps = self.engine.decode_loop(cache, st.tok, list(st.lengths), col, seeds, step0, sampling, vocab_limit,
                                            fracs)
         return steps
@@ -617,8 +620,9 @@ class SpeculativeDecoder:
         tokens of the fraction the step producing each attended (the verify rows of rejected drafts and discarded
         tokens do not count), so for one sequence it equals plain decoding's.
 
-        Near ``max_position_embeddings`` (when a verify chunk would write past the last position) the remaining
-        tokens are decoded plainly.
+        Near ``max_position_embeddings`` (when a sequence's next verify chunk would write past the last position)
+        that sequence takes no more rounds; its remaining tokens are decoded plainly once the other sequences' rounds
+        are done, so a sequence's rounds and tokens do not depend on its batch neighbours (also when sampling).
 
         Pipelined (the engine's ``pipelined``, the default): round ``i + 1`` is dispatched before the result of round
         ``i`` is read; its lengths come from round ``i`` on the device, its attention mode is the one right for every
@@ -668,35 +672,41 @@ class SpeculativeDecoder:
                 produced += kept
                 fracs.extend(float(x) for x in row_frac[r, :kept])
 
+        # rows whose next verify chunk would write past the last position (decided on exact lengths): they take no
+        # more rounds and end with plain decode steps once the other rows' rounds are done, so that no row's rounds
+        # (and sampled tokens) depend on its batch neighbours
+        plain_rows = [False] * b
         while True:
+            flying = [False] * b if pending is None else pending[1]
             slack = 0 if pending is None else k + 1  # the running round adds 1 .. k + 1 tokens to each of its rows
             # every round gives a row at least one token: a row the running round must finish is not sent again
-            rows = [active[r] and len(out[r]) + int(pending is not None and pending[1][r]) < col.max_new
-                    for r in range(b)]
-            launched, to_tail = None, False
+            rows = [active[r] and not plain_rows[r] and len(out[r]) + int(flying[r]) < col.max_new for r in range(b)]
+            # a row of the running round whose next chunk could write past the last position: read that round first,
+            # then decide on the exact lengths
+            hold = any(rows[r] and flying[r] and lengths[r] + slack + k >= max_pos for r in range(b))
+            if hold:
+                rows = [False] * b
+            for r in range(b):
+                if rows[r] and lengths[r] + k >= max_pos:  # not holding: lengths[r] is exact or far from the limit
+                    plain_rows[r], rows[r] = True, False
+            launched = None
             if any(rows):
-                if any(lengths[r] + slack + k >= max_pos for r in range(b) if rows[r]):
-                    # a verify chunk could write past the last position: read the running round, then decide on
-                    # the exact lengths; without one, finish with plain decode steps
-                    to_tail = pending is None
-                else:
-                    mode = self._mode([lengths[r] for r in range(b) if rows[r]], slack)
-                    carry, dev_lengths, packed = self._launch(*carry, dev_lengths, rows, seeds_arr, rounds + 1,
-                                                              sampling, vocab_limit, mode)
-                    rounds += 1
-                    launched = (packed, rows)
+                mode = self._mode([lengths[r] for r in range(b) if rows[r]], slack)
+                carry, dev_lengths, packed = self._launch(*carry, dev_lengths, rows, seeds_arr, rounds + 1,
+                                                          sampling, vocab_limit, mode)
+                rounds += 1
+                launched = (packed, rows)
             if pending is not None:  # the previous round's result, read while this one runs
                 collect(*pending)
             pending = launched
             if pending is not None and not eng.pipelined:
                 collect(*pending)
                 pending = None
-            if to_tail:
-                st = SpecState(cache=carry[0], dcache=carry[1], lengths=lengths, h_last=carry[2], tok=carry[3])
-                tail_steps = self._plain_tail(st, col, seeds_arr, rounds + 1, sampling, vocab_limit, fracs)
+            if pending is None and not any(rows) and not hold:
                 break
-            if pending is None and not any(rows):
-                break
+        if any(active):  # the rows near the position limit
+            st = SpecState(cache=carry[0], dcache=carry[1], lengths=lengths, h_last=carry[2], tok=carry[3])
+            tail_steps = self._plain_tail(st, col, seeds_arr, sampling, vocab_limit, fracs)
         t2 = time.perf_counter()
         return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
                                 new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
