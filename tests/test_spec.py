@@ -323,6 +323,21 @@ def test_bad_spec_settings():
         dec.prefill([[1, 2], []], 10, first)
     with pytest.raises(ConfigError, match="a prompt of 5 tokens does not fit tokens=4"):
         dec.prefill([[1, 2, 3, 4, 5]], 4, first)
+    # break-test (helper 47): a missing draft head failed at the first traced round ('NoneType' has no 'inputs')
+    with pytest.raises(ConfigError, match=r"needs the model's MTP draft head, got NoneType.*model.mtp=true"):
+        SpeculativeDecoder(eng, None)
+    # round() with one flag for two sequences broadcast it on the device (row 1's cache advanced, its host
+    # length did not); a round past the caches' capacity wrote its tokens nowhere
+    st = dec.prefill([[1, 2, 3], [4, 5]], 20, first)
+    with pytest.raises(ConfigError, match="active has 1 entries for a state of 2 sequences"):
+        dec.round(st, [True], jnp.zeros((2,), jnp.uint32), 1, SamplingParams())
+    cap = st.cache.capacity
+    st = dec.prefill([[1] * (cap - dec.k), [2, 3]], cap, first)  # row 0: k + 1 tokens do not fit, row 1 fits
+    with pytest.raises(ConfigError, match=rf"sequence 0 holds {cap - dec.k} tokens: a round of {dec.k + 1} does "
+                                          rf"not fit in caches of {cap} slots"):
+        dec.round(st, [True, True], jnp.zeros((2,), jnp.uint32), 1, SamplingParams())
+    st, acc, *_ = dec.round(st, [False, True], jnp.zeros((2,), jnp.uint32), 1, SamplingParams())  # row 0 idle
+    assert st.lengths[0] == cap - dec.k and st.lengths[1] == 2 + acc[1] + 1
 
 
 def test_draft_window_keeps_greedy_output_and_changes_only_the_drafts():

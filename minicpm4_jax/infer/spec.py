@@ -458,7 +458,8 @@ class SpeculativeDecoder:
             constant at long contexts; any draft keeps the output exact (step 3), only acceptance can change.
 
     Raises:
-        ConfigError: ``num_draft`` not an integer, ``< 1`` or ``>= max_position_embeddings - 1``; a ranking
+        ConfigError: ``mtp`` not an MTP head (e.g. ``None``: the model was built without ``model.mtp``);
+            ``num_draft`` not an integer, ``< 1`` or ``>= max_position_embeddings - 1``; a ranking
             that is empty, not a flat list of integers, repeats an id or has ids outside the vocabulary; or
             ``draft_window < 1``.
     """
@@ -466,6 +467,9 @@ class SpeculativeDecoder:
     def __init__(self, engine: InferenceEngine, mtp: MTPHead, *, num_draft: int = 3,
                  fr_spec_ids: np.ndarray | None = None, draft_window: int | None = 1024):
         cfg = engine.cfg
+        if not isinstance(mtp, MTPHead):
+            raise ConfigError(f"SpeculativeDecoder needs the model's MTP draft head, got {type(mtp).__name__}; build "
+                              "the model with model.mtp=true (and train it) and pass model.mtp")
         if draft_window is not None and (not is_integer(draft_window) or draft_window < 1):
             raise ConfigError(f"draft_window={draft_window!r} (--draft-window) must be a positive number of "
                               "positions, or None / 0 on the command line for the whole context")
@@ -526,9 +530,23 @@ class SpeculativeDecoder:
         verified row, float32 ``[b, k + 1]`` (row ``j``: the step that produced the round's ``j``-th token; host
         arrays). ``st`` is consumed: its caches are donated to the round (updated in place); continue from the
         returned state.
+
+        Raises:
+            ConfigError: ``active`` does not have one entry per sequence of ``st``, or an active sequence has no
+                room for the round's ``k + 1`` tokens in the target or draft cache (size the caches for
+                ``length + max_new_tokens + 2 k + 1`` tokens, as :meth:`generate` does).
         """
         b = len(active)
+        if b != len(st.lengths) or b != st.tok.shape[0]:
+            raise ConfigError(f"active has {b} entries for a state of {st.tok.shape[0]} sequences; give one flag "
+                              "per sequence")
         n = list(st.lengths)
+        room = min(st.cache.capacity, st.dcache.k.shape[2])
+        full = [r for r in range(b) if active[r] and n[r] + self.k + 1 > room]
+        if full:
+            raise ConfigError(f"sequence {full[0]} holds {n[full[0]]} tokens: a round of {self.k + 1} does not fit "
+                              f"in caches of {room} slots; prefill with room for length + max_new_tokens + "
+                              f"2 * num_draft + 1 tokens")
         mode = self._mode([n[r] for r in range(b) if active[r]], 0)
         out, _, packed = self._launch(st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32), active,
                                       seeds, rnd, sampling, vocab_limit, mode)
