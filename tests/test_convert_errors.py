@@ -445,3 +445,11 @@ def test_force_replaces_only_an_earlier_output(runs, tmp_path, capsys, no_param_
                                        "--force"])
         assert "holds an imported model run (import hf-minicpm)" in err, err
     assert _tree(tmp_path) == before
+
+
+def test_spec_decode_on_a_checkpoint_without_a_draft_head(run_copy, capsys):
+    """An imported official checkpoint has no MTP head: ``--spec-decode`` is one line, before any token."""
+    assert read_json(run_copy / "config.json")["model"]["mtp"] is False
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(run_copy), "--prompt", "x", "--spec-decode"])
+    assert "--spec-decode needs a model trained with its MTP draft head" in err, err
+    assert main(["generate", "--checkpoint", str(run_copy), "--prompt", "x", "--max-new-tokens", "2"]) == 0
