@@ -365,7 +365,11 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
             return jax.lax.with_sharding_constraint(tree, state_sh.params)
 
         def body(carry, mb):
-            (loss, stats), grads = grad_fn(params, mb, step)
+            # tie the parameters to the microbatch: otherwise XLA hoists whatever depends on the parameters
+            # alone (the all-gathered embedding table and its compute-dtype cast) out of the loop and keeps it
+            # live across all microbatches; here it is gathered again per microbatch, as FSDP does
+            p, mb = jax.lax.optimization_barrier((params, mb))
+            (loss, stats), grads = grad_fn(p, mb, step)
             acc_loss, acc_stats, acc_grads = carry
             acc_grads = constrain(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads))
             acc_stats = jax.tree.map(lambda a, v: a + v.astype(jnp.float32), acc_stats, stats)
