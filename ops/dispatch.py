@@ -119,12 +119,21 @@ def on_mesh(fn, args: tuple, layouts: tuple[str | None, ...], out_layout: str):
     h_ok = t > 1 and all(a.shape[lay.index("h")] % t == 0 for a, lay in live if "h" in lay)
     axis = {"b": batch_axes if b_ok else None, "h": "tensor" if h_ok else None, ".": None}
     spec = lambda lay: jax.sharding.PartitionSpec(*(axis[c] for c in lay))  # noqa: E731
-    idx = [i for i, a in enumerate(args) if a is not None]
+    # A zero-sized argument (e.g. gen-2's coarse keys when T is shorter than one coarse kernel) stays out of
+    # the shard_map and is rebuilt, with its per-device shape, inside: with jax/jaxlib 0.11.2 a jitted
+    # shard_map with a zero-sized operand segfaults in XLA's compiler (seen on XLA:CPU with 2 and 8 fake
+    # devices, in the Shardy step of SPMD partitioning); jax 0.12.0.1 compiles it.
+    idx = [i for i, a in enumerate(args) if a is not None and a.size > 0]
+    split = {"b": n_batch if b_ok else 1, "h": t if h_ok else 1, ".": 1}
+    empty = {i: (tuple(n // split[c] for n, c in zip(a.shape, layouts[i])), a.dtype)
+             for i, a in enumerate(args) if a is not None and a.size == 0}
 
     def body(*shards):
         full = list(args)
         for i, x in zip(idx, shards):
             full[i] = x
+        for i, (shape, dtype) in empty.items():
+            full[i] = jax.numpy.zeros(shape, dtype)
         return fn(*full)
 
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(spec(layouts[i]) for i in idx),

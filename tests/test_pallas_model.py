@@ -158,3 +158,29 @@ def test_kernels_run_per_device_under_a_mesh():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
     for g, gr in zip(grads, gref):
         np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=1e-5, atol=1e-6)
+
+
+def test_on_mesh_zero_sized_argument():
+    """A zero-sized argument (gen-2's coarse keys when T is shorter than one coarse kernel) reaches ``fn`` with
+    its per-device shape. jax/jaxlib 0.11.2 (the GPU machines') segfaulted compiling a jitted shard_map with a
+    zero-sized operand; ``on_mesh`` keeps such arguments out of it."""
+    import jax.numpy as jnp
+    from jax.sharding import AxisType
+
+    from minicpm4_jax.ops.dispatch import on_mesh
+
+    assert jax.device_count() >= 8
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3,
+                         devices=jax.devices()[:8])
+    x = jnp.arange(8 * 3 * 4 * 2, dtype=jnp.float32).reshape(8, 3, 4, 2)
+    z = jnp.zeros((8, 0, 4, 2), jnp.float32)
+    seen = []
+
+    def fn(x_, z_):
+        seen.append((x_.shape, z_.shape, z_.dtype))
+        return x_ * 2 + jnp.sum(z_)
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda a, b: on_mesh(fn, (a, b), ("b.h.", "b.h."), "b.h."))(x, z)
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
+    assert seen == [((2, 3, 2, 2), (2, 0, 2, 2), jnp.float32)]
