@@ -7,7 +7,7 @@ ARGS ?=
 
 .PHONY: train test venv torch-env clean-cache
 
-$(STAMP): pyproject.toml scripts/bootstrap_venv.sh
+$(STAMP): pyproject.toml scripts/bootstrap_venv.sh scripts/find_python.sh
 	bash scripts/bootstrap_venv.sh $(VENV)
 	@touch $(STAMP)
 
@@ -17,9 +17,11 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/minicpm4 train --config configs/cpu_tiny.yaml $(ARGS)
 
-## make test: the whole suite CI runs.
+## make test: the whole suite CI runs, then the kernels' lowering and the imports on the oldest supported JAX (0.11.2,
+## the GPU machines' version) without grain / tensorboardX (scripts/test_jax_min.sh, ~1.5 min with its venv).
 test: $(STAMP)
 	bash scripts/run_tests.sh $(PY)
+	bash scripts/test_jax_min.sh
 
 ## make torch-env: the Python 3.11 CPU PyTorch environment used by parity tests and benchmarks.
 torch-env:

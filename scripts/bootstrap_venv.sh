@@ -3,17 +3,7 @@
 # JAX 0.12 needs Python >= 3.12; on these machines pyenv provides it.
 set -euo pipefail
 VENV=${1:-.venv}
-find_python() {
-  if [[ -n "${PYTHON312:-}" ]]; then echo "$PYTHON312"; return; fi
-  local root
-  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-  for cand in "$root"/versions/3.12.*/bin/python "$root"/versions/3.13.*/bin/python \
-              "$(command -v python3.12 || true)" "$(command -v python3.13 || true)"; do
-    if [[ -n "$cand" && -x "$cand" ]] && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
-      echo "$cand"; return
-    fi
-  done
-}
+source "$(dirname "${BASH_SOURCE[0]}")/find_python.sh"
 PYBIN=$(find_python)
 if [[ -z "$PYBIN" ]]; then
   echo "error: no Python >= 3.12 found (JAX 0.12 needs it); install one with 'pyenv install 3.12' or set PYTHON312=/path/to/python3.12" >&2
