@@ -18,7 +18,7 @@ train: $(STAMP)
 	$(VENV)/bin/minicpm4 train --config configs/cpu_tiny.yaml $(ARGS)
 
 ## make test: the whole suite CI runs, then the kernels' lowering and the imports on the oldest supported JAX (0.11.2,
-## the GPU machines' version) without grain / tensorboardX (scripts/test_jax_min.sh, ~1.5 min with its venv).
+## the GPU machines' version) without grain / tensorboardX, and gpu_check.sh's dry run (scripts/test_jax_min.sh, ~2.5 min).
 test: $(STAMP)
 	bash scripts/run_tests.sh $(PY)
 	bash scripts/test_jax_min.sh

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The oldest supported JAX (0.11.2, what the GPU machines run) without grain and tensorboardX (which they lack):
-# builds .venv-jax-min idempotently and runs what those machines use (the model, ops/ and the Pallas kernels'
-# Triton/TPU lowering), so an API that 0.11.2 lacks fails on CPU here, not on a rare 15-minute GPU run.
+# builds .venv-jax-min idempotently and runs what those machines use (the model, ops/, the Pallas kernels'
+# Triton/TPU lowering and scripts/gpu_check.sh's dry run), so an API that 0.11.2 lacks fails on CPU here, not on a
+# rare 15-minute GPU run.
 #
 #   bash scripts/test_jax_min.sh [VENV]      # default .venv-jax-min; `make test` runs it after the main suite
 #
@@ -51,3 +52,5 @@ EOF
 "$VENV/bin/python" -m pytest -q -n 2 -p no:cacheprovider \
   tests/test_pallas_model.py tests/test_lowering_contracts.py tests/test_pallas_decode.py tests/test_pallas_sparse.py \
   tests/test_pallas_stage1.py -k "lower or lowering or on_mesh or per_device"
+# scripts/gpu_check.sh's CPU dry run with this interpreter, as the GPU machine runs it (run_tests.sh leaves it out)
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_gpu_check_script.py
