@@ -37,7 +37,7 @@ print("pytest-xdist>=3.5,<4")
 print("hypothesis>=6,<7")
 EOF
 )
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "${DEPS[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "${DEPS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR_JAX_MIN:-$PWD/.cache/jax_compilation_jax_min}
 "$VENV/bin/python" - "$JAX_MIN" <<'EOF'

@@ -46,17 +46,21 @@ from minicpm4_jax.train.step import _graphdef, abstract_train_state, make_train_
 assert jax.device_count() == 8, jax.device_count()
 OVR = ["model.num_hidden_layers=2", "data.seq_len=256"]
 
-def analyse(sizes, batch, mtp):
-    cfg = load_config("cpu_tiny", OVR + [f"data.batch_size={batch}", f"model.mtp={str(mtp).lower()}"])
+def compile_step(sizes, batch, overrides):
+    """The train step of cpu_tiny (2 layers, seq 256) on a ``sizes`` mesh, compiled (nothing runs); and its config."""
+    cfg = load_config("cpu_tiny", OVR + [f"data.batch_size={batch}", *overrides])
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(*sizes))
     mesh = make_mesh(cfg.mesh, jax.devices()[:math.prod(sizes)])
-    sh = train_state_shardings(cfg, mesh)
-    abstract = abstract_train_state(cfg)
     state = jax.tree.map(lambda s, sub: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub), sh, abstract)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub),
+        train_state_shardings(cfg, mesh), abstract_train_state(cfg))
     tokens = jax.ShapeDtypeStruct((batch, cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh))
-    ma = make_train_step(cfg, _graphdef(cfg), mesh).trace(state, tokens).lower().compile().memory_analysis()
-    largest = max(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(abstract.params))
+    return make_train_step(cfg, _graphdef(cfg), mesh).trace(state, tokens).lower().compile(), cfg
+
+def analyse(sizes, batch, mtp):
+    compiled, cfg = compile_step(sizes, batch, [f"model.mtp={str(mtp).lower()}"])
+    ma = compiled.memory_analysis()
+    largest = max(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(abstract_train_state(cfg).params))
     return {"argument": ma.argument_size_in_bytes, "temp": ma.temp_size_in_bytes, "largest_param": largest}
 
 out = {f"{name}_{mtp}": analyse(sizes, batch, mtp) for mtp in (False, True)
@@ -66,17 +70,10 @@ out["mixed_16_True"] = analyse((2, 2, 2), 16, True)  # data x fsdp x tensor: the
 def loop_carried(sizes, batch, accum):
     """Shapes of the arrays every while loop of the compiled step carries (bf16 compute, gradient accumulation)."""
     import re
-    cfg = load_config("cpu_tiny", OVR + [f"data.batch_size={batch}", "model.mtp=false", "model.dtype=bfloat16",
-                                         f"gradient_accumulation_steps={accum}"])
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*sizes))
-    mesh = make_mesh(cfg.mesh, jax.devices()[:math.prod(sizes)])
-    sh = train_state_shardings(cfg, mesh)
-    state = jax.tree.map(lambda s, sub: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub), sh, abstract_train_state(cfg))
-    tokens = jax.ShapeDtypeStruct((batch, cfg.data.seq_len + 1), jnp.int32, sharding=batch_sharding(mesh))
-    text = make_train_step(cfg, _graphdef(cfg), mesh).trace(state, tokens).lower().compile().as_text()
+    compiled, cfg = compile_step(sizes, batch, ["model.mtp=false", "model.dtype=bfloat16",
+                                                f"gradient_accumulation_steps={accum}"])
     loops = [re.findall(r"\b(?:f32|bf16)\[([0-9,]+)\]", m.group(1))
-             for m in re.finditer(r"= \((.*?)\) while\(", text)]
+             for m in re.finditer(r"= \((.*?)\) while\(", compiled.as_text())]
     return {"loops": loops, "table": [cfg.model.vocab_size, cfg.model.hidden_size]}
 
 out["accum_loops"] = loop_carried((1, 8, 1), 16, 2)
