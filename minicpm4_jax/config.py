@@ -207,7 +207,8 @@ class ModelConfig:
 
         Raises:
             ConfigError: unsupported ``hidden_act``, unknown ``rope_scaling.rope_type``, a ``rope_scaling``
-                that is not a mapping or lacks ``short_factor`` / ``long_factor``.
+                that is not a mapping or lacks ``short_factor`` / ``long_factor``, a ``sparse_config`` that is not
+                a mapping or holds a value of the wrong type.
         """
         act = hf.get("hidden_act", "silu")
         if act != "silu":
@@ -238,8 +239,12 @@ class ModelConfig:
         sparse = hf.get("sparse_config")
         sparse_cfg = None
         if sparse is not None:
+            if not isinstance(sparse, dict):
+                raise ConfigError(f"sparse_config={sparse!r} is not a mapping; give the InfLLM v2 settings "
+                                  "(kernel_size, block_size, topk, ...) or remove sparse_config")
             known = {f.name for f in dataclasses.fields(SparseConfig)}
-            sparse_cfg = SparseConfig(**{k: v for k, v in sparse.items() if k in known})
+            # typed like a YAML config: a bad value names its field (sparse_config.topk='x' must be an integer)
+            sparse_cfg = _from_dict(SparseConfig, {k: v for k, v in sparse.items() if k in known}, "sparse_config")
         nq = int(hf.get("num_attention_heads", 32))
         kw: dict[str, Any] = dict(
             vocab_size=int(hf.get("vocab_size", 32000)),
@@ -370,7 +375,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh ``(data, fsdp, tensor)``; ``-1`` on one axis takes the remaining devices."""
+    """Device mesh ``(data, fsdp, tensor)``; ``-1`` on one axis takes the remaining devices.
+
+    ``axis_types``: ``"auto"``, the only supported value (``AxisType.Auto`` axes: the train step places arrays
+    through jit shardings and sharding constraints, not sharding-in-types).
+    """
 
     data: int = 1
     fsdp: int = 1
@@ -639,6 +648,12 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
         if key not in names:
             raise ConfigError(f"unknown config key {path!r}{_suggest(key, names)}")
         kwargs[key] = _coerce(value, hints[key], path)
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        label = where or "the config"
+        raise ConfigError(f"{label} lacks {', '.join(repr(m) for m in missing)}; a mapping given for {label} must "
+                          "hold every required field (or give null where that is allowed)")
     return cls(**kwargs)
 
 
@@ -803,6 +818,8 @@ def validate_model(m: ModelConfig) -> None:
                  "num_key_value_heads", "max_position_embeddings", "dim_model_base"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.head_dim is not None and m.head_dim <= 0:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be positive (or null: hidden_size / num_attention_heads)")
     if m.vocab_pad_multiple < 1:
         raise ConfigError(f"model.vocab_pad_multiple={m.vocab_pad_multiple} must be >= 1 (1 = no padding; e.g. 256)")
     if m.num_attention_heads % m.num_key_value_heads:
@@ -817,10 +834,10 @@ def validate_model(m: ModelConfig) -> None:
         )
     if m.resolved_head_dim % 2:
         raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for rotary embeddings")
-    if m.rms_norm_eps <= 0:
-        raise ConfigError(f"model.rms_norm_eps={m.rms_norm_eps} must be > 0")
-    if m.rope_theta <= 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0")
+    if not (math.isfinite(m.rms_norm_eps) and m.rms_norm_eps > 0):
+        raise ConfigError(f"model.rms_norm_eps={m.rms_norm_eps} must be a finite number > 0 (e.g. 1e-6)")
+    if not (math.isfinite(m.rope_theta) and m.rope_theta > 0):
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be a finite number > 0 (e.g. 10000.0)")
     if m.rope_scaling is not None:
         rs = m.rope_scaling
         if rs.rope_type != "longrope":
@@ -936,14 +953,14 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} exceeds model.vocab_size={cfg.model.vocab_size}"
         )
-    if cfg.steps <= 0:
-        raise ConfigError(f"steps={cfg.steps} must be positive")
+    if not 0 < cfg.steps < 2**31:
+        raise ConfigError(f"steps={cfg.steps} must be in [1, {2**31 - 1}] (the step counter is int32)")
     if not (math.isfinite(cfg.mtp_loss_weight) and cfg.mtp_loss_weight >= 0):
         raise ConfigError(f"mtp_loss_weight={cfg.mtp_loss_weight} must be a finite number >= 0 (the λ of "
                           "L_NTP + λ·L_MTP)")
     if not 0.0 <= cfg.mtp_distill <= 1.0:
         raise ConfigError(f"mtp_distill={cfg.mtp_distill} must be in [0, 1] (the KL share of the MTP loss)")
-    if not 1 <= cfg.mtp_train_depth < d.seq_len:
+    if cfg.mtp_train_depth < 1 or (cfg.model.mtp and cfg.mtp_train_depth >= d.seq_len):
         raise ConfigError(f"mtp_train_depth={cfg.mtp_train_depth} must be in [1, data.seq_len={d.seq_len}) "
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
     if cfg.profile_start_step is not None and not 1 <= cfg.profile_start_step <= cfg.steps:
@@ -976,6 +993,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optimizer.learning_rate={o.learning_rate} must be a finite number > 0")
     if not (math.isfinite(o.weight_decay) and o.weight_decay >= 0):
         raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be a finite number >= 0 (0 = none)")
+    for nm, v in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"optimizer.{nm}={v} must be in [0, 1) (AdamW's moment decay; e.g. 0.9 / 0.95)")
+    if not (math.isfinite(o.eps) and o.eps > 0):
+        raise ConfigError(f"optimizer.eps={o.eps} must be a finite number > 0 (AdamW's denominator term, e.g. 1e-8)")
     if not (math.isfinite(o.grad_clip) and o.grad_clip >= 0):
         raise ConfigError(f"optimizer.grad_clip={o.grad_clip} must be a finite number >= 0 (0 = no clipping)")
     for nm, v in (("seed", cfg.seed), ("data.seed", d.seed)):
@@ -1002,8 +1024,9 @@ def validate(cfg: TrainConfig) -> None:
             "lower optimizer.warmup_steps / the decay length or raise steps"
         )
     mesh = cfg.mesh
-    if mesh.axis_types not in ("auto", "explicit"):
-        raise ConfigError(f"mesh.axis_types={mesh.axis_types!r}; use 'auto' or 'explicit'")
+    if mesh.axis_types != "auto":
+        raise ConfigError(f"mesh.axis_types={mesh.axis_types!r} is not supported; use 'auto' (the train step places "
+                          "arrays through jit shardings and sharding constraints on Auto mesh axes)")
     sizes = (mesh.data, mesh.fsdp, mesh.tensor)
     if sum(1 for s in sizes if s == -1) > 1 or any(s == 0 or s < -1 for s in sizes):
         raise ConfigError(f"mesh sizes {sizes} invalid: positive sizes, at most one -1")

@@ -40,7 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from minicpm4_jax.config import ConfigError, MeshConfig
 
 __all__ = ["MESH_AXES", "LOGICAL_RULES", "BATCH_AXES", "resolve_mesh_shape", "make_mesh", "logical_to_spec",
-           "param_shardings", "state_shardings", "batch_sharding", "replicated", "check_batch_size",
+           "param_shardings", "state_shardings", "batch_sharding", "replicated", "check_batch_size", "check_vocab_size",
            "process_batch_rows", "make_global_batch"]
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
@@ -201,6 +201,21 @@ def check_batch_size(batch_size: int, mesh: Mesh, microbatches: int = 1) -> None
         raise ConfigError(f"data.batch_size={batch_size} does not split into gradient_accumulation_steps="
                           f"{microbatches} microbatches over mesh data*fsdp={n}; use a multiple of "
                           f"{n * microbatches} or fewer accumulation steps")
+
+
+def check_vocab_size(padded_vocab_size: int, mesh: Mesh) -> None:
+    """Raise ConfigError unless the embedding's vocabulary rows divide over the mesh's ``tensor`` axis.
+
+    :func:`logical_to_spec` would replicate a non-divisible vocab axis, and with that layout XLA's partitioner
+    produced a train step whose devices wait in different collectives (MTP with ``mtp_detach`` and
+    ``mtp_feature_weight``: ``model.vocab_size=1025`` on ``mesh.tensor=2`` hung, then aborted, in 5 of 5 CPU
+    runs). Padding the rows (``model.vocab_pad_multiple``) keeps the vocab axis sharded and costs nothing.
+    """
+    t = int(dict(mesh.shape).get("tensor", 1))
+    if t > 1 and padded_vocab_size % t:
+        raise ConfigError(f"model.vocab_size={padded_vocab_size} (after model.vocab_pad_multiple) is not divisible "
+                          f"by mesh.tensor={t}; set model.vocab_pad_multiple to a multiple of {t} (e.g. "
+                          f"{math.lcm(t, 128)}) so that the embedding rows shard over the tensor axis")
 
 
 def process_batch_rows(sharding: NamedSharding, batch_size: int) -> list[int]:

@@ -9,6 +9,8 @@ compiled step must hold less memory.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,12 +20,16 @@ from minicpm4_jax.config import ConfigError, load_config
 from minicpm4_jax.train.step import (_graphdef, abstract_train_state, init_train_state, make_eval_step,
                                      make_loss_fn, make_train_step, token_sums)
 
+# the whole-sequence reference of each objective is computed once and shared by its chunk sizes (one worker)
+pytestmark = pytest.mark.xdist_group("chunked_loss")
+
 TINY = ["model.num_hidden_layers=2", "model.vocab_size=512", "data.tokenizer_vocab_size=512", "data.seq_len=40",
         "data.batch_size=3"]
 
 
-def _run(chunk: int, extra: list[str]):
-    cfg = load_config("cpu_tiny", TINY + [f"logits_chunk_size={chunk}"] + extra)
+@functools.lru_cache(maxsize=None)
+def _run(chunk: int, extra: tuple[str, ...]):
+    cfg = load_config("cpu_tiny", TINY + [f"logits_chunk_size={chunk}"] + list(extra))
     gd, st = init_train_state(cfg, 0)
     batch = jax.random.randint(jax.random.key(1), (3, 41), 0, cfg.model.vocab_size)
     nll, n = make_eval_step(gd, None, chunk)(st.params, batch)
@@ -39,8 +45,8 @@ def _run(chunk: int, extra: list[str]):
 ], ids=["ntp", "mtp_distill_depth2"])
 @pytest.mark.parametrize("chunk", [16, 1])
 def test_chunked_losses_equal_whole_sequence(extra, chunk):
-    a0, nll0, n0, g0, m0 = _run(0, extra)
-    a1, nll1, n1, g1, m1 = _run(chunk, extra)
+    a0, nll0, n0, g0, m0 = _run(0, tuple(extra))
+    a1, nll1, n1, g1, m1 = _run(chunk, tuple(extra))
     assert set(a0) == set(a1) and set(m0) == set(m1)
     if "model.mtp=true" in extra:
         assert {"mtp_loss", "mtp_loss_depth2", "mtp_kl", "mtp_feature_loss"} <= set(a0)

@@ -88,10 +88,32 @@ def test_wsd_lengths_checked():
     ("model.bos_token_id=-5", "model.bos_token_id holds -5"),
     ("max_train_minutes=0", "max_train_minutes=0.0 must be > 0 minutes"),
     ("optimizer.decay_fraction=-0.5", r"decay_fraction=-0.5 must be in \[0, 1\]"),
+    # a second break test: each was accepted (beta1=2 trained and saved; steps=3e9 failed after writing the run
+    # folder; head_dim=0 failed after data preparation; a NaN eps only as a non-finite loss at step 1)
+    ("optimizer.beta1=2", r"optimizer.beta1=2.0 must be in \[0, 1\)"),
+    ("optimizer.beta2=-1", r"optimizer.beta2=-1.0 must be in \[0, 1\)"),
+    ("optimizer.eps=-1", "optimizer.eps=-1.0 must be a finite number > 0"),
+    ("optimizer.eps=.nan", "optimizer.eps=nan must be a finite number > 0"),
+    ("model.rms_norm_eps=.nan", "model.rms_norm_eps=nan must be a finite number > 0"),
+    ("model.rope_theta=.nan", "model.rope_theta=nan must be a finite number > 0"),
+    ("model.head_dim=0", "model.head_dim=0 must be positive"),
+    ("model.head_dim=-4", "model.head_dim=-4 must be positive"),
+    ("steps=3000000000", r"steps=3000000000 must be in \[1, 2147483647\]"),
+    ("mesh.axis_types=explicit", "mesh.axis_types='explicit' is not supported; use 'auto'"),
+    ("model.rope_scaling={rope_type: longrope}", "model.rope_scaling lacks 'short_factor', 'long_factor'"),
+    ("model.rope_scaling={}", "model.rope_scaling lacks"),
 ])
 def test_out_of_range_training_values_are_refused_up_front(override, what):
     with pytest.raises(ConfigError, match=what):
         load_config("cpu_tiny", [override])
+
+
+def test_mtp_train_depth_is_checked_against_seq_len_only_with_mtp():
+    # seq_len 1 trains next-token prediction; the draft's depth bound applies only when there is a draft
+    cfg = load_config("cpu_tiny", ["data.seq_len=1", "model.mtp=false"])
+    assert cfg.data.seq_len == 1
+    with pytest.raises(ConfigError, match=r"mtp_train_depth=1 must be in \[1, data.seq_len=1\)"):
+        load_config("cpu_tiny", ["data.seq_len=1", "model.mtp=true"])
 
 
 def test_unknown_preset_lists_available():

@@ -374,6 +374,22 @@ def test_import_names_a_missing_rope_factor_list(official_dir, tmp_path, capsys,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("edit,needle", [
+    # found by a break test: both printed a Python traceback (AttributeError on list.get / list.items)
+    (lambda c: [1, 2], "config.json holds a JSON list, not an object"),
+    (lambda c: {**c, "sparse_config": [1, 2]}, "sparse_config=[1, 2] is not a mapping"),
+    (lambda c: {**c, "sparse_config": {"topk": "many"}}, "sparse_config.topk='many' must be an integer"),
+])
+def test_import_names_a_config_of_the_wrong_shape(official_dir, tmp_path, capsys, edit, needle):
+    folder, _ = official_dir
+    (folder / "config.json").write_text(json.dumps(edit(read_json(folder / "config.json"))))
+    capsys.readouterr()
+    assert main(["import", "hf", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_import_tied_model_with_redundant_head(tmp_path, tiny_tokenizer_dir):
     cfg = tiny_cfg(tied=True)
     write_hf(random_params(cfg, seed=8), cfg, tmp_path / "hf", no_tokenizer=True)

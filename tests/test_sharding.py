@@ -167,6 +167,32 @@ def test_logical_rules_replicate_indivisible_dims():
                                                    "norm", "layers", "batch"}
 
 
+def test_vocab_that_does_not_split_over_tensor_is_refused(tmp_path, capsys):
+    """A replicated vocab axis under tensor parallelism gave a train step whose devices waited in different
+    collectives (break test: cpu_tiny, vocab 1025, tensor 2: hung, then aborted, 5 of 5 runs); it is refused
+    up front with the padding fix, and the padded vocabulary is accepted."""
+    import jax
+
+    from minicpm4_jax.cli import main
+    from minicpm4_jax.sharding import check_vocab_size, make_mesh
+
+    tp = make_mesh(MeshConfig(1, 1, 2), devices=jax.devices()[:2])
+    check_vocab_size(1024, tp)
+    check_vocab_size(1025, make_mesh(MeshConfig(1, 2, 1), devices=jax.devices()[:2]))  # no tensor axis
+    with pytest.raises(ConfigError, match=r"model.vocab_size=1025 \(after model.vocab_pad_multiple\) is not "
+                                           r"divisible by mesh.tensor=2; set model.vocab_pad_multiple to a multiple "
+                                           r"of 2 \(e.g. 128\)"):
+        check_vocab_size(1025, tp)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "--config", "configs/cpu_tiny.yaml", "--no-progress", f"out_dir={out}",
+                 f"data.cache_dir={tmp_path / 'cache'}", "mesh.fsdp=4", "mesh.tensor=2",
+                 "model.vocab_size=8193"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.vocab_size=8193" in err[0] and "mesh.tensor=2" in err[0], err
+    assert not (out / "checkpoints").exists() and not (tmp_path / "cache").exists()
+
+
 def test_resolve_mesh_shape():
     assert resolve_mesh_shape(MeshConfig(), 8) == (1, 1, 1)  # default: one device on any host
     assert resolve_mesh_shape(MeshConfig(data=-1), 8) == (8, 1, 1)

@@ -75,7 +75,7 @@ from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, t
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, params_all_finite, sharded_abstract_state)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
-from minicpm4_jax.sharding import (batch_sharding, check_batch_size, make_global_batch, make_mesh,
+from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
 from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, init_train_state,
                                      make_eval_step, make_train_step, print_memory_analysis,
@@ -411,6 +411,7 @@ def run_training(
         # acceptance checks: all before data preparation and before any write into out_dir
         mesh = make_mesh(cfg.mesh)
         check_batch_size(cfg.data.batch_size, mesh, cfg.gradient_accumulation_steps)
+        check_vocab_size(cfg.model.padded_vocab_size, mesh)
         latest = ckpt.latest_step()
         if resume:
             if latest is None:

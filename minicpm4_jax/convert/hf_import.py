@@ -84,6 +84,8 @@ def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]
         raw = json.loads(p.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise ConvertError(f"{p} is not valid JSON ({e}); fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConvertError(f"{p} holds a JSON {type(raw).__name__}, not an object; give a Hugging Face config.json")
     archs = raw.get("architectures") or []
     if OFFICIAL_ARCHITECTURE not in archs:
         hint = (" (a Llama-folded export: import the official layout instead, written by "
