@@ -311,7 +311,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                   f"scripts/bench_decode.py measures warm); attention {attn}, "
                   f"attended fraction {out.attended_fraction:.3f}"
                   + (f"; acceptance length {out.acceptance_length:.2f} (drafts {speculative.k})"
-                     if speculative else ""))
+                     if speculative and math.isfinite(out.acceptance_length) else "")
+                  + ("; no speculative round ran (every token was decoded one at a time, e.g. too close to "
+                     "the model's maximum positions for the drafts)"
+                     if speculative and not math.isfinite(out.acceptance_length) else ""))
     print(f"[{out.new_tokens} new tokens ({out.finish_reasons[0]}); prefill {out.prompt_tokens} tokens in "
           f"{out.prefill_seconds:.2f} s; {decode}]", file=sys.stderr)
     return 0

@@ -367,6 +367,14 @@ def test_training_with_mtp_lowers_both_losses_and_drafts_from_the_checkpoint(cor
         if extra:
             assert "acceptance length" in o.err
     assert outs[0] == outs[1] == outs[2] == outs[3] == outs[4]
+    # drafts that never fit below the maximum positions: every token decoded plainly, reported as such (it
+    # printed "acceptance length nan")
+    k = model.cfg.max_position_embeddings - 3
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", run, "--prompt", "def ", "--max-new-tokens", "2", "--no-stream",
+                 "--spec-decode", "--num-draft", str(k)]) == 0
+    err = capsys.readouterr().err
+    assert "no speculative round ran" in err and "nan" not in err, err
     assert main(["generate", "--checkpoint", run, "--prompt", "x", "--spec-decode", "--fr-spec-vocab", "99"]) == 2
     assert "freq_99.txt does not exist" in capsys.readouterr().err
 
