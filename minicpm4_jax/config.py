@@ -960,7 +960,9 @@ def validate(cfg: TrainConfig) -> None:
                           "L_NTP + λ·L_MTP)")
     if not 0.0 <= cfg.mtp_distill <= 1.0:
         raise ConfigError(f"mtp_distill={cfg.mtp_distill} must be in [0, 1] (the KL share of the MTP loss)")
-    if cfg.mtp_train_depth < 1 or (cfg.model.mtp and cfg.mtp_train_depth >= d.seq_len):
+    # the default depth 1 is inactive without the MTP head (a seq_len of 1 then trains next-token prediction
+    # alone); a value set on purpose is checked either way
+    if cfg.mtp_train_depth < 1 or (cfg.mtp_train_depth >= d.seq_len and (cfg.model.mtp or cfg.mtp_train_depth > 1)):
         raise ConfigError(f"mtp_train_depth={cfg.mtp_train_depth} must be in [1, data.seq_len={d.seq_len}) "
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
     if cfg.profile_start_step is not None and not 1 <= cfg.profile_start_step <= cfg.steps:
