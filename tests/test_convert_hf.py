@@ -478,3 +478,74 @@ def test_sparse_model_exports_with_warnings(tmp_path):
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["dropped"] == ["sparse_config"]
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["attention"] == "dense"
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["allow_dense"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# field_faults B10 for the official ("runtime applies the μP scalars") layout
+# ------------------------------------------------------------------------------------------------
+
+
+def _official_runtime_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    """float64 logits ``[t, vocab]`` of one sequence computed from the exported files alone, as MiniCPM's own
+    modeling code does: the raw tensors of ``model.safetensors`` and the μP scalars / LongRoPE settings read from
+    ``config.json`` (no import path of this project)."""
+    from safetensors.numpy import load_file
+
+    c = read_json(folder / "config.json")
+    w = {k: v.astype(np.float64) for k, v in load_file(str(folder / "model.safetensors")).items()}
+    h, nq, nkv, n_layers = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["num_hidden_layers"]
+    d = h // nq
+    t = len(ids)
+    rs = c["rope_scaling"]
+    orig, mx = rs["original_max_position_embeddings"], c["max_position_embeddings"]
+    ext = np.asarray(rs["long_factor"] if mx > orig else rs["short_factor"])
+    mscale = np.sqrt(1 + np.log(mx / orig) / np.log(orig)) if mx > orig else 1.0
+    ang = np.arange(t)[:, None] / ext[None, :] * (1.0 / c.get("rope_theta", 10000.0) ** (np.arange(0, d, 2) / d))
+    cos, sin = np.cos(ang)[:, None, :] * mscale, np.sin(ang)[:, None, :] * mscale
+
+    def norm(x, g):
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + c["rms_norm_eps"]) * g
+
+    def rope(x):  # [t, heads, d], rotate_half
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    res = c["scale_depth"] / np.sqrt(n_layers)
+    x = w["model.embed_tokens.weight"][ids] * c["scale_emb"]
+    causal = np.tril(np.ones((t, t), bool))
+    for i in range(n_layers):
+        L = f"model.layers.{i}."
+        a = norm(x, w[L + "input_layernorm.weight"])
+        q = rope((a @ w[L + "self_attn.q_proj.weight"].T).reshape(t, nq, d))
+        k = rope((a @ w[L + "self_attn.k_proj.weight"].T).reshape(t, nkv, d))
+        v = (a @ w[L + "self_attn.v_proj.weight"].T).reshape(t, nkv, d)
+        o = np.zeros((t, nq, d))
+        for j in range(nq):
+            lg = np.where(causal, q[:, j] @ k[:, j // (nq // nkv)].T / np.sqrt(d), -np.inf)
+            p = np.exp(lg - lg.max(-1, keepdims=True))
+            o[:, j] = (p / p.sum(-1, keepdims=True)) @ v[:, j // (nq // nkv)]
+        x = x + (o.reshape(t, nq * d) @ w[L + "self_attn.o_proj.weight"].T) * res
+        a = norm(x, w[L + "post_attention_layernorm.weight"])
+        gt = a @ w[L + "mlp.gate_proj.weight"].T
+        x = x + (((gt / (1 + np.exp(-gt))) * (a @ w[L + "mlp.up_proj.weight"].T)) @ w[L + "mlp.down_proj.weight"].T) * res
+    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
+    return (norm(x, w["model.norm.weight"]) / (h / c["dim_model_base"])) @ head.T
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_b10_official_layout_logits_from_the_files_equal_ours(tmp_path, tied):
+    """field_faults B10 for ``write_hf(layout="minicpm")``: the μP scalars live in config.json and the tensors are
+    not folded, so a runtime that applies them (MiniCPM's modeling code, re-done here in NumPy from the files alone)
+    gets our logits. The round-trip test above reads the export back through our own importer, so an exporter and
+    importer that both fold (or both drop) a scalar would pass it; this one would not. Distinct scalars (scale_emb 7,
+    scale_depth 1.9, width_mult 4) and max_position_embeddings above the original length (attention scaling != 1)."""
+    from test_convert_common import jax_logits
+
+    cfg = tiny_cfg(tied=tied, max_pos=128, layers=2)
+    params = random_params(cfg, seed=11)
+    write_hf(params, cfg, tmp_path / "hf", layout="minicpm", dtype="float32", no_tokenizer=True)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 80))  # past original_max_position_embeddings
+    ours = jax_logits(cfg, params, ids)[0]
+    theirs = _official_runtime_logits(tmp_path / "hf", ids[0])
+    assert float(np.max(np.abs(ours))) > 0.5
+    np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
