@@ -105,27 +105,40 @@ def test_feature_loss_is_smooth_l1_against_the_next_hidden_state():
     assert not np.asarray(gh).any()  # the base's states are the target, not trained by this loss
 
 
-def test_unrolled_depths_equal_the_chained_draft_the_engine_runs():
+@pytest.mark.parametrize("longrope", [False, True])
+def test_unrolled_depths_equal_the_chained_draft_the_engine_runs(longrope):
     """Depth d at position p = the layer run causally on [depth-1 inputs at 0 .. p-d+1, then the chain's inputs of
-    depths 2 .. d at p-d+2 .. p] (what the draft cache holds when the chain reaches p), read at its last row."""
-    from minicpm4_jax.nn.mtp import mtp_layer_config
-    from minicpm4_jax.nn.rope import rope_tables
+    depths 2 .. d at p-d+2 .. p] (what the draft cache holds when the chain reaches p), read at its last row.
 
-    model = MiniCPM4(CFG, rngs=nnx.Rngs(1))
+    ``longrope``: field_faults B09 for the chained depths (``mtp_train_depth >= 2`` trains through
+    ``MTPHead.unrolled``, which builds its own rotary tables): distinct long factors and attention scaling != 1, so
+    an unrolled chain that rotated without the model's rope_scaling differs from ``mtp_features`` and the reference.
+    """
+    from minicpm4_jax.config import RopeScalingConfig
+    from minicpm4_jax.nn.mtp import mtp_layer_config
+    from minicpm4_jax.nn.rope import attention_scaling, rope_tables
+
+    cfg = CFG
+    if longrope:
+        cfg = dataclasses.replace(CFG, rope_scaling=RopeScalingConfig(
+            short_factor=(1.0,) * 4, long_factor=(1.0, 3.0, 9.0, 27.0), original_max_position_embeddings=16),
+            initializer_range=0.5)
+        assert attention_scaling(cfg) > 1.1
+    model = MiniCPM4(cfg, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(4)
     b, t, depth = 2, 10, 3
-    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
-    nxt = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    nxt = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, t)), jnp.int32)
     hidden = model.hidden_states(ids)
     outs = model.mtp_unrolled(hidden, nxt, depth)
-    assert [o.shape for o in outs] == [(b, t - d + 1, CFG.hidden_size) for d in (1, 2, 3)]
+    assert [o.shape for o in outs] == [(b, t - d + 1, cfg.hidden_size) for d in (1, 2, 3)]
     np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(model.mtp_features(hidden, nxt)), atol=1e-6)
 
-    mtp, cfg_m = model.mtp, mtp_layer_config(CFG)
-    emb = model.embed_tokens.encode(nxt, jnp.float32) * CFG.scale_emb
-    u = [mtp.inputs(emb, hidden, CFG)]  # depth-1 inputs at every position
+    mtp, cfg_m = model.mtp, mtp_layer_config(cfg)
+    emb = model.embed_tokens.encode(nxt, jnp.float32) * cfg.scale_emb
+    u = [mtp.inputs(emb, hidden, cfg)]  # depth-1 inputs at every position
     for d in (2, 3):  # depth d at position p: stand-in = depth d-1 output at p - 1, token x_{p+1}
-        u.append(mtp.inputs(emb[:, d - 1:], outs[d - 2][:, :-1], CFG))
+        u.append(mtp.inputs(emb[:, d - 1:], outs[d - 2][:, :-1], cfg))
     for d in (2, 3):
         for p in range(d - 1, t):
             seq = [u[0][:, :p - d + 2]] + [u[m - 1][:, p - d + m - (m - 1):p - d + m - (m - 1) + 1]
