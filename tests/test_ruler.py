@@ -498,6 +498,32 @@ def test_b20_budget_counts_generation_and_never_truncates(tmp_path, inputs, trai
     assert "warning: RULER niah_single_1@2048: 3 of 3 samples need more than 2048 tokens" in capsys.readouterr().err
 
 
+def test_b20_external_prompt_that_fits_only_without_the_generated_tokens_is_refused(tmp_path, inputs, trained_tok):
+    """field_faults B20, the budget itself: data from elsewhere whose prompt (with the prefix token) fits the
+    engine's 4096 positions but leaves fewer than tokens_to_generate (128) for the answer is refused before any
+    generation. The case above doubles a prompt, which a check that forgot the generated tokens also refuses."""
+    recs = generate_task("niah_single_1", 4096, trained_tok, num_samples=1, seed=3, inputs=inputs,
+                         chat_template="minicpm").records
+    rec = dict(recs[0])
+    rec.pop("others", None)
+    gen = TASKS["niah_single_1"].tokens_to_generate
+
+    def need(r):  # what the run counts: the prefix token + the prompt
+        return 1 + len(trained_tok.encode(_prompt(r)))
+
+    assert need(rec) + gen <= 4096
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    while need(rec) + gen <= 4096:
+        rec["input"] = filler + rec["input"]
+    assert 4096 - gen < need(rec) <= 4096, need(rec)  # fits the positions, not the positions + the answer
+    write_jsonl(tmp_path / "ext" / "4096" / "niah_single_1" / "validation.jsonl", [rec])
+    oracle = OracleModel(trained_tok, {_prompt(rec): rec["outputs"]}, prefix_ids=[trained_tok.eos_id],
+                         max_length=4096)
+    with pytest.raises(ConfigError, match="would be truncated"):
+        run_ruler(oracle, out_dir=tmp_path / "out", data=[tmp_path / "ext"], progress=False)
+    assert oracle.calls == 0
+
+
 def test_cli_generate_only_data_and_predictions(tmp_path, inputs, trained_tok):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
