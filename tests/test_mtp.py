@@ -105,25 +105,23 @@ def test_feature_loss_is_smooth_l1_against_the_next_hidden_state():
     assert not np.asarray(gh).any()  # the base's states are the target, not trained by this loss
 
 
-@pytest.mark.parametrize("longrope", [False, True])
-def test_unrolled_depths_equal_the_chained_draft_the_engine_runs(longrope):
+def test_unrolled_depths_equal_the_chained_draft_the_engine_runs():
     """Depth d at position p = the layer run causally on [depth-1 inputs at 0 .. p-d+1, then the chain's inputs of
     depths 2 .. d at p-d+2 .. p] (what the draft cache holds when the chain reaches p), read at its last row.
 
-    ``longrope``: field_faults B09 for the chained depths (``mtp_train_depth >= 2`` trains through
+    Under LongRoPE (field_faults B09 for the chained depths: ``mtp_train_depth >= 2`` trains through
     ``MTPHead.unrolled``, which builds its own rotary tables): distinct long factors and attention scaling != 1, so
-    an unrolled chain that rotated without the model's rope_scaling differs from ``mtp_features`` and the reference.
+    an unrolled chain that rotated without the model's rope_scaling differs from ``mtp_features`` and the reference
+    (plain RoPE is the same code with unit factors).
     """
     from minicpm4_jax.config import RopeScalingConfig
     from minicpm4_jax.nn.mtp import mtp_layer_config
     from minicpm4_jax.nn.rope import attention_scaling, rope_tables
 
-    cfg = CFG
-    if longrope:
-        cfg = dataclasses.replace(CFG, rope_scaling=RopeScalingConfig(
-            short_factor=(1.0,) * 4, long_factor=(1.0, 3.0, 9.0, 27.0), original_max_position_embeddings=16),
-            initializer_range=0.5)
-        assert attention_scaling(cfg) > 1.1
+    cfg = dataclasses.replace(CFG, rope_scaling=RopeScalingConfig(
+        short_factor=(1.0,) * 4, long_factor=(1.0, 3.0, 9.0, 27.0), original_max_position_embeddings=16),
+        initializer_range=0.5)
+    assert attention_scaling(cfg) > 1.1
     model = MiniCPM4(cfg, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(4)
     b, t, depth = 2, 10, 3
