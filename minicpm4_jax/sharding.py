@@ -31,6 +31,7 @@ Not here yet (later slices of issue 5): vocabulary padding, activation constrain
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -203,19 +204,26 @@ def check_batch_size(batch_size: int, mesh: Mesh, microbatches: int = 1) -> None
                           f"{n * microbatches} or fewer accumulation steps")
 
 
-def check_vocab_size(padded_vocab_size: int, mesh: Mesh) -> None:
-    """Raise ConfigError unless the embedding's vocabulary rows divide over the mesh's ``tensor`` axis.
+#: XLA flag under which XLA:CPU runs the train step with a replicated vocab axis (see :func:`check_vocab_size`).
+CPU_SERIAL_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
-    :func:`logical_to_spec` would replicate a non-divisible vocab axis, and with that layout XLA's partitioner
-    produced a train step whose devices wait in different collectives (MTP with ``mtp_detach`` and
-    ``mtp_feature_weight``: ``model.vocab_size=1025`` on ``mesh.tensor=2`` hung, then aborted, in 5 of 5 CPU
-    runs). Padding the rows (``model.vocab_pad_multiple``) keeps the vocab axis sharded and costs nothing.
+
+def check_vocab_size(padded_vocab_size: int, mesh: Mesh) -> None:
+    """Raise ConfigError when the embedding's vocabulary rows do not divide over the ``tensor`` axis of a CPU mesh.
+
+    :func:`logical_to_spec` replicates a non-divisible vocab axis. With that layout XLA:CPU's
+    concurrency-optimized scheduler produced a train step whose fake devices waited in different collectives
+    (cpu_tiny, MTP with ``mtp_detach`` and ``mtp_feature_weight``, ``model.vocab_size=1025`` on ``mesh.tensor=2``:
+    hung, then aborted, in 6 of 6 runs; with ``XLA_FLAGS`` holding :data:`CPU_SERIAL_SCHEDULER_FLAG`, 3 of 3 ran).
+    The flag is XLA:CPU's, so GPU and TPU meshes are not refused (untested there). Padding the rows
+    (``model.vocab_pad_multiple``) keeps the vocab axis sharded and costs nothing; no export writes them.
     """
     t = int(dict(mesh.shape).get("tensor", 1))
-    if t > 1 and padded_vocab_size % t:
+    if (t > 1 and padded_vocab_size % t and mesh.devices.flat[0].platform == "cpu"
+            and CPU_SERIAL_SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", "")):
         raise ConfigError(f"model.vocab_size={padded_vocab_size} (after model.vocab_pad_multiple) is not divisible "
-                          f"by mesh.tensor={t}; set model.vocab_pad_multiple to a multiple of {t} (e.g. "
-                          f"{math.lcm(t, 128)}) so that the embedding rows shard over the tensor axis")
+                          f"by mesh.tensor={t}, which deadlocks XLA:CPU's scheduler; set model.vocab_pad_multiple to a "
+                          f"multiple of {t} (e.g. {math.lcm(t, 128)}) or add {CPU_SERIAL_SCHEDULER_FLAG} to XLA_FLAGS")
 
 
 def process_batch_rows(sharding: NamedSharding, batch_size: int) -> list[int]:

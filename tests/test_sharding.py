@@ -167,21 +167,24 @@ def test_logical_rules_replicate_indivisible_dims():
                                                    "norm", "layers", "batch"}
 
 
-def test_vocab_that_does_not_split_over_tensor_is_refused(tmp_path, capsys):
-    """A replicated vocab axis under tensor parallelism gave a train step whose devices waited in different
-    collectives (break test: cpu_tiny, vocab 1025, tensor 2: hung, then aborted, 5 of 5 runs); it is refused
-    up front with the padding fix, and the padded vocabulary is accepted."""
+def test_vocab_that_does_not_split_over_tensor_is_refused(tmp_path, capsys, monkeypatch):
+    """A replicated vocab axis under tensor parallelism gave a train step whose fake CPU devices waited in different
+    collectives (break test: cpu_tiny, vocab 1025, tensor 2: hung, then aborted, 6 of 6 runs; with XLA:CPU's
+    concurrency-optimized scheduler off, 3 of 3 ran). It is refused up front on CPU with both fixes named; the
+    padded vocabulary, or the flag in XLA_FLAGS, is accepted."""
     import jax
 
     from minicpm4_jax.cli import main
-    from minicpm4_jax.sharding import check_vocab_size, make_mesh
+    from minicpm4_jax.sharding import CPU_SERIAL_SCHEDULER_FLAG, check_vocab_size, make_mesh
 
     tp = make_mesh(MeshConfig(1, 1, 2), devices=jax.devices()[:2])
     check_vocab_size(1024, tp)
     check_vocab_size(1025, make_mesh(MeshConfig(1, 2, 1), devices=jax.devices()[:2]))  # no tensor axis
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(CPU_SERIAL_SCHEDULER_FLAG, ""))
     with pytest.raises(ConfigError, match=r"model.vocab_size=1025 \(after model.vocab_pad_multiple\) is not "
-                                           r"divisible by mesh.tensor=2; set model.vocab_pad_multiple to a multiple "
-                                           r"of 2 \(e.g. 128\)"):
+                                           r"divisible by mesh.tensor=2, which deadlocks XLA:CPU's scheduler; set "
+                                           r"model.vocab_pad_multiple to a multiple of 2 \(e.g. 128\) or add "
+                                           r"--xla_cpu_enable_concurrency_optimized_scheduler=false to XLA_FLAGS"):
         check_vocab_size(1025, tp)
     out = tmp_path / "run"
     capsys.readouterr()
@@ -191,6 +194,8 @@ def test_vocab_that_does_not_split_over_tensor_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.vocab_size=8193" in err[0] and "mesh.tensor=2" in err[0], err
     assert not (out / "checkpoints").exists() and not (tmp_path / "cache").exists()
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " " + CPU_SERIAL_SCHEDULER_FLAG)
+    check_vocab_size(1025, tp)
 
 
 def test_resolve_mesh_shape():
