@@ -487,49 +487,34 @@ def test_sparse_model_exports_with_warnings(tmp_path):
 
 def _official_runtime_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
     """float64 logits ``[t, vocab]`` of one sequence computed from the exported files alone, as MiniCPM's own
-    modeling code does: the raw tensors of ``model.safetensors`` and the μP scalars / LongRoPE settings read from
-    ``config.json`` (no import path of this project)."""
+    modeling code does: the raw tensors of ``model.safetensors`` (no import path of this project) through the
+    independent NumPy forward of ``tests/test_model.py`` (:func:`np_forward`), which applies the μP scalars and the
+    LongRoPE settings of ``config.json`` at run time."""
     from safetensors.numpy import load_file
+    from test_model import np_forward
 
-    c = read_json(folder / "config.json")
+    cfg = ModelConfig.from_hf_config(read_json(folder / "config.json"))
     w = {k: v.astype(np.float64) for k, v in load_file(str(folder / "model.safetensors")).items()}
-    h, nq, nkv, n_layers = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["num_hidden_layers"]
-    d = h // nq
-    t = len(ids)
-    rs = c["rope_scaling"]
-    orig, mx = rs["original_max_position_embeddings"], c["max_position_embeddings"]
-    ext = np.asarray(rs["long_factor"] if mx > orig else rs["short_factor"])
-    mscale = np.sqrt(1 + np.log(mx / orig) / np.log(orig)) if mx > orig else 1.0
-    ang = np.arange(t)[:, None] / ext[None, :] * (1.0 / c.get("rope_theta", 10000.0) ** (np.arange(0, d, 2) / d))
-    cos, sin = np.cos(ang)[:, None, :] * mscale, np.sin(ang)[:, None, :] * mscale
+    h, d, nq, nkv = cfg.hidden_size, cfg.resolved_head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
 
-    def norm(x, g):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + c["rms_norm_eps"]) * g
+    def stack(name, f):  # HF [out, in] per layer -> np_forward's stacked layout
+        return np.stack([f(w[f"model.layers.{i}.{name}"]) for i in range(cfg.num_hidden_layers)])
 
-    def rope(x):  # [t, heads, d], rotate_half
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-    res = c["scale_depth"] / np.sqrt(n_layers)
-    x = w["model.embed_tokens.weight"][ids] * c["scale_emb"]
-    causal = np.tril(np.ones((t, t), bool))
-    for i in range(n_layers):
-        L = f"model.layers.{i}."
-        a = norm(x, w[L + "input_layernorm.weight"])
-        q = rope((a @ w[L + "self_attn.q_proj.weight"].T).reshape(t, nq, d))
-        k = rope((a @ w[L + "self_attn.k_proj.weight"].T).reshape(t, nkv, d))
-        v = (a @ w[L + "self_attn.v_proj.weight"].T).reshape(t, nkv, d)
-        o = np.zeros((t, nq, d))
-        for j in range(nq):
-            lg = np.where(causal, q[:, j] @ k[:, j // (nq // nkv)].T / np.sqrt(d), -np.inf)
-            p = np.exp(lg - lg.max(-1, keepdims=True))
-            o[:, j] = (p / p.sum(-1, keepdims=True)) @ v[:, j // (nq // nkv)]
-        x = x + (o.reshape(t, nq * d) @ w[L + "self_attn.o_proj.weight"].T) * res
-        a = norm(x, w[L + "post_attention_layernorm.weight"])
-        gt = a @ w[L + "mlp.gate_proj.weight"].T
-        x = x + (((gt / (1 + np.exp(-gt))) * (a @ w[L + "mlp.up_proj.weight"].T)) @ w[L + "mlp.down_proj.weight"].T) * res
-    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
-    return (norm(x, w["model.norm.weight"]) / (h / c["dim_model_base"])) @ head.T
+    layers = {
+        "input_layernorm": stack("input_layernorm.weight", lambda x: x),
+        "post_attention_layernorm": stack("post_attention_layernorm.weight", lambda x: x),
+        "q_proj": stack("self_attn.q_proj.weight", lambda x: x.T.reshape(h, nq, d)),
+        "k_proj": stack("self_attn.k_proj.weight", lambda x: x.T.reshape(h, nkv, d)),
+        "v_proj": stack("self_attn.v_proj.weight", lambda x: x.T.reshape(h, nkv, d)),
+        "o_proj": stack("self_attn.o_proj.weight", lambda x: x.T.reshape(nq, d, h)),
+        "gate_proj": stack("mlp.gate_proj.weight", lambda x: x.T),
+        "up_proj": stack("mlp.up_proj.weight", lambda x: x.T),
+        "down_proj": stack("mlp.down_proj.weight", lambda x: x.T),
+    }
+    p = {"embed_tokens": {"embedding": w["model.embed_tokens.weight"]}, "layers": layers, "norm": w["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        p["lm_head"] = w["lm_head.weight"].T
+    return np_forward(p, cfg, ids)
 
 
 @pytest.mark.parametrize("tied", [True, False])
