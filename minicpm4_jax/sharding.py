@@ -24,8 +24,9 @@ process's devices hold under the batch sharding, the data pipeline reads only th
 :func:`make_global_batch` assembles the global ``jax.Array`` with
 ``jax.make_array_from_process_local_data`` (one process: the same call on the whole batch).
 
-Not here yet (later slices of issue 5): vocabulary padding, activation constraints,
-``shard_map`` for the sparse kernels.
+:func:`embedding_lookup` is the one model op laid out by hand (a ``shard_map`` with explicit collectives), because
+the partitioner's layout of its backward replicated a tensor on ``data = 1`` meshes; the residual stream's sharding
+constraints live in ``train/step.py`` (``activation_sharding``) and the kernels' ``shard_map`` in ``ops/dispatch.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -42,7 +44,7 @@ from minicpm4_jax.config import ConfigError, MeshConfig
 
 __all__ = ["MESH_AXES", "LOGICAL_RULES", "BATCH_AXES", "resolve_mesh_shape", "make_mesh", "logical_to_spec",
            "param_shardings", "state_shardings", "batch_sharding", "replicated", "check_batch_size", "check_vocab_size",
-           "process_batch_rows", "make_global_batch"]
+           "process_batch_rows", "make_global_batch", "embedding_lookup"]
 
 MESH_AXES: tuple[str, str, str] = ("data", "fsdp", "tensor")
 
@@ -185,6 +187,52 @@ def param_shardings(params: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Token batches ``[batch, seq]``: batch over ``(data, fsdp)``, sequence replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch", None), (_batch_multiple(mesh), 1), mesh))
+
+
+def embedding_lookup(table: jax.Array, ids: jax.Array, mesh: Mesh, dtype: Any) -> jax.Array:
+    """Rows ``table[ids]`` in ``dtype``, ``[batch, seq, hidden]`` batch-sharded over ``(data, fsdp)``, as one
+    ``jax.shard_map`` over ``mesh`` with explicit collectives (forward and, by autodiff, backward).
+
+    ``table`` ``[vocab, hidden]`` is laid out as the embedding parameter (:data:`LOGICAL_RULES`: ``vocab`` on
+    ``tensor``, ``hidden`` on ``fsdp``), ``ids`` int ``[batch, seq]`` as a token batch. Per device: the ids of
+    its ``fsdp`` group are all-gathered (int32, small), each ``tensor`` shard looks up the rows of its vocabulary
+    range (zeros elsewhere; the sum over ``tensor`` completes them), and an all-to-all over ``fsdp`` trades the
+    group's batch rows of the local ``hidden`` slice for the device's own batch rows of every slice. The
+    backward is the transpose: an all-to-all of the cotangent, then a local scatter-add into the table's shard
+    (summed over ``data`` replicas by ``shard_map``'s autodiff).
+
+    Why not ``jnp.take`` under the partitioner: on meshes with ``data = 1`` and ``fsdp, tensor > 1`` Shardy
+    cannot move the lookup's cotangent from the batch sharding to the table's ``hidden``-on-``fsdp`` sharding
+    ("Involuntary full rematerialization": it all-reduces a zero-padded full-batch ``[batch, seq, hidden /
+    fsdp]`` buffer instead; MiniCPM4-8B on a (1, 128, 2) mesh: docs/benchmarks.md).
+
+    Falls back to ``jnp.take`` (XLA's partitioner) when the batch does not divide over ``data * fsdp``.
+    """
+    shards = _batch_multiple(mesh)
+    if ids.ndim != 2 or ids.shape[0] % shards or mesh.size == 1:
+        return jnp.take(table, ids, axis=0).astype(dtype)
+    tspec = logical_to_spec(("vocab", "embed"), table.shape, mesh)
+    vocab_axis, embed_axis = (tspec[i] if i < len(tspec) else None for i in range(2))
+    bspec = batch_sharding(mesh).spec
+    ids_spec = P(bspec[0] if len(bspec) else None, None)
+
+    def local(tab: jax.Array, idx: jax.Array) -> jax.Array:
+        if embed_axis is not None:  # the fsdp group's ids: [batch / data, seq]
+            idx = jax.lax.all_gather(idx, embed_axis, axis=0, tiled=True)
+        if vocab_axis is not None:
+            n = tab.shape[0]
+            rows = idx - jax.lax.axis_index(vocab_axis) * n
+            hit = (rows >= 0) & (rows < n)
+            x = jnp.take(tab, jnp.clip(rows, 0, n - 1), axis=0).astype(dtype)
+            x = jax.lax.psum(jnp.where(hit[..., None], x, jnp.zeros((), dtype)), vocab_axis)
+        else:
+            x = jnp.take(tab, idx, axis=0).astype(dtype)
+        if embed_axis is not None:  # [batch / data, seq, hidden / fsdp] -> [batch / (data fsdp), seq, hidden]
+            x = jax.lax.all_to_all(x, embed_axis, 0, 2, tiled=True)
+        return x
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab_axis, embed_axis), ids_spec),
+                         out_specs=P(*ids_spec, None))(table, ids)
 
 
 def _batch_multiple(mesh: Mesh) -> int:

@@ -244,9 +244,9 @@ def make_loss_fn(cfg: TrainConfig, graphdef: nnx.GraphDef, act_sh: NamedSharding
     def loss_fn(params: Any, batch: jax.Array, step: jax.Array) -> tuple[jax.Array, dict]:
         model = nnx.merge(graphdef, qat_params_for_loss(cfg, params, step))
         if sparse:
-            hidden, stats = model.hidden_states(batch[:, :-1], return_stats=True)
+            hidden, stats = model.hidden_states(batch[:, :-1], return_stats=True, activation_sharding=act_sh)
         else:
-            hidden, stats = model.hidden_states(batch[:, :-1]), {}
+            hidden, stats = model.hidden_states(batch[:, :-1], activation_sharding=act_sh), {}
         # the residual stream keeps the batch sharding (see activation_sharding)
         if act_sh is not None:
             hidden = jax.lax.with_sharding_constraint(hidden, act_sh)
@@ -453,7 +453,7 @@ def make_eval_step(graphdef: nnx.GraphDef, mesh: Mesh | None = None, logits_chun
 
     def one_batch(params: Any, batch: jax.Array) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, params)
-        hidden = model.hidden_states(batch[:, :-1])
+        hidden = model.hidden_states(batch[:, :-1], activation_sharding=act_sh)
         if act_sh is not None:
             hidden = jax.lax.with_sharding_constraint(hidden, act_sh)
         targets = batch[:, 1:]

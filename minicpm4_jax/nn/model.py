@@ -26,6 +26,7 @@ from minicpm4_jax.config import ModelConfig
 from minicpm4_jax.nn.attention import attend
 from minicpm4_jax.nn.layers import dtype_of, hidden_init_std, param, rms_norm, swiglu
 from minicpm4_jax.nn.rope import apply_rope, rope_tables
+from minicpm4_jax.sharding import embedding_lookup
 
 __all__ = ["Embedder", "DecoderLayer", "MiniCPM4", "head_logits", "remat_policy"]
 
@@ -73,8 +74,14 @@ class Embedder(nnx.Module):
                                ("vocab", "embed"), dtype_of(cfg.param_dtype))
         zero_vocab_padding(self.embedding, cfg, axis=0)
 
-    def encode(self, ids: jax.Array, dtype) -> jax.Array:
-        """``ids`` int ``[batch, seq]`` -> ``[batch, seq, hidden]`` in ``dtype`` (unscaled)."""
+    def encode(self, ids: jax.Array, dtype, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+        """``ids`` int ``[batch, seq]`` -> ``[batch, seq, hidden]`` in ``dtype`` (unscaled).
+
+        ``mesh``: the training mesh; the lookup then runs as :func:`minicpm4_jax.sharding.embedding_lookup`
+        (explicit collectives, output batch-sharded over ``(data, fsdp)``).
+        """
+        if mesh is not None:
+            return embedding_lookup(self.embedding[...], ids, mesh, dtype)
         return jnp.take(self.embedding[...], ids, axis=0).astype(dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
@@ -214,19 +221,25 @@ class MiniCPM4(nnx.Module):
 
             self.mtp = MTPHead(cfg, rngs=rngs)
 
-    def _embed(self, input_ids: jax.Array, positions: jax.Array | None) -> tuple[jax.Array, ...]:
-        """Scaled embeddings ``[batch, seq, hidden]``, positions (default ``arange``) and RoPE tables."""
+    def _embed(self, input_ids: jax.Array, positions: jax.Array | None,
+               activation_sharding: jax.sharding.NamedSharding | None = None) -> tuple[jax.Array, ...]:
+        """Scaled embeddings ``[batch, seq, hidden]``, positions (default ``arange``) and RoPE tables.
+
+        ``activation_sharding``: under a training mesh, the residual stream's sharding; the lookup then runs as
+        :func:`minicpm4_jax.sharding.embedding_lookup` on its mesh."""
         cfg = self.cfg
         dt = dtype_of(cfg.dtype)
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed_tokens.encode(input_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
+        mesh = None if activation_sharding is None else activation_sharding.mesh
+        x = self.embed_tokens.encode(input_ids, dt, mesh) * jnp.asarray(cfg.scale_emb, dt)
         cos, sin = rope_tables(positions, cfg)
         return x, positions, cos, sin
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                      return_stats: bool = False) -> jax.Array | tuple[jax.Array, dict]:
+                      return_stats: bool = False, activation_sharding: jax.sharding.NamedSharding | None = None
+                      ) -> jax.Array | tuple[jax.Array, dict]:
         """Final-norm output ``[batch, seq, hidden]`` (compute dtype), before the ÷width_mult.
 
         Args:
@@ -238,9 +251,12 @@ class MiniCPM4(nnx.Module):
                 native paths alike). Continue a sequence through the inference engine's KV cache instead.
             return_stats: also return ``{"attended_fraction": float32 scalar}``, the mean over layers of
                 attended / causal keys per query (InfLLM v2; 1 for dense attention).
+            activation_sharding: under a training mesh, the residual stream's sharding
+                (``train.step.activation_sharding``): the embedding lookup runs on its mesh with explicit
+                collectives (:func:`minicpm4_jax.sharding.embedding_lookup`).
         """
         cfg = self.cfg
-        x, positions, cos, sin = self._embed(input_ids, positions)
+        x, positions, cos, sin = self._embed(input_ids, positions, activation_sharding)
         graphdef, layer_state = nnx.split(self.layers)
 
         def body(carry: jax.Array, state) -> tuple[jax.Array, Any]:
@@ -337,7 +353,8 @@ class MiniCPM4(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         dt = hidden.dtype
-        emb = self.embed_tokens.encode(next_ids, dt) * jnp.asarray(cfg.scale_emb, dt)
+        mesh = None if activation_sharding is None else activation_sharding.mesh
+        emb = self.embed_tokens.encode(next_ids, dt, mesh) * jnp.asarray(cfg.scale_emb, dt)
         if activation_sharding is not None:
             emb = jax.lax.with_sharding_constraint(emb, activation_sharding)
         return emb, positions
