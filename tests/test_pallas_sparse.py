@@ -187,6 +187,27 @@ def test_bf16_smoke():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2, rtol=0)
 
 
+def test_bf16_gradients():
+    """bf16 gradients of q, k, v (group 16, head_dim 128, 3 selected blocks): against the float32 reference on the
+    same bf16-rounded inputs, the kernel's error is within 2e-2 of the largest gradient entry and within twice the
+    XLA reference's own bf16 error plus one bf16 ulp (measured: kernel 0.27-0.47%, XLA in bf16 0.41-0.98%)."""
+    rng = np.random.default_rng(11)
+    b, t, nkv, g, d, bs = 1, 80, 1, 16, 128, 16
+    q, k, v = _inputs(rng, b, t, t, nkv, g, d, jnp.bfloat16)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    idx = _random_selection(rng, b, nkv, t, 3, np.asarray(pos), bs)
+    kw = dict(q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=1)
+    _, got = _fwd_and_grads(lambda *a: block_sparse_attention(*a, idx, backend="triton", interpret=True, **kw), q, k, v)
+    _, xla16 = _fwd_and_grads(lambda *a: infllmv2_stage2(*a, idx, **kw), q, k, v)
+    _, want = _fwd_and_grads(lambda *a: infllmv2_stage2(*a, idx, **kw), *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, r, w in zip("qkv", got, xla16, want):
+        assert a.dtype == jnp.bfloat16, (name, a.dtype)
+        a, r, w = (np.asarray(x, np.float32) for x in (a, r, w))
+        scale = float(np.abs(w).max())
+        err, ref_err = float(np.abs(a - w).max()) / scale, float(np.abs(r - w).max()) / scale
+        assert err <= 2e-2 and err <= 2 * ref_err + 2.0**-8, f"d{name}: kernel {err:.4f}, XLA in bf16 {ref_err:.4f}"
+
+
 def test_tpu_interpret_mode_no_races():
     """TPU interpret mode (simulated VMEM/SMEM/DMA) with race detection, NaN-filled uninitialised memory;
     a tiny SMEM budget makes forward/dq and dk/dv run as 3 chunked calls each (aliased dk/dv accumulation)."""
