@@ -73,8 +73,8 @@ class MiniCPM4LM(TemplateLM):
             raise ImportError("the lm-eval backend needs the lm-eval package (pip install 'lm-eval>=0.4.13,<0.5')")
         if unknown:  # (lm-eval itself adds only batch_size, max_batch_size and device)
             raise ConfigError(f"unknown --model_args {', '.join(sorted(unknown))} for --model {MODEL_NAME}; known: "
-                              "checkpoint, step, attention, batch_size, prefill_chunk, prefix, max_length, "
-                              "max_gen_toks, seed")
+                              "checkpoint, step, attention, prefill_chunk, prefix, max_length, max_gen_toks, seed "
+                              "(the batch size is lm-eval's --batch_size)")
         super().__init__()
         if model is None:
             if not checkpoint:
@@ -221,6 +221,39 @@ def score_tokens_with_logits(logits_fn: Callable[[list[int]], np.ndarray],
     return out
 
 
+def _check_cli_args(args: Sequence[str]) -> None:
+    """Refuse, in one line, lm-eval arguments that would end in a traceback or a meaningless table.
+
+    Raises:
+        ConfigError: ``batch_size``/``max_batch_size``/``device`` inside ``--model_args`` (lm-eval passes its own
+            ``--batch_size``... to the model as well: "got multiple values for keyword argument"), ``--limit <= 0``,
+            ``--num_fewshot < 0``.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--model_args", "-a", default="")
+    ap.add_argument("--limit", "-L", default=None)
+    ap.add_argument("--num_fewshot", "-f", default=None)
+    known, _ = ap.parse_known_args(list(args))
+    given = {kv.split("=", 1)[0].strip() for kv in str(known.model_args).split(",") if "=" in kv}
+    dup = sorted(given & {"batch_size", "max_batch_size", "device"})
+    if dup:
+        raise ConfigError(f"{dup[0]} in --model_args: lm-eval passes its own --{dup[0]} to the model too; give it as "
+                          f"--{dup[0]} VALUE instead")
+    for flag, value, ok, need in (("--limit", known.limit, lambda x: x > 0, "a number > 0 (documents per task, or a "
+                                   "fraction below 1)"), ("--num_fewshot", known.num_fewshot, lambda x: x >= 0,
+                                                          "an integer >= 0")):
+        if value is None:
+            continue
+        try:
+            good = ok(float(value)) and (flag != "--num_fewshot" or float(value).is_integer())
+        except ValueError:
+            good = False
+        if not good:
+            raise ConfigError(f"{flag} {value}: give {need}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """lm-eval's command line with ``minicpm4-jax`` registered (this module is imported)."""
     if not HAVE_LM_EVAL:
@@ -229,11 +262,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2)
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    args = list(sys.argv[1:] if argv is None else argv)
+    sys.argv = ["lm-eval", *args]
     try:
+        _check_cli_args(args)
         cli_evaluate()
     except ConfigError as e:  # this backend's own input errors (model_args, checkpoint): one line, status 2
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError as e:
+        if "Sample larger than population" not in str(e):
+            raise
+        print("error: --num_fewshot asks for more examples than a task's few-shot split holds "
+              f"({' '.join(str(e).split())}); lower --num_fewshot", file=sys.stderr)
         raise SystemExit(2) from None
     except FileNotFoundError as e:  # e.g. datasets' "Unable to find '<data file>'" for a task YAML's data_files
         print(f"error: {' '.join(str(e).split())}; fix the path (dataset_kwargs.data_files of a task YAML: relative "

@@ -166,7 +166,8 @@ class EvalModel:
         progress: show tqdm progress bars.
 
     Raises:
-        ConfigError: bad ``batch_size``, ``prefix`` (or a prefix token the tokenizer lacks), ``max_length``.
+        ConfigError: bad ``batch_size``, ``prefix`` (or a prefix token the tokenizer lacks), ``max_length``; a
+            tokenizer with more tokens than the model's ``vocab_size``.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "minicpm4-jax", batch_size: int = 8,
@@ -183,6 +184,10 @@ class EvalModel:
             raise ConfigError(f"prefix={prefix!r} but the tokenizer has no {prefix.upper()} token; "
                               "use prefix='none' or another prefix")
         cfg = model.cfg
+        n_tok = getattr(tokenizer, "vocab_size", None)
+        if n_tok is not None and int(n_tok) > cfg.vocab_size:  # ids past the embedding: NaN log-likelihoods
+            raise ConfigError(f"the tokenizer has {n_tok} tokens but the model's vocab_size is {cfg.vocab_size}; "
+                              "evaluate with the tokenizer the model was trained with (its run's tokenizer/ folder)")
         limit = cfg.max_position_embeddings
         if max_length is not None and not 2 <= max_length <= limit:
             raise ConfigError(f"max_length={max_length} must be in [2, max_position_embeddings={limit}]")

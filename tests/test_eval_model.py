@@ -182,6 +182,9 @@ def test_bad_input_is_one_line(dense_model):
         EvalModel(dense_model, TOK, prefix="cls")
     with pytest.raises(ConfigError, match="max_length=4096"):
         EvalModel(dense_model, TOK, max_length=4096)
+    big = type("BigTokenizer", (ToyTokenizer,), {"vocab_size": dense_model.cfg.vocab_size + 1})()
+    with pytest.raises(ConfigError, match=f"has {dense_model.cfg.vocab_size + 1} tokens but the model's vocab_size"):
+        EvalModel(dense_model, big)  # ids past the embedding table gave NaN log-likelihoods (lm-eval: acc 0.5)
     em = EvalModel(dense_model, TOK, progress=False)
     with pytest.raises(ConfigError, match="prompt 1 has"):
         em.generate(["a", "b" * 600], max_new_tokens=4)

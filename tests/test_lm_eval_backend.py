@@ -284,6 +284,38 @@ def test_missing_task_data_file_is_one_line(monkeypatch, capsys):
 
 
 @needs_lm_eval
+@pytest.mark.parametrize("args, message", [
+    (["--model_args", "checkpoint=/x,batch_size=0"], "error: batch_size in --model_args: lm-eval passes its own "
+                                                     "--batch_size to the model too; give it as --batch_size VALUE"),
+    (["-a", "device=cpu,checkpoint=/x"], "error: device in --model_args"),
+    (["--limit", "0"], "error: --limit 0: give a number > 0"),
+    (["--num_fewshot", "-1"], "error: --num_fewshot -1: give an integer >= 0"),
+    (["--num_fewshot", "2.5"], "error: --num_fewshot 2.5: give an integer >= 0"),
+])
+def test_launcher_refuses_bad_arguments_in_one_line(monkeypatch, capsys, args, message):
+    """Third break test: these ended in lm-eval tracebacks (a duplicated keyword argument, "did not find any docs")
+    or ran with n-shot -1; huge --num_fewshot ("Sample larger than population") is reworded."""
+    import lm_eval.__main__
+
+    from minicpm4_jax.eval.lm_eval_backend import main
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval ran"))
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "minicpm4-jax", "--tasks", "t", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(message), err
+
+    def too_many():
+        raise ValueError("Sample larger than population or is negative")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", too_many)
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "minicpm4-jax", "--tasks", "t", "--num_fewshot", "100000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "lower --num_fewshot" in err[0], err
+
+
+@needs_lm_eval
 def test_constructor_needs_a_checkpoint_and_launcher_registers():
     from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
 
