@@ -208,8 +208,15 @@ class ModelConfig:
         Raises:
             ConfigError: unsupported ``hidden_act``, unknown ``rope_scaling.rope_type``, a ``rope_scaling``
                 that is not a mapping or lacks ``short_factor`` / ``long_factor``, a ``sparse_config`` that is not
-                a mapping or holds a value of the wrong type.
+                a mapping or holds a value of the wrong type; any field of the wrong JSON type (``"hidden_size":
+                "256"``, ``"num_hidden_layers": 2.5``, ``"scale_emb": true``, ``"tie_word_embeddings": "false"``),
+                named with the type it needs (typed like a YAML config, never cast silently).
         """
+        hints = typing.get_type_hints(cls)
+
+        def get(key: str, default: Any, field: str | None = None) -> Any:
+            return _coerce(hf.get(key, default), hints[field or key], key)
+
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act={act!r} is not supported; MiniCPM4 uses 'silu'")
@@ -229,13 +236,10 @@ class ModelConfig:
                 raise ConfigError(f"rope_scaling has no {' or '.join(map(repr, missing))}; LongRoPE needs both "
                                   "factor lists (head_dim/2 values each): add them or remove rope_scaling")
             orig = rs.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-            rope_scaling = RopeScalingConfig(
-                short_factor=tuple(float(x) for x in rs["short_factor"]),
-                long_factor=tuple(float(x) for x in rs["long_factor"]),
-                original_max_position_embeddings=int(orig),
-            )
-        eos = hf.get("eos_token_id", 2)
-        eos_t = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+            rope_scaling = _from_dict(RopeScalingConfig, {
+                "short_factor": rs["short_factor"], "long_factor": rs["long_factor"],
+                "original_max_position_embeddings": orig}, "rope_scaling")
+        eos_t = get("eos_token_id", 2)
         sparse = hf.get("sparse_config")
         sparse_cfg = None
         if sparse is not None:
@@ -245,27 +249,27 @@ class ModelConfig:
             known = {f.name for f in dataclasses.fields(SparseConfig)}
             # typed like a YAML config: a bad value names its field (sparse_config.topk='x' must be an integer)
             sparse_cfg = _from_dict(SparseConfig, {k: v for k, v in sparse.items() if k in known}, "sparse_config")
-        nq = int(hf.get("num_attention_heads", 32))
+        nq = get("num_attention_heads", 32)
         kw: dict[str, Any] = dict(
-            vocab_size=int(hf.get("vocab_size", 32000)),
-            hidden_size=int(hf.get("hidden_size", 4096)),
-            intermediate_size=int(hf.get("intermediate_size", 11008)),
-            num_hidden_layers=int(hf.get("num_hidden_layers", 32)),
+            vocab_size=get("vocab_size", 32000),
+            hidden_size=get("hidden_size", 4096),
+            intermediate_size=get("intermediate_size", 11008),
+            num_hidden_layers=get("num_hidden_layers", 32),
             num_attention_heads=nq,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or nq),
-            head_dim=hf.get("head_dim"),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            num_key_value_heads=nq if hf.get("num_key_value_heads") is None else get("num_key_value_heads", None),
+            head_dim=get("head_dim", None),
+            max_position_embeddings=get("max_position_embeddings", 2048),
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_theta=get("rope_theta", 10000.0),
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            scale_emb=float(hf.get("scale_emb", 1)),
-            dim_model_base=int(hf.get("dim_model_base", 1)),
-            scale_depth=float(hf.get("scale_depth", 1)),
-            initializer_range=float(hf.get("initializer_range", 0.02)),
-            bos_token_id=int(hf.get("bos_token_id", 1)),
+            tie_word_embeddings=get("tie_word_embeddings", True),
+            scale_emb=get("scale_emb", 1),
+            dim_model_base=get("dim_model_base", 1),
+            scale_depth=get("scale_depth", 1),
+            initializer_range=get("initializer_range", 0.02),
+            bos_token_id=get("bos_token_id", 1),
             eos_token_id=eos_t,
-            pad_token_id=hf.get("pad_token_id"),
+            pad_token_id=get("pad_token_id", None),
             attention="infllmv2" if sparse_cfg is not None else "dense",
             sparse_config=sparse_cfg,
         )

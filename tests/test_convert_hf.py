@@ -379,6 +379,12 @@ def test_import_names_a_missing_rope_factor_list(official_dir, tmp_path, capsys,
     (lambda c: [1, 2], "config.json holds a JSON list, not an object"),
     (lambda c: {**c, "sparse_config": [1, 2]}, "sparse_config=[1, 2] is not a mapping"),
     (lambda c: {**c, "sparse_config": {"topk": "many"}}, "sparse_config.topk='many' must be an integer"),
+    # third break test: imported silently, cast to another model (scale_emb true -> 1.0, 2.5 layers -> 2, "false" -> True)
+    (lambda c: {**c, "scale_emb": True}, "scale_emb=True must be a number"),
+    (lambda c: {**c, "num_hidden_layers": 2.5}, "num_hidden_layers=2.5 must be an integer"),
+    (lambda c: {**c, "hidden_size": str(c["hidden_size"])}, "hidden_size='"),
+    (lambda c: {**c, "tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+    (lambda c: {**c, "eos_token_id": [2, "x"]}, "eos_token_id[1]='x' must be an integer"),
 ])
 def test_import_names_a_config_of_the_wrong_shape(official_dir, tmp_path, capsys, edit, needle):
     folder, _ = official_dir
