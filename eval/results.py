@@ -21,17 +21,23 @@ RESULTS_VERSION = 1
 
 
 def check_out_dir(path: str | os.PathLike | None, option: str = "--out") -> None:
-    """Raise ``ValueError`` (one line) when ``path`` cannot be an output folder: it, or a folder above it, is a file.
+    """Raise ``ValueError`` (one line) when ``path`` cannot be an output folder: it, or a folder above it, is a file,
+    or the nearest existing folder refuses new entries (read-only, ``/proc``, no permission).
 
     Run before any work, so an evaluation never finishes only to fail writing its results.
     """
     if path is None:
         return
+    from minicpm4_jax.convert.io import folder_write_error
+
     p = Path(path).absolute()
     for q in (p, *p.parents):
         if q.exists():
             if not q.is_dir():
                 raise ValueError(f"{option} {path}: {q} is a file, not a folder; give a folder path")
+            why = folder_write_error(q)
+            if why:
+                raise ValueError(f"{option} {path}: {q} is not writable ({why}); give a writable folder")
             return
 
 

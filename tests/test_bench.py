@@ -7,6 +7,7 @@ import json
 import math
 import random
 import sys
+from pathlib import Path
 from itertools import combinations
 
 import pytest
@@ -368,6 +369,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", str(tmp_path / "afile")], "is a file, not a folder"),
         (["ckpt", "--data-dir", d, "--tasks", "math500", "--math-timeout", "0"], "--math-timeout=0.0 must be > 0"),
     ]
+    if Path("/proc/self").is_dir():  # third break test: a folder that refuses new entries, found only after the run
+        cases.append((["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", "/proc/minicpm4-out"],
+                      "--out /proc/minicpm4-out: /proc is not writable"))
     (tmp_path / "afile").write_text("x")
     for argv, what in cases:
         assert run(p.parse_args(argv)) == 2

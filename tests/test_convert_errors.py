@@ -96,6 +96,14 @@ def test_export_refuses_out_over_or_inside_the_source(run_copy, capsys, no_param
     _no_leftovers(R.parent)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a folder that refuses new entries)")
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_export_names_an_unwritable_out(run_copy, capsys, no_param_loading, fmt):
+    """Third break test: an --out under /proc or /sys was reported as "not enough disk space ... 0.0 MiB are free"."""
+    err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(run_copy), "--out", "/proc/minicpm4-out"])
+    assert "--out /proc/minicpm4-out cannot be created: /proc is not writable" in err and "disk space" not in err, err
+
+
 def test_reimport_force_refuses_a_run_trained_on_since(runs, run_copy, capsys):
     """Noted by a fresh-eyes test: `import hf --force` over an imported run folder deleted checkpoints trained
     since (an import's manifest lists no files). Now only a folder holding nothing but the import's own files."""

@@ -524,6 +524,17 @@ def test_b20_external_prompt_that_fits_only_without_the_generated_tokens_is_refu
     assert oracle.calls == 0
 
 
+def test_empty_data_file_is_refused_before_anything_is_written(tmp_path, trained_tok):
+    """Third break test: an empty ``validation.jsonl`` in ``--data`` was skipped; alone, the run wrote empty results
+    and then crashed formatting a None score (a TypeError traceback)."""
+    (tmp_path / "ext" / "4096" / "niah_single_1").mkdir(parents=True)
+    (tmp_path / "ext" / "4096" / "niah_single_1" / "validation.jsonl").write_text("")
+    oracle = OracleModel(trained_tok, {}, prefix_ids=[trained_tok.eos_id], max_length=4096)
+    with pytest.raises(ConfigError, match="validation.jsonl holds no records; regenerate it"):
+        run_ruler(oracle, out_dir=tmp_path / "out", data=[tmp_path / "ext"], progress=False)
+    assert oracle.calls == 0 and not (tmp_path / "out").exists()
+
+
 def test_cli_generate_only_data_and_predictions(tmp_path, inputs, trained_tok):
     parser = argparse.ArgumentParser()
     add_arguments(parser)

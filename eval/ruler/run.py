@@ -396,8 +396,8 @@ def _read_data_files(paths: Sequence[str | os.PathLike], hint: Sequence[int]
     where: dict[tuple[int, str], Path] = {}
     for p in _expand(paths, "*.jsonl"):
         recs = read_data(p)
-        if not recs:
-            continue
+        if not recs:  # skipped, its task would be missing from the results without a word
+            raise ConfigError(f"{p} holds no records; regenerate it (--generate-only) or remove it from --data")
         key = (_infer_length(p, recs, hint), _infer_task(p, recs))
         if key in got:
             raise ConfigError(f"{p}: a second data file for {key[1]}@{key[0]} (first: {where[key]})")

@@ -107,6 +107,21 @@ def _replace_check(out: Path, importing: bool) -> None:
                                f"{extra[0]}); --force would delete them: move them away or pick another --out")
 
 
+def folder_write_error(folder: Path) -> str | None:
+    """Why nothing can be created in the existing folder ``folder`` (the OS's reason), or ``None`` when it can.
+
+    Creates and removes an empty probe folder: permission bits say nothing to root, and read-only or virtual
+    file systems (``/proc``, ``/sys``, a read-only mount) refuse only the real call.
+    """
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=folder))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def check_output_target(out: Path, force: bool, importing: bool = False) -> None:
     """Refuse an ``out`` that cannot become the output folder: an empty string, the current directory or a
     folder holding it (the output replaces the folder), a file there, a file above it (the folder could not be
@@ -132,8 +147,9 @@ def check_output_target(out: Path, force: bool, importing: bool = False) -> None
         probe = probe.parent
     if not probe.is_dir():
         raise ConvertError(f"--out {out} cannot be created: {probe} is a file, not a folder; pick another --out")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConvertError(f"--out {out} cannot be created: no write permission in {probe}; pick another --out")
+    why = folder_write_error(probe)
+    if why:
+        raise ConvertError(f"--out {out} cannot be created: {probe} is not writable ({why}); pick another --out")
     if _is_nonempty_dir(out) and not (out / MANIFEST_NAME).is_file():
         raise ConvertError(f"output folder {out} is not empty and is not an earlier output (no {MANIFEST_NAME}; "
                            "--force replaces only those): pick another --out, or empty it yourself")
