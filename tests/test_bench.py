@@ -403,6 +403,17 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
     shots = folder("shots", {"gsm8k/test.jsonl": "", "gsm8k/train.jsonl": pool * 5})
     with pytest.raises(DataError, match=r"^gsm8k: no records in [^,]*test\.jsonl$"):
         load_task("gsm8k", shots, k_shot=5)
+    # third break test: more shots than the pool: gsm8k said only "Sample larger than population or is negative",
+    # ARC used the rows it had and recorded the asked k
+    rec = json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n"
+    small = folder("small", {"gsm8k/test.jsonl": rec, "gsm8k/train.jsonl": pool * 5})
+    with pytest.raises(DataError, match=r"train\.jsonl: 6-shot needs 6 train rows, the file has 5; lower --k-shot"):
+        load_task("gsm8k", small, k_shot=6)
+    arc_rec = json.dumps({"question": "Q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A"})
+    arc = folder("arc_small", {"arc/ARC-Easy-Test.jsonl": arc_rec + "\n", "arc/ARC-Easy-Dev.jsonl": arc_rec + "\n"})
+    assert len(load_task("arc_easy", arc, k_shot=1).items) == 1
+    with pytest.raises(DataError, match=r"Dev\.jsonl: 2-shot needs 2 dev rows, the file has 1; lower --k-shot"):
+        load_task("arc_easy", arc, k_shot=2)
     header = folder("header", {"mmlu/test/foo_test.csv": ""})
     with pytest.raises(DataError, match="no records"):
         load_task("mmlu", header, k_shot=0)

@@ -293,8 +293,11 @@ def _load_arc(name: str, prefix: str, data_dir: Path, k_shot: int = 0, limit: in
         if not dev:
             raise DataError(f"{root}: no {prefix}-Dev file for {k_shot}-shot")
         files.append(dev[0])
-        dev_recs = read_records(dev[0])[:k_shot]
-        for r in dev_recs:
+        dev_recs = read_records(dev[0])
+        if len(dev_recs) < k_shot:  # (was: silently fewer shots, and the results recorded the asked k)
+            raise DataError(f"{dev[0]}: {k_shot}-shot needs {k_shot} dev rows, the file has {len(dev_recs)}; "
+                            f"lower --k-shot for {name}")
+        for r in dev_recs[:k_shot]:
             s, t, g = _arc_fields(r)
             shots += f"Question: {s}\nAnswer: {t[g]}\n\n"
     items = []
@@ -342,6 +345,9 @@ def load_gsm8k(data_dir: Path, k_shot: int = 5, limit: int | None = None, seed: 
         pool = read_records(train[0])
         require(pool, ["question", "answer"], "gsm8k")
         files.append(train[0])
+        if len(pool) < k_shot:
+            raise DataError(f"{train[0]}: {k_shot}-shot needs {k_shot} train rows, the file has {len(pool)}; "
+                            "lower --k-shot for gsm8k")
         for r in random.Random(seed).sample(pool, k_shot):
             shots += f"Question: {r['question']}\nAnswer: {r['answer']}\n\n"
     recs = read_records(test)
