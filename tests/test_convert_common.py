@@ -165,3 +165,83 @@ def fold_official_dir_in_test(folder: Path) -> tuple[dict[str, np.ndarray], dict
     cfg = {k: v for k, v in hf.items() if k not in ("scale_emb", "scale_depth", "dim_model_base", "sparse_config")}
     cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=False, torch_dtype="float32")
     return out, cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# staged outputs killed midway (third break test: a killed export left its staging folder behind for good)
+# ------------------------------------------------------------------------------------------------
+
+_STAGE_WORKER = r"""
+import sys, time
+from pathlib import Path
+from minicpm4_jax.convert.io import staged_output
+with staged_output(sys.argv[1], force=True) as stage:
+    (stage / "model.safetensors").write_bytes(b"x" * 1000)
+    print("WRITING", flush=True)
+    time.sleep(60)
+"""
+
+
+def _start_stage_worker(out: Path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _STAGE_WORKER, str(out)], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert proc.stdout.readline().strip() == "WRITING"
+    return proc
+
+
+def _hidden(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new", "over_an_earlier_output"])
+def test_sigterm_during_a_staged_output_leaves_nothing_behind(tmp_path, earlier):
+    import signal
+
+    out = tmp_path / "o"
+    if earlier:
+        out.mkdir()
+        (out / "minicpm4_manifest.json").write_text("{}")
+    proc = _start_stage_worker(out)
+    assert any(".o.partial-" in n for n in _hidden(tmp_path))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert _hidden(tmp_path) == []
+    assert out.exists() == earlier and (not earlier or [p.name for p in out.iterdir()] == ["minicpm4_manifest.json"])
+
+
+def test_the_next_run_removes_what_a_sigkill_left_and_restores_a_moved_aside_output(tmp_path):
+    import signal
+
+    from minicpm4_jax.convert.io import recover_interrupted, staged_output
+
+    out = tmp_path / "o"
+    proc = _start_stage_worker(out)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    left = _hidden(tmp_path)
+    assert len(left) == 2 and left[0].startswith(".o.partial-") and left[1].endswith(".owner"), left
+    said = []
+    with staged_output(out) as stage:
+        (stage / "a").write_text("new")
+    assert _hidden(tmp_path) == [] and (out / "a").read_text() == "new"
+    # a --force run killed between moving the previous output aside and renaming the new one into place
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a").write_text("previous")
+    (tmp_path / ".p.old-0123abcd").mkdir()
+    (tmp_path / ".p.old-0123abcd" / "a").write_text("moved aside")
+    (tmp_path / "p").rename(tmp_path / "gone")
+    recover_interrupted(tmp_path / "p", log=said.append)
+    assert (tmp_path / "p" / "a").read_text() == "moved aside" and not (tmp_path / ".p.old-0123abcd").exists()
+    assert len(said) == 1 and said[0].startswith(f"restored {tmp_path / 'p'} from "), said
+    # a staging folder whose owner is alive (this process) is left alone
+    live = tmp_path / ".q.partial-00000000"
+    live.mkdir()
+    import os
+    import socket
+
+    (tmp_path / ".q.partial-00000000.owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    recover_interrupted(tmp_path / "q", log=said.append)
+    assert live.is_dir() and len(said) == 1

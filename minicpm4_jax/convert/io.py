@@ -221,39 +221,126 @@ def check_disk_space(folder: Path, needed_bytes: int) -> None:
         )
 
 
+def _owner_alive(stage: Path) -> bool:
+    """Whether the process named in staging folder ``stage``'s owner file (``host pid``) may still be writing it."""
+    import socket
+
+    try:
+        host, pid = stage.with_name(stage.name + ".owner").read_text().split()
+    except (OSError, ValueError):  # no owner file yet (a folder just made) or unreadable: a young folder is alive
+        try:
+            return _dt.datetime.now().timestamp() - stage.stat().st_mtime < 60
+        except OSError:
+            return False
+    if host != socket.gethostname():
+        return True  # another machine's process: cannot tell, leave it
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def recover_interrupted(out: Path, log: Any = print) -> None:
+    """Clean up after an earlier run on ``out`` that was killed (SIGKILL, power loss) inside :func:`staged_output`.
+
+    * ``.<name>.partial-<tag>`` staging folders whose owner process is gone are deleted (said in one line each);
+    * a ``.<name>.old-<tag>`` folder (the previous output, moved aside by ``--force``) whose run died before the new
+      output took its place is renamed back to ``out`` when ``out`` is missing, otherwise deleted.
+    """
+    parent = out.parent
+    if not parent.is_dir():
+        return
+    for stage in sorted(parent.glob(f".{out.name}.partial-*")):
+        if stage.name.endswith(".owner") or not stage.is_dir():
+            continue
+        if _owner_alive(stage):
+            continue
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.with_name(stage.name + ".owner").unlink(missing_ok=True)
+        log(f"removed {stage}: the staging folder of an earlier run on {out} that was killed before it finished")
+    for marker in parent.glob(f".{out.name}.partial-*.owner"):  # a run killed after its rename, before the unlink
+        if not marker.with_name(marker.name[: -len(".owner")]).exists():
+            marker.unlink(missing_ok=True)
+    for old in sorted(parent.glob(f".{out.name}.old-*")):
+        tag = old.name.rsplit("-", 1)[-1]
+        if _owner_alive(parent / f".{out.name}.partial-{tag}"):
+            continue
+        if not out.exists():
+            old.rename(out)
+            log(f"restored {out} from {old}: an earlier --force run was killed between moving the previous output "
+                "aside and putting the new one in place")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Inside: SIGTERM (a scheduler's kill, ``timeout``) raises SystemExit, so cleanups run (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def staged_output(out: str | os.PathLike, *, force: bool = False, needed_bytes: int = 0,
                   importing: bool = False) -> Iterator[Path]:
     """Context manager yielding a fresh staging folder that becomes ``out`` on success.
 
-    The staging folder is ``<parent>/.<name>.partial-<random>``. On a clean exit it is renamed to
-    ``out`` (an existing empty ``out`` is removed first; with ``force`` a non-empty one is moved
-    aside, replaced, then deleted). On an exception it is deleted and ``out`` is untouched.
+    The staging folder is ``<parent>/.<name>.partial-<random>`` (its owner, ``host pid``, in a sibling
+    ``.owner`` file). On a clean exit it is renamed to ``out`` (an existing empty ``out`` is removed first; with
+    ``force`` a non-empty one is moved aside, replaced, then deleted). On an exception, or SIGTERM, it is deleted
+    and ``out`` is untouched. What a SIGKILL leaves behind is cleaned up by the next run on the same ``out``
+    (:func:`recover_interrupted`).
 
     Raises:
         ConvertError: ``out`` is non-empty without ``force``, is a file, or the disk is too full for
             ``needed_bytes`` (all checked before anything is written).
     """
+    import socket
+
     out = Path(out).expanduser().absolute()
+    recover_interrupted(out)
     check_output_target(out, force, importing)
     check_disk_space(out.parent, needed_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
     stage = out.parent / f".{out.name}.partial-{tag}"
+    marker = stage.with_name(stage.name + ".owner")
     stage.mkdir()
-    try:
-        yield stage
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     old = None
-    if out.exists():
-        if _is_nonempty_dir(out):
-            old = out.parent / f".{out.name}.old-{tag}"
-            out.rename(old)
-        else:
-            out.rmdir()
-    stage.rename(out)
+    try:
+        marker.write_text(f"{socket.gethostname()} {os.getpid()}\n")
+        with _sigterm_raises():
+            yield stage
+            if out.exists():
+                if _is_nonempty_dir(out):
+                    old = out.parent / f".{out.name}.old-{tag}"
+                    out.rename(old)
+                else:
+                    out.rmdir()
+            stage.rename(out)
+    except BaseException:
+        if old is not None and old.exists() and not out.exists():  # stopped between the two renames
+            old.rename(out)
+        shutil.rmtree(stage, ignore_errors=True)
+        marker.unlink(missing_ok=True)
+        raise
+    marker.unlink(missing_ok=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
