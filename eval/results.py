@@ -137,7 +137,8 @@ def read_results(path: str | os.PathLike) -> dict[str, Any]:
     """Read a results JSON written by :func:`write_results`.
 
     Raises:
-        ValueError: not a results file of this project (names the file).
+        ValueError: not a results file of this project, a ``results_version`` this code does not read, or
+            ``scores`` that are not a mapping (names the file).
     """
     p = Path(path)
     try:
@@ -146,4 +147,11 @@ def read_results(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{p}: cannot read a results JSON ({e})") from None
     if not isinstance(data, dict) or "kind" not in data or "scores" not in data:
         raise ValueError(f"{p}: not a minicpm4 results file (no 'kind'/'scores'); give a *_results.json")
+    version = data.get("results_version", RESULTS_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= RESULTS_VERSION:
+        raise ValueError(f"{p}: results_version={version!r}, this minicpm4-jax reads 1 to {RESULTS_VERSION}; render it "
+                         "with the version that wrote it")
+    if not isinstance(data["scores"], dict):
+        raise ValueError(f"{p}: 'scores' is {type(data['scores']).__name__}, not a mapping; the run that wrote it did "
+                         "not finish: evaluate again")
     return data

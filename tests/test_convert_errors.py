@@ -205,6 +205,13 @@ def test_checkpoint_path_that_is_a_file_or_a_step_folder(run_copy, tmp_path, cap
     err = _one_line_error(capsys, ["generate", "--checkpoint", str(R / "checkpoints" / "0"), "--prompt", "x"])
     assert f"--checkpoint {R}" in err, err
     assert not (tmp_path / "o").exists()
+    # third break test: an exported Hugging Face folder given where a run is read said only "no checkpoint found"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "x"])
+    assert f"it is a Hugging Face folder: make a run of it first with 'minicpm4 import hf {hf} --out RUN'" in err, err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -80,6 +80,9 @@ def test_report_single_result_no_comparison_and_cli(tmp_path):
     assert pngs == ["ruler_heatmap_tiny_dense_abc123ab.png", "ruler_score_vs_length.png"]
     for p in (tmp_path / "r").glob("*.png"):
         _valid_png(p)
+    for dpi in ("19", "1201"):  # 100000 ended in a MemoryError traceback
+        with pytest.raises(ConfigError, match=f"--dpi={dpi} must be in \\[20, 1200\\]"):
+            run(parser.parse_args([str(res), "--out", str(tmp_path / "r2"), "--dpi", dpi]))
 
 
 def test_report_errors(tmp_path):
@@ -94,6 +97,13 @@ def test_report_errors(tmp_path):
     (tmp_path / "bad_results.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: the message names the file
     with pytest.raises(ConfigError, match=r"bad_results.json: cannot read a results JSON \('utf-8' codec"):
         render_report([tmp_path / "bad_results.json"], tmp_path / "o")
+    # third break test: a newer results_version was rendered without a word; null scores did not name the file
+    (tmp_path / "new_results.json").write_text(json.dumps({"kind": "bench", "scores": {}, "results_version": 99}))
+    with pytest.raises(ConfigError, match=r"new_results.json: results_version=99, this minicpm4-jax reads 1 to 1"):
+        render_report([tmp_path / "new_results.json"], tmp_path / "o")
+    (tmp_path / "null_results.json").write_text(json.dumps({"kind": "bench", "scores": None}))
+    with pytest.raises(ConfigError, match=r"null_results.json: 'scores' is NoneType, not a mapping"):
+        render_report([tmp_path / "null_results.json"], tmp_path / "o")
     other, _ = write_results(tmp_path / "x", kind="lm_eval", config={}, model_info={}, datasets={}, items=[],
                              scores={})
     with pytest.raises(ConfigError, match="no ruler or bench results"):

@@ -535,6 +535,17 @@ def test_empty_data_file_is_refused_before_anything_is_written(tmp_path, trained
     assert oracle.calls == 0 and not (tmp_path / "out").exists()
 
 
+def test_cli_checkpoint_after_lengths_is_named(tmp_path):
+    """Third break test: ``--lengths 1024 RUN`` gave RUN to --lengths and said "give a checkpoint to evaluate"."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (tmp_path / "run").mkdir()
+    args = parser.parse_args(["--lengths", "1024", str(tmp_path / "run"), "--out", str(tmp_path / "o")])
+    with pytest.raises(ConfigError, match=f"--lengths took the path {tmp_path / 'run'} as a length; put the checkpoint"):
+        run(args)
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_generate_only_data_and_predictions(tmp_path, inputs, trained_tok):
     parser = argparse.ArgumentParser()
     add_arguments(parser)

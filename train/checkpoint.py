@@ -595,7 +595,12 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
         raise ConfigError(f"{opt(path_option, path)} is the folder of one checkpoint step ({int(p.name)}), not a run; "
                           f"give the run folder instead: {how}")
     if not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
-        raise ConfigError(f"no checkpoint found in {str(path)!r}; give a run's out_dir or its checkpoints folder")
+        hint = ""
+        if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+            hint = f" (it is a Hugging Face folder: make a run of it first with 'minicpm4 import hf {path} --out RUN')"
+        elif any(p.glob("*.gguf")):
+            hint = " (it holds a GGUF file, which this project writes for llama.cpp but does not read)"
+        raise ConfigError(f"no checkpoint found in {str(path)!r}; give a run's out_dir or its checkpoints folder{hint}")
     return p
 
 

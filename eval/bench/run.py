@@ -219,7 +219,8 @@ def run_bench(model, data_dir: str | Path, tasks: Sequence[str] | str | None = N
 
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint directory (a training run or an exported model)")
+    parser.add_argument("checkpoint", help="a training run (its out_dir or checkpoints folder); a Hugging Face folder "
+                        "is read after `minicpm4 import hf`")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--data-dir", required=True,
                         help="folder holding the benchmark folders (mmlu/, gsm8k/, ...) or one benchmark's folder")

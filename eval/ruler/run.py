@@ -585,6 +585,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(r['data_files'])} RULER data files under {Path(args.out) / 'data'}")
         return 0
     if not args.checkpoint:
+        swallowed = [x for x in lengths if os.path.exists(str(x))]
+        if swallowed:  # `--lengths 4K RUN`: argparse gives RUN to --lengths (nargs="+")
+            raise ConfigError(f"--lengths took the path {swallowed[0]} as a length; put the checkpoint before "
+                              "--lengths (or end the lengths with --)")
         raise ConfigError("give a checkpoint to evaluate (or --predictions to score existing predictions)")
     from minicpm4_jax.eval.model import EvalModel
 
