@@ -544,6 +544,9 @@ def test_cli_checkpoint_after_lengths_is_named(tmp_path):
     with pytest.raises(ConfigError, match=f"--lengths took the path {tmp_path / 'run'} as a length; put the checkpoint"):
         run(args)
     assert not (tmp_path / "o").exists()
+    args = parser.parse_args([str(tmp_path / "run"), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o")])
+    with pytest.raises(ConfigError, match="--tokenizer is for --generate-only"):  # was ignored
+        run(args)
 
 
 def test_cli_generate_only_data_and_predictions(tmp_path, inputs, trained_tok):

@@ -269,7 +269,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
 
     config: dict[str, Any] = {
         "suite": "ruler", "upstream": UPSTREAM, "tasks": task_names, "lengths": length_list,
-        "num_samples": num_samples, "seed": seed,
+        "num_samples": num_samples if not data else None, "seed": seed,  # --data: the files' records
         "chat_template": chat_template if chat_template in CHAT_TEMPLATES else wrapper,
         "prefix_tokens": prefix_tokens, "decoding": {"temperature": 0.0, "stop": [], "seed": seed},
         "tokens_to_generate": {t: TASKS[t].tokens_to_generate for t in task_names if t in TASKS},
@@ -457,7 +457,8 @@ def markdown_summary(config: dict[str, Any], model_info: dict[str, Any], scores:
              f"(params sha256 `{str(model_info.get('checkpoint_hash', ''))[:16]}`)",
              f"- tokenizer sha256: `{str(model_info.get('tokenizer_hash', ''))[:16]}`",
              f"- attention: {config.get('attention')}; chat template: {config.get('chat_template', '-')}; "
-             f"samples per task: {config.get('num_samples', '-')}; seed: {config.get('seed', '-')}",
+             f"samples per task: {config.get('num_samples') or 'those of the --data files'}; "
+             f"seed: {config.get('seed', '-')}",
              f"- follows {UPSTREAM} with {len(config.get('deviations', []))} listed deviations (results JSON)", "",
              "| task | metric | " + " | ".join(lengths) + " |",
              "| --- | --- | " + " | ".join("---:" for _ in lengths) + " |"]
@@ -574,6 +575,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples={args.num_samples} must be >= 1")
+    if args.tokenizer and args.checkpoint and not args.generate_only:  # (was ignored without a word)
+        raise ConfigError("--tokenizer is for --generate-only; a checkpoint is evaluated with the tokenizer saved "
+                          "beside it: drop --tokenizer")
     inputs = _inputs_from_args(args)
     common = dict(out_dir=args.out, lengths=lengths or ([] if args.data else STANDARD_LENGTHS), tasks=args.tasks,
                   num_samples=args.num_samples, seed=args.seed, inputs=inputs, chat_template=args.chat_template,
