@@ -224,34 +224,36 @@ def score_tokens_with_logits(logits_fn: Callable[[list[int]], np.ndarray],
 def _check_cli_args(args: Sequence[str]) -> None:
     """Refuse, in one line, lm-eval arguments that would end in a traceback or a meaningless table.
 
+    The arguments are parsed by lm-eval's own parser (its abbreviations, JSON ``--model_args``), then checked.
+
     Raises:
         ConfigError: ``batch_size``/``max_batch_size``/``device`` inside ``--model_args`` (lm-eval passes its own
-            ``--batch_size``... to the model as well: "got multiple values for keyword argument"), ``--limit <= 0``,
-            ``--num_fewshot < 0``.
+            ``--batch_size``... to the model as well: "got multiple values for keyword argument"), a ``--limit``
+            that is not a finite number > 0, a ``--num_fewshot`` that is not an integer >= 0.
     """
-    import argparse
+    import math
 
-    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    ap.add_argument("--model_args", "-a", default="")
-    ap.add_argument("--limit", "-L", default=None)
-    ap.add_argument("--num_fewshot", "-f", default=None)
-    known, _ = ap.parse_known_args(list(args))
-    given = {kv.split("=", 1)[0].strip() for kv in str(known.model_args).split(",") if "=" in kv}
-    dup = sorted(given & {"batch_size", "max_batch_size", "device"})
+    from lm_eval._cli import HarnessCLI
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *args]
+    try:
+        ns = HarnessCLI().parse_args()
+    finally:
+        sys.argv = saved
+    model_args = getattr(ns, "model_args", None) or {}
+    if isinstance(model_args, str):
+        model_args = {kv.split("=", 1)[0].strip(): None for kv in model_args.split(",") if "=" in kv}
+    dup = sorted(set(model_args) & {"batch_size", "max_batch_size", "device"})
     if dup:
         raise ConfigError(f"{dup[0]} in --model_args: lm-eval passes its own --{dup[0]} to the model too; give it as "
                           f"--{dup[0]} VALUE instead")
-    for flag, value, ok, need in (("--limit", known.limit, lambda x: x > 0, "a number > 0 (documents per task, or a "
-                                   "fraction below 1)"), ("--num_fewshot", known.num_fewshot, lambda x: x >= 0,
-                                                          "an integer >= 0")):
-        if value is None:
-            continue
-        try:
-            good = ok(float(value)) and (flag != "--num_fewshot" or float(value).is_integer())
-        except ValueError:
-            good = False
-        if not good:
-            raise ConfigError(f"{flag} {value}: give {need}")
+    limit, shots = getattr(ns, "limit", None), getattr(ns, "num_fewshot", None)
+    if limit is not None and not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+        raise ConfigError(f"--limit {limit}: give a number > 0 (documents per task, or a fraction below 1)")
+    if shots is not None and not (isinstance(shots, (int, float)) and math.isfinite(shots) and shots >= 0
+                                  and float(shots).is_integer()):
+        raise ConfigError(f"--num_fewshot {shots}: give an integer >= 0")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -65,10 +65,32 @@ def load_results(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, dict[st
             continue
         seen.add(key)
         try:
-            out.append((f, read_results(f)))
+            res = read_results(f)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        _check_scores(f, res)
+        out.append((f, res))
     return out
+
+
+def _check_scores(path: Path, res: dict[str, Any]) -> None:
+    """Raise ConfigError naming ``path`` when a ruler/bench result's ``scores`` cannot be drawn (a list for
+    ``tasks``, a null task, a length that is not a number, ...): before any plot, not as a traceback midway."""
+    kind = res.get("kind")
+    try:
+        if kind == "ruler":
+            _ruler_matrix(res)
+            sc = res["scores"]
+            for n, v in (sc.get("lengths") or {}).items():
+                int(n), v.get("score")
+            (sc.get("average") or {}).get("avg")
+        elif kind == "bench":
+            _bench_scores(res)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except (AttributeError, TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: malformed {kind} scores ({type(e).__name__}: {e}); give a results file that "
+                          "'minicpm4 eval' wrote") from None
 
 
 # -- labels and grouping -------------------------------------------------------------------------------------

@@ -215,7 +215,10 @@ class ModelConfig:
         hints = typing.get_type_hints(cls)
 
         def get(key: str, default: Any, field: str | None = None) -> Any:
-            return _coerce(hf.get(key, default), hints[field or key], key)
+            value = hf.get(key, default)
+            if isinstance(value, str):  # JSON has numbers and booleans ('1e-5' is a YAML 1.1 accident, not JSON's)
+                raise ConfigError(f"{key}={value!r} is a string; config.json needs a JSON number or boolean here")
+            return _coerce(value, hints[field or key], key)
 
         act = hf.get("hidden_act", "silu")
         if act != "silu":

@@ -245,3 +245,28 @@ def test_the_next_run_removes_what_a_sigkill_left_and_restores_a_moved_aside_out
     (tmp_path / ".q.partial-00000000.owner").write_text(f"{socket.gethostname()} {os.getpid()}\n")
     recover_interrupted(tmp_path / "q", log=said.append)
     assert live.is_dir() and len(said) == 1
+
+
+def test_recovery_matches_only_its_own_out_name_and_a_mount_point_out_is_refused(tmp_path, monkeypatch):
+    """The re-break test: an --out named 'ckpt[a]' globbed '.ckpt[a].partial-*' as a pattern, so it removed ckpta's
+    staging folder and restored ckpta's moved-aside output under its own name; and an --out that is a mount point
+    ran the whole export, then failed to rmdir/rename it (EBUSY)."""
+    import os
+
+    from minicpm4_jax.convert.io import ConvertError, check_output_target, recover_interrupted
+
+    for n in (".ckpta.partial-cafe0001", ".ckpta.old-deadbeef"):
+        (tmp_path / n).mkdir()
+        os.utime(tmp_path / n, (0, 0))  # old enough to count as dead
+    said = []
+    recover_interrupted(tmp_path / "ckpt[a]", log=said.append)
+    assert said == [] and _hidden(tmp_path) == [".ckpta.old-deadbeef", ".ckpta.partial-cafe0001"]
+    (tmp_path / ".ckpt[a].partial-00000001").mkdir()
+    os.utime(tmp_path / ".ckpt[a].partial-00000001", (0, 0))
+    recover_interrupted(tmp_path / "ckpt[a]", log=said.append)
+    assert len(said) == 1 and not (tmp_path / ".ckpt[a].partial-00000001").exists()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt)
+    with pytest.raises(ConvertError, match=f"--out {mnt} is a mount point, .* e.g. --out {mnt / 'model'}"):
+        check_output_target(mnt, force=False)

@@ -383,7 +383,8 @@ def test_import_names_a_missing_rope_factor_list(official_dir, tmp_path, capsys,
     (lambda c: {**c, "scale_emb": True}, "scale_emb=True must be a number"),
     (lambda c: {**c, "num_hidden_layers": 2.5}, "num_hidden_layers=2.5 must be an integer"),
     (lambda c: {**c, "hidden_size": str(c["hidden_size"])}, "hidden_size='"),
-    (lambda c: {**c, "tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+    (lambda c: {**c, "rope_theta": "1e4"}, "rope_theta='1e4' is a string; config.json needs a JSON number"),
+    (lambda c: {**c, "tie_word_embeddings": "false"}, "tie_word_embeddings='false' is a string; config.json needs"),
     (lambda c: {**c, "eos_token_id": [2, "x"]}, "eos_token_id[1]='x' must be an integer"),
 ])
 def test_import_names_a_config_of_the_wrong_shape(official_dir, tmp_path, capsys, edit, needle):

@@ -104,6 +104,18 @@ def test_report_errors(tmp_path):
     (tmp_path / "null_results.json").write_text(json.dumps({"kind": "bench", "scores": None}))
     with pytest.raises(ConfigError, match=r"null_results.json: 'scores' is NoneType, not a mapping"):
         render_report([tmp_path / "null_results.json"], tmp_path / "o")
+    # the re-break test: nested malformed scores ended in AttributeError/ValueError tracebacks, and "a bench results
+    # file without scores..." did not say which file
+    for name, kind, scores, what in (
+            ("b1", "bench", {"tasks": ["mmlu"]}, "malformed bench scores"),
+            ("b2", "bench", {}, "a bench results file without scores.tasks"),
+            ("r1", "ruler", {"tasks": {"niah_single_1": None}}, "malformed ruler scores"),
+            ("r2", "ruler", {"tasks": {"niah_single_1": {"by_length": {"abc": None}}}}, "malformed ruler scores"),
+            ("r3", "ruler", {"tasks": []}, "a RULER results file without per-length task scores")):
+        f = tmp_path / f"{name}_results.json"
+        f.write_text(json.dumps({"kind": kind, "scores": scores}))
+        with pytest.raises(ConfigError, match=f"^{f}: {what}"):
+            render_report([f], tmp_path / "o")
     other, _ = write_results(tmp_path / "x", kind="lm_eval", config={}, model_info={}, datasets={}, items=[],
                              scores={})
     with pytest.raises(ConfigError, match="no ruler or bench results"):

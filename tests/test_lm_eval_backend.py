@@ -288,9 +288,14 @@ def test_missing_task_data_file_is_one_line(monkeypatch, capsys):
     (["--model_args", "checkpoint=/x,batch_size=0"], "error: batch_size in --model_args: lm-eval passes its own "
                                                      "--batch_size to the model too; give it as --batch_size VALUE"),
     (["-a", "device=cpu,checkpoint=/x"], "error: device in --model_args"),
-    (["--limit", "0"], "error: --limit 0: give a number > 0"),
+    (["--limit", "0"], "error: --limit 0.0: give a number > 0"),
     (["--num_fewshot", "-1"], "error: --num_fewshot -1: give an integer >= 0"),
-    (["--num_fewshot", "2.5"], "error: --num_fewshot 2.5: give an integer >= 0"),
+    # the re-break test: lm-eval's abbreviations, JSON model_args and inf went past a parser of our own
+    (["--lim", "0"], "error: --limit 0.0: give a number > 0"),
+    (["-L", "inf"], "error: --limit inf: give a number > 0"),
+    (["--num_few", "-1"], "error: --num_fewshot -1: give an integer >= 0"),
+    (["--model_arg", "checkpoint=/x,device=cpu"], "error: device in --model_args"),
+    (["--model_args", '{"checkpoint": "/x", "batch_size": 2}'], "error: batch_size in --model_args"),
 ])
 def test_launcher_refuses_bad_arguments_in_one_line(monkeypatch, capsys, args, message):
     """Third break test: these ended in lm-eval tracebacks (a duplicated keyword argument, "did not find any docs")

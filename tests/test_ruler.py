@@ -539,10 +539,14 @@ def test_cli_checkpoint_after_lengths_is_named(tmp_path):
     """Third break test: ``--lengths 1024 RUN`` gave RUN to --lengths and said "give a checkpoint to evaluate"."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    (tmp_path / "run").mkdir()
-    args = parser.parse_args(["--lengths", "1024", str(tmp_path / "run"), "--out", str(tmp_path / "o")])
-    with pytest.raises(ConfigError, match=f"--lengths took the path {tmp_path / 'run'} as a length; put the checkpoint"):
-        run(args)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    for argv in (["--lengths", "1024", str(run_dir)], ["--tasks", "niah_single_1", str(run_dir), "--lengths", "1024"],
+                 ["--data", str(tmp_path), str(run_dir)], ["--predictions", str(tmp_path), str(run_dir)]):
+        args = parser.parse_args([*argv, "--out", str(tmp_path / "o")])
+        flag = argv[0]
+        with pytest.raises(ConfigError, match=f"{flag} took the training run {run_dir} as one of its values; put the "):
+            run(args)
     assert not (tmp_path / "o").exists()
     args = parser.parse_args([str(tmp_path / "run"), "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o")])
     with pytest.raises(ConfigError, match="--tokenizer is for --generate-only"):  # was ignored

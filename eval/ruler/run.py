@@ -561,6 +561,26 @@ def _tokenizer_only(args: argparse.Namespace) -> Any:
     raise ConfigError(f"no tokenizer folder beside {root}; pass --tokenizer")
 
 
+def _is_run_folder(path: str) -> bool:
+    p = Path(path)
+    return p.is_dir() and ((p / "checkpoints").is_dir() or (p.name == "checkpoints" and (p.parent / "config.json").exists()))
+
+
+def _check_swallowed_checkpoint(args: argparse.Namespace) -> None:
+    """``--lengths 4K RUN`` (also ``--tasks``, ``--data``, ``--predictions``, all ``nargs="+"``): argparse gives RUN
+    to the option. Raise ConfigError naming it, instead of "give a checkpoint" or scoring a run folder as
+    predictions."""
+    if args.checkpoint:
+        return
+    for flag, values, took in (("--lengths", args.lengths, lambda x: os.path.exists(str(x))),
+                               ("--tasks", args.tasks, lambda x: os.path.exists(str(x))),
+                               ("--data", args.data, _is_run_folder), ("--predictions", args.predictions, _is_run_folder)):
+        hit = next((x for x in values or [] if took(x)), None)
+        if hit is not None:
+            raise ConfigError(f"{flag} took the training run {hit} as one of its values; put the checkpoint before "
+                              f"{flag} (or end its values with --)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``minicpm4 eval ruler``; returns the exit status (user errors raise ConfigError)."""
     progress = not args.no_progress
@@ -569,6 +589,7 @@ def run(args: argparse.Namespace) -> int:
         check_out_dir(args.out)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_swallowed_checkpoint(args)
     if args.predictions:
         r = score_predictions(args.predictions, out_dir=args.out, lengths=lengths, attention=args.attention)
         print(f"RULER score {r['scores']['score']:.2f}; wrote {r['results']} and {r['summary']}")
@@ -589,10 +610,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(r['data_files'])} RULER data files under {Path(args.out) / 'data'}")
         return 0
     if not args.checkpoint:
-        swallowed = [x for x in lengths if os.path.exists(str(x))]
-        if swallowed:  # `--lengths 4K RUN`: argparse gives RUN to --lengths (nargs="+")
-            raise ConfigError(f"--lengths took the path {swallowed[0]} as a length; put the checkpoint before "
-                              "--lengths (or end the lengths with --)")
         raise ConfigError("give a checkpoint to evaluate (or --predictions to score existing predictions)")
     from minicpm4_jax.eval.model import EvalModel
 

@@ -142,6 +142,9 @@ def check_output_target(out: Path, force: bool, importing: bool = False) -> None
                            "pick a new folder for --out")
     if out.exists() and not out.is_dir():
         raise ConvertError(f"--out {out} exists and is a file, not a folder; pick another --out")
+    if out.is_dir() and os.path.ismount(out):  # the finished output is renamed into place: a mount point cannot be
+        raise ConvertError(f"--out {out} is a mount point, which the output cannot replace (it is built beside --out "
+                           f"and renamed into place); give a new folder inside it, e.g. --out {out / 'model'}")
     probe = out.parent
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -253,7 +256,10 @@ def recover_interrupted(out: Path, log: Any = print) -> None:
     parent = out.parent
     if not parent.is_dir():
         return
-    for stage in sorted(parent.glob(f".{out.name}.partial-*")):
+    import glob
+
+    name = glob.escape(out.name)  # an --out named 'm[1]' must not match another output's leftovers
+    for stage in sorted(parent.glob(f".{name}.partial-*")):
         if stage.name.endswith(".owner") or not stage.is_dir():
             continue
         if _owner_alive(stage):
@@ -261,10 +267,10 @@ def recover_interrupted(out: Path, log: Any = print) -> None:
         shutil.rmtree(stage, ignore_errors=True)
         stage.with_name(stage.name + ".owner").unlink(missing_ok=True)
         log(f"removed {stage}: the staging folder of an earlier run on {out} that was killed before it finished")
-    for marker in parent.glob(f".{out.name}.partial-*.owner"):  # a run killed after its rename, before the unlink
+    for marker in parent.glob(f".{name}.partial-*.owner"):  # a run killed after its rename, before the unlink
         if not marker.with_name(marker.name[: -len(".owner")]).exists():
             marker.unlink(missing_ok=True)
-    for old in sorted(parent.glob(f".{out.name}.old-*")):
+    for old in sorted(parent.glob(f".{name}.old-*")):
         tag = old.name.rsplit("-", 1)[-1]
         if _owner_alive(parent / f".{out.name}.partial-{tag}"):
             continue
