@@ -174,13 +174,18 @@ def test_full_selection_equals_dense_block64_triton():
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref), atol=1e-5, rtol=0)
 
 
-def test_bf16_smoke():
-    rng = np.random.default_rng(4)
-    b, t, nkv, g, d, bs = 1, 48, 1, 8, 64, 16
-    q, k, v = _inputs(rng, b, t, t, nkv, g, d, jnp.bfloat16)
+def _bf16_case(seed, t, g, d, picks, bs=16):
+    """bf16 ``q, k, v`` (batch 1, one KV group of ``g`` heads), a random causal selection of ``picks`` blocks per
+    token, and the keyword arguments both the kernel and the reference take."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, 1, t, t, 1, g, d, jnp.bfloat16)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    idx = _random_selection(rng, b, nkv, t, 2, np.asarray(pos), bs)
-    kw = dict(q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=1)
+    idx = _random_selection(rng, 1, 1, t, picks, np.asarray(pos), bs)
+    return q, k, v, idx, dict(q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=1)
+
+
+def test_bf16_smoke():
+    q, k, v, idx, kw = _bf16_case(4, 48, 8, 64, 2)
     out = jax.jit(lambda *a: block_sparse_attention(*a, idx, backend="triton", interpret=True, **kw))(q, k, v)
     assert out.dtype == jnp.bfloat16
     ref = infllmv2_stage2(*(x.astype(jnp.float32) for x in (q, k, v)), idx, **kw)
@@ -191,12 +196,7 @@ def test_bf16_gradients():
     """bf16 gradients of q, k, v (group 16, head_dim 128, 3 selected blocks): against the float32 reference on the
     same bf16-rounded inputs, the kernel's error is within 2e-2 of the largest gradient entry and within twice the
     XLA reference's own bf16 error plus one bf16 ulp (measured: kernel 0.27-0.47%, XLA in bf16 0.41-0.98%)."""
-    rng = np.random.default_rng(11)
-    b, t, nkv, g, d, bs = 1, 80, 1, 16, 128, 16
-    q, k, v = _inputs(rng, b, t, t, nkv, g, d, jnp.bfloat16)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    idx = _random_selection(rng, b, nkv, t, 3, np.asarray(pos), bs)
-    kw = dict(q_positions=pos, kv_positions=pos, block_size=bs, window_blocks=1)
+    q, k, v, idx, kw = _bf16_case(11, 80, 16, 128, 3)
     _, got = _fwd_and_grads(lambda *a: block_sparse_attention(*a, idx, backend="triton", interpret=True, **kw), q, k, v)
     _, xla16 = _fwd_and_grads(lambda *a: infllmv2_stage2(*a, idx, **kw), q, k, v)
     _, want = _fwd_and_grads(lambda *a: infllmv2_stage2(*a, idx, **kw), *(x.astype(jnp.float32) for x in (q, k, v)))
