@@ -15,14 +15,23 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sha256_file", "write_results", "read_results", "check_out_dir", "RESULTS_VERSION"]
+__all__ = ["sha256_file", "write_results", "read_results", "check_out_dir", "remove_outputs", "RESULTS_VERSION"]
 
 RESULTS_VERSION = 1
 
 
-def check_out_dir(path: str | os.PathLike | None, option: str = "--out") -> None:
+def check_out_dir(path: str | os.PathLike | None, option: str = "--out", *, owned: tuple[str, ...] = (),
+                  overwrite: bool = False, flag: str = "--overwrite") -> None:
     """Raise ``ValueError`` (one line) when ``path`` cannot be an output folder: it, or a folder above it, is a file,
-    or the nearest existing folder refuses new entries (read-only, ``/proc``, no permission).
+    the nearest existing folder refuses new entries (read-only, ``/proc``, no permission), or it already holds an
+    earlier run's outputs.
+
+    Args:
+        owned: the entries this run writes in ``path`` (``"ruler_results.json"``, ``"pred"`` ...). When one exists
+            and ``overwrite`` is false the folder is refused, naming them and ``flag``: a second run never mixes
+            its files with an earlier run's or replaces its scores without a word. Other entries (another
+            suite's results, unrelated files) are left alone and do not count.
+        overwrite: the caller replaces the ``owned`` entries (its ``flag`` was given).
 
     Run before any work, so an evaluation never finishes only to fail writing its results.
     """
@@ -38,7 +47,24 @@ def check_out_dir(path: str | os.PathLike | None, option: str = "--out") -> None
             why = folder_write_error(q)
             if why:
                 raise ValueError(f"{option} {path}: {q} is not writable ({why}); give a writable folder")
-            return
+            break
+    held = [name for name in owned if os.path.lexists(p / name)]
+    if held and not overwrite:
+        raise ValueError(f"{option} {path} already holds an earlier run's {', '.join(held)}; give a new folder, or "
+                         f"{flag} to replace them")
+
+
+def remove_outputs(out_dir: str | os.PathLike, names: tuple[str, ...]) -> None:
+    """Remove the entries ``names`` (files or folders) of ``out_dir`` that exist: an earlier run's outputs, replaced
+    by this run's (the CLIs refuse them first without ``--overwrite``, :func:`check_out_dir`)."""
+    import shutil
+
+    for name in names:
+        q = Path(out_dir) / name
+        if q.is_dir() and not q.is_symlink():
+            shutil.rmtree(q)
+        elif os.path.lexists(q):
+            q.unlink()
 
 
 def sha256_file(path: str | os.PathLike) -> str:

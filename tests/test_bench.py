@@ -467,3 +467,16 @@ def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch)
     assert res["config"]["k_shot"]["mmlu"] == 1 and res["config"]["attention"] == "sparse"
     assert all(e["n"] == 3 for e in res["scores"]["tasks"].values())
     assert "results:" in out
+    # a second run into the same --out: refused before loading anything (it replaced the scores without a word)
+    seen.clear()
+    before = (tmp_path / "out" / "bench_results.json").read_text()
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds an earlier run's bench_results.json, bench_summary.md" in err[0], err
+    assert "--overwrite" in err[0] and not seen and (tmp_path / "out" / "bench_results.json").read_text() == before
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # not the run's: kept
+    args = p.parse_args(["ckpt", "--data-dir", str(d), "--limit", "2", "--tasks", "mmlu", "--out-dir",
+                         str(tmp_path / "out"), "--overwrite"])
+    assert run(args) == 0
+    res = json.loads((tmp_path / "out" / "bench_results.json").read_text())
+    assert set(res["scores"]["tasks"]) == {"mmlu"} and (tmp_path / "out" / "notes.txt").read_text() == "mine"

@@ -578,6 +578,48 @@ def test_cli_generate_only_data_and_predictions(tmp_path, inputs, trained_tok):
         run(parser.parse_args(["--out", str(tmp_path / "z"), "--lengths", "4096"]))
 
 
+def test_cli_reused_out_is_refused_and_overwrite_replaces_the_run(tmp_path, trained_tok):
+    """Eighth-session note: a second run into the same --out replaced the scores without a word and kept the
+    earlier run's data/<length> folders beside its own."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    tok_dir = tmp_path / "tok"
+    trained_tok.save(tok_dir)
+    g = tmp_path / "g"
+
+    def gen(length, *extra):
+        return run(parser.parse_args(["--tokenizer", str(tok_dir), "--generate-only", "--out", str(g), "--lengths",
+                                      length, "--tasks", "niah_single_1", "--num-samples", "1", "--no-progress",
+                                      *extra]))
+
+    assert gen("1K") == 0 and (g / "data" / "1024" / "niah_single_1" / "validation.jsonl").is_file()
+    with pytest.raises(ConfigError, match=r"--out .*/g already holds an earlier run's data; give a new folder, or "
+                                          r"--overwrite to replace them"):
+        gen("2K")
+    assert not (g / "data" / "2048").exists()
+    assert gen("2K", "--overwrite") == 0
+    assert sorted(p.name for p in (g / "data").iterdir()) == ["2048", "manifest.json"]  # no stale 1024
+
+    recs = read_data(g / "data" / "2048" / "niah_single_1" / "validation.jsonl")
+    pred_dir = tmp_path / "preds" / "2048"
+    write_jsonl(pred_dir / "niah_single_1.jsonl", [{"index": 0, "pred": recs[0]["outputs"][0], "input": "",
+                                                   "outputs": recs[0]["outputs"], "others": {}, "truncation": -1,
+                                                   "length": 2048}])
+    score = ["--predictions", str(pred_dir), "--out", str(g), "--no-progress"]
+    assert run(parser.parse_args(score)) == 0  # data/ is not what scoring writes: no conflict
+    with pytest.raises(ConfigError, match="already holds an earlier run's ruler_results.json, ruler_summary.md"):
+        run(parser.parse_args(score))
+    assert run(parser.parse_args([*score, "--overwrite"])) == 0
+
+    # a run over data that lies in the pred/ folder it replaces is refused before anything is removed
+    o = tmp_path / "o"
+    write_jsonl(o / "pred" / "2048" / "niah_single_1.jsonl", recs)
+    oracle = OracleModel(trained_tok, {})
+    with pytest.raises(ConfigError, match="lies in .*/o/pred, which this run replaces"):
+        run_ruler(oracle, out_dir=o, data=[o / "pred"], progress=False)
+    assert (o / "pred" / "2048" / "niah_single_1.jsonl").is_file() and oracle.calls == 0
+
+
 # -- shared data ---------------------------------------------------------------------------------------------
 def test_shared_inputs_official_tokenizer(official_tok):
     """The real inputs (essay, SQuAD halves, HotpotQA first 100) with the official tokenizer at 4K."""

@@ -244,6 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="few-shot sampling and generation seed")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None,
                         help="write the JSON + Markdown results here")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's results in --out (without it such an --out is refused)")
     parser.add_argument("--no-progress", action="store_true", help="do not show progress bars")
     att = parser.add_mutually_exclusive_group()
     att.add_argument("--sparse", dest="attention", action="store_const", const="sparse",
@@ -279,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         if not Path(args.data_dir).is_dir():
             raise DataError(f"{args.data_dir}: no such directory (--data-dir)")
-        check_out_dir(args.out_dir)
+        check_out_dir(args.out_dir, owned=("bench_results.json", "bench_summary.md"), overwrite=args.overwrite)
         if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
             raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
         ct = args.code_temperature

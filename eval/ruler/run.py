@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from minicpm4_jax.config import ConfigError
-from minicpm4_jax.eval.results import check_out_dir
+from minicpm4_jax.eval.results import check_out_dir, remove_outputs
 from minicpm4_jax.eval.ruler import haystack as H
 from minicpm4_jax.eval.ruler.records import prediction_record, read_data, read_predictions, write_jsonl
 from minicpm4_jax.eval.ruler.scoring import sample_score, postprocess_pred, summarize, task_score
@@ -189,7 +189,8 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
 
     Args:
         model: see the module docstring; may be ``None`` with ``generate_only`` and a ``tokenizer``.
-        out_dir: where everything is written.
+        out_dir: where everything is written; the run replaces an earlier run's ``data/`` (when it generates the
+            data), ``pred/`` and results there whole (the CLI refuses such a folder without ``--overwrite``).
         lengths: target lengths in tokens (``4096``, ``"32K"``...).
         tasks: names (default all 13; ``all``, ``niah`` and category names expand).
         num_samples: samples per task per length (upstream 500).
@@ -260,7 +261,9 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
                 datasets[(n, t)] = td.records
                 fits[f"{t}@{n}"] = td.fit
         # written once every task generated: a task that cannot fit its length (ConfigError above) leaves no
-        # data files of the others behind to be mistaken for a complete set
+        # data files of the others behind to be mistaken for a complete set; an earlier run's data/ is replaced
+        # whole, so no length or task of it stays beside this run's
+        remove_outputs(out, ("data",))
         for (n, t), records in datasets.items():
             data_files[f"data/{n}/{t}"] = write_jsonl(out / "data" / str(n) / t / "validation.jsonl", records)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,6 +288,13 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
         return {"data_files": data_files, "pred_files": {}, "results": None, "summary": None, "scores": None}
 
     # 2. predictions -----------------------------------------------------------------------------------------
+    # an earlier run's predictions and scores go together, before the first new prediction is written
+    pred_dir = (out / "pred").resolve()
+    inside = next((p for p in data_files.values() if Path(p).resolve().is_relative_to(pred_dir)), None)
+    if inside is not None:
+        raise ConfigError(f"--data file {inside} lies in {out / 'pred'}, which this run replaces with its predictions; "
+                          "give another --out")
+    remove_outputs(out, RULER_OUTPUTS[1:])
     bs = int(batch_size or getattr(model, "batch_size", 8) or 8)
     pred_files: dict[str, Path] = {}
     items: list[dict[str, Any]] = []
@@ -324,6 +334,19 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
     config["elapsed_s"] = round(time.time() - t0, 1)
     res, summ = _write(out, config, info, hashes, items, scores)
     return {"data_files": data_files, "pred_files": pred_files, "results": res, "summary": summ, "scores": scores}
+
+
+#: the entries of ``--out`` a RULER run writes (``data`` only when it generates the data)
+RULER_OUTPUTS = ("data", "pred", "ruler_results.json", "ruler_summary.md")
+
+
+def _owned_outputs(args: argparse.Namespace) -> tuple[str, ...]:
+    """The entries of ``--out`` this ``eval ruler`` invocation writes (and, with ``--overwrite``, replaces)."""
+    if args.predictions:
+        return RULER_OUTPUTS[2:]
+    if args.generate_only:
+        return RULER_OUTPUTS[:1]
+    return RULER_OUTPUTS[1:] if args.data else RULER_OUTPUTS
 
 
 def _task_order(t: str) -> int:
@@ -533,6 +556,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="run on existing RULER data JSONL (files or folders) instead of generating")
     mode.add_argument("--predictions", nargs="+", default=None, metavar="PATH",
                       help="score existing RULER prediction JSONL (files or folders); no model needed")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier run's outputs in --out (data/ when generating, pred/, the results); "
+                             "without it such an --out is refused")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -586,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     lengths = args.lengths or []
     try:
-        check_out_dir(args.out)
+        check_out_dir(args.out, owned=_owned_outputs(args), overwrite=args.overwrite)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_swallowed_checkpoint(args)
