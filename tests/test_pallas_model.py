@@ -14,8 +14,10 @@ from minicpm4_jax.train.step import init_train_state, make_train_step
 OVR = ["model.vocab_size=128", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=32", "model.rope_scaling=null",
        "model.dim_model_base=32", "model.mtp=false", "model.attention=infllmv2", "data.tokenizer_vocab_size=128",
-       # block 16, K = 2 + 32/16 = 4 of the 6 blocks of a 96-token sequence: the selection really drops blocks
-       "model.sparse_config={kernel_size: 32, kernel_stride: 16, block_size: 16, window_size: 32, topk: 2, "
+       # block 16, K = 3 + 32/16 = 5 of the 8 blocks of a 128-token sequence: the selection really drops blocks,
+       # and one of the 5 is chosen by the stage-1 scores (with topk 2 all 4 would be forced ones: the stage-1
+       # kernel's output would never reach a loss)
+       "model.sparse_config={kernel_size: 32, kernel_stride: 16, block_size: 16, window_size: 32, topk: 3, "
        "init_blocks: 1, dense_len: -1, variant: gen2}",
        "steps=4", "optimizer.warmup_steps=1", "optimizer.decay_fraction=0.25", "optimizer.learning_rate=0.01",
        # Adam's first steps are ~lr*sign(g): with eps=1e-8 a gradient entry near zero whose float32 summation
@@ -41,7 +43,7 @@ def _train(impl: str, batches, mesh_sizes=(1, 1, 1)):
 @pytest.mark.slow
 def test_pallas_training_matches_reference():
     rng = np.random.default_rng(0)
-    batches = [rng.integers(0, 128, (4, 97)).astype(np.int32) for _ in range(3)]
+    batches = [rng.integers(0, 128, (4, 129)).astype(np.int32) for _ in range(3)]
     ref_losses, ref_fracs, ref_params = _train("xla", batches)
     pl_losses, pl_fracs, pl_params = _train("pallas", batches)
     assert max(ref_fracs) < 0.95  # sparse for real
@@ -71,8 +73,10 @@ def test_pallas_generation_matches_reference(variant, decode_backend, monkeypatc
     from minicpm4_jax.infer import InferenceEngine
     from minicpm4_jax.nn import MiniCPM4
 
-    sc = SparseConfig(kernel_size=32, kernel_stride=16, block_size=16, window_size=32, topk=2, init_blocks=1,
-                      dense_len=120, variant=variant)
+    # gen-2 topk 4: K = 6 blocks, 4 forced and 2 picked by the scores (topk 2 would leave none to pick); gen-1
+    # topk 2: the init block and 1 pick, plus the 2 window blocks
+    sc = SparseConfig(kernel_size=32, kernel_stride=16, block_size=16, window_size=32, topk=4 if variant == "gen2" else 2,
+                      init_blocks=1, dense_len=120, variant=variant)
     base = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, dim_model_base=16,
                        attention="infllmv2", sparse_config=sc)
@@ -130,8 +134,8 @@ def test_kernels_run_per_device_under_a_mesh():
     from minicpm4_jax.infllm.attention import infllmv2_attention
 
     assert jax.device_count() >= 8
-    sc = SparseConfig(kernel_size=32, kernel_stride=16, block_size=16, window_size=32, topk=2, init_blocks=1,
-                      dense_len=-1, variant="gen2")
+    sc = SparseConfig(kernel_size=32, kernel_stride=16, block_size=16, window_size=32, topk=3, init_blocks=1,
+                      dense_len=-1, variant="gen2")  # one of K = 5 blocks picked by the per-device stage-1 scores
     rng = np.random.default_rng(0)
     b, t, nq, nkv, d = 4, 96, 4, 2, 32
     q = jnp.asarray(rng.normal(size=(b, t, nq, d)), jnp.float32)

@@ -21,6 +21,10 @@ SMALL = ModelConfig(vocab_size=11, hidden_size=64, intermediate_size=128, num_hi
                     num_key_value_heads=2, max_position_embeddings=1024, dim_model_base=16, scale_emb=12.0,
                     initializer_range=0.5)
 SPARSE = SparseConfig(kernel_size=32, kernel_stride=16, block_size=32, window_size=64, topk=2, dense_len=128)
+# topk 4: K = 6 blocks of which 2 per row are picked by the stage-1 scores (with SPARSE's topk 2 all 4 gen-2 slots
+# are forced blocks, so stale compressed keys after a rollback could not change a token); prompts of 300+ tokens
+# (10+ blocks) so that the picks drop blocks
+PICKS = dataclasses.replace(SPARSE, topk=4)
 
 
 def _pair(cfg, seed=0):
@@ -64,12 +68,13 @@ class _OracleDrafts(SpeculativeDecoder):
         return oracle
 
 
-@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("sparse", [False, True, "picks"])
 def test_greedy_speculative_equals_greedy_plain_with_rollback(sparse):
-    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=SPARSE) if sparse else SMALL
+    sc = PICKS if sparse == "picks" else SPARSE
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=sc) if sparse else SMALL
     model, mtp = _pair(cfg)
     eng = InferenceEngine(model, prefill_chunk=64)
-    prompts = _prompts(cfg.vocab_size)
+    prompts = _prompts(cfg.vocab_size, lens=(330, 170) if sparse == "picks" else (100, 37))
     plain = eng.generate(prompts, 60)
     dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
     spec = dec.generate(prompts, 60)
@@ -137,6 +142,50 @@ def test_draft_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
         for got, ref in ((st.dcache.k, want.k), (st.dcache.v, want.v)):
             np.testing.assert_allclose(np.asarray(got[row, :, :n - 1]), np.asarray(ref[0, :, :n - 1]), rtol=1e-4,
                                        atol=1e-4)
+
+
+def test_target_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
+    """field_faults B16 with sparse attention whose picks matter: after rounds with rejections, the target cache
+    holds what one prefill of the accepted tokens gives (keys and values of every kept position, the fine and
+    coarse compressed keys of every complete kernel), so no rejected draft's keys survive where a later
+    selection reads them, and the kept tokens are plain decoding's."""
+    from minicpm4_jax.infllm.compress import coarse_geometry, num_kernels
+
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=PICKS)
+    model, mtp = _pair(cfg, seed=2)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    # the rounds cross a coarse kernel boundary (ck2 rows end at 320 + 64 j) and fine ones (ck1: 16 j) in both rows
+    prompts = _prompts(cfg.vocab_size, lens=(375, 250))
+    plain = eng.generate(prompts, 40)
+    assert plain.attended_fraction < 0.8
+    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
+    st = dec.prefill(prompts, 375 + 40 + 9, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
+    seqs = [list(p) + [int(t)] for p, t in zip(prompts, np.asarray(st.tok))]
+    accepted = []
+    for r in range(6):
+        st, acc, drafts, nxt, _ = dec.round(st, [True, True], jnp.zeros((2,), jnp.uint32), r + 1, SamplingParams())
+        accepted += acc
+        for row in range(2):
+            seqs[row] += [int(x) for x in drafts[row, :acc[row]]] + [int(nxt[row])]
+    assert max(accepted) > 0 and min(accepted) < 4
+    assert st.lengths[0] > 384 and st.lengths[1] > 256
+    assert [q[len(p):] for q, p in zip(seqs, prompts)] == [t[:len(q) - len(p)] for q, p, t in
+                                                           zip(seqs, prompts, plain.tokens)]
+    sc = cfg.sparse_config
+    cks, cst = coarse_geometry(sc.kernel_size, sc.kernel_stride)
+    for row in range(2):
+        n = st.lengths[row]
+        fresh, last, _ = eng.prefill(eng.new_cache(1, n), [seqs[row][:n]])
+        for got, want in zip(st.cache.layers, fresh.layers):
+            for name in ("k", "v"):
+                np.testing.assert_allclose(np.asarray(getattr(got, name)[row, :, :n]),
+                                           np.asarray(getattr(want, name)[0, :, :n]), rtol=1e-4, atol=1e-4)
+            for name, rows in (("ck1", num_kernels(n, sc.kernel_size, sc.kernel_stride)),
+                               ("ck2", num_kernels(n, cks, cst))):
+                np.testing.assert_allclose(np.asarray(getattr(got, name)[row, :rows]),
+                                           np.asarray(getattr(want, name)[0, :rows]), rtol=1e-4, atol=1e-4)
+        # the next token from this cache is the one plain decoding gives after the same tokens
+        assert int(st.tok[row]) == int(np.argmax(np.asarray(last[0]))) == seqs[row][n]
 
 
 @pytest.mark.parametrize("fr", [False, True])
