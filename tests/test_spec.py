@@ -106,6 +106,23 @@ def test_acceptance_and_attended_fraction_count_only_kept_tokens():
     assert (short.decode_steps, short.acceptance_length) == (2, 4.5)
 
 
+def _greedy_rounds(eng, mtp, prompts, plain, tokens, rounds=6):
+    """Prefill (room for ``tokens``) and ``rounds`` greedy rounds of 4 oracle drafts (every third wrong) for two
+    sequences: ``(decoder, state, seqs)``, ``seqs[row]`` the tokens ``x_0 .. x_n`` with ``x_n`` pending. Asserts
+    that drafts were accepted and that rejected ones were rolled back."""
+    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
+    st = dec.prefill(prompts, tokens, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
+    seqs = [list(p) + [int(t)] for p, t in zip(prompts, np.asarray(st.tok))]
+    accepted = []
+    for r in range(rounds):
+        st, acc, drafts, nxt, _ = dec.round(st, [True, True], jnp.zeros((2,), jnp.uint32), r + 1, SamplingParams())
+        accepted += acc
+        for row in range(2):
+            seqs[row] += [int(x) for x in drafts[row, :acc[row]]] + [int(nxt[row])]
+    assert max(accepted) > 0 and min(accepted) < 4
+    return dec, st, seqs
+
+
 def test_draft_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
     """After prefill and rounds with rejections (rollback), the draft cache holds, at every position ``i`` below
     the cached length ``n`` minus one, the MTP layer's keys/values of ``u_i = f(h_i, x_{i+1})`` with the
@@ -117,16 +134,7 @@ def test_draft_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
     eng = InferenceEngine(model, prefill_chunk=64)
     prompts = _prompts(SMALL.vocab_size, lens=(50, 23))
     plain = eng.generate(prompts, 40)
-    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
-    st = dec.prefill(prompts, 50 + 40 + 4, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
-    seqs = [list(p) + [int(t)] for p, t in zip(prompts, np.asarray(st.tok))]  # x_0 .. x_n (x_n pending)
-    accepted = []
-    for r in range(6):
-        st, acc, drafts, nxt, _ = dec.round(st, [True, True], jnp.zeros((2,), jnp.uint32), r + 1, SamplingParams())
-        accepted += acc
-        for row in range(2):
-            seqs[row] += [int(x) for x in drafts[row, :acc[row]]] + [int(nxt[row])]
-    assert max(accepted) > 0 and min(accepted) < 4  # drafts were accepted, and rejected ones rolled back
+    dec, st, seqs = _greedy_rounds(eng, mtp, prompts, plain, 50 + 40 + 4)
     assert [len(q) - 1 for q in seqs] == st.lengths
     for row in range(2):
         n = st.lengths[row]
@@ -158,16 +166,7 @@ def test_target_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
     prompts = _prompts(cfg.vocab_size, lens=(375, 250))
     plain = eng.generate(prompts, 40)
     assert plain.attended_fraction < 0.8
-    dec = _OracleDrafts(eng, mtp, num_draft=4, plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
-    st = dec.prefill(prompts, 375 + 40 + 9, lambda lg: jnp.argmax(lg, -1).astype(jnp.int32))
-    seqs = [list(p) + [int(t)] for p, t in zip(prompts, np.asarray(st.tok))]
-    accepted = []
-    for r in range(6):
-        st, acc, drafts, nxt, _ = dec.round(st, [True, True], jnp.zeros((2,), jnp.uint32), r + 1, SamplingParams())
-        accepted += acc
-        for row in range(2):
-            seqs[row] += [int(x) for x in drafts[row, :acc[row]]] + [int(nxt[row])]
-    assert max(accepted) > 0 and min(accepted) < 4
+    _, st, seqs = _greedy_rounds(eng, mtp, prompts, plain, 375 + 40 + 9)
     assert st.lengths[0] > 384 and st.lengths[1] > 256
     assert [q[len(p):] for q, p in zip(seqs, prompts)] == [t[:len(q) - len(p)] for q, p, t in
                                                            zip(seqs, prompts, plain.tokens)]
