@@ -133,6 +133,10 @@ SELECT_CASES = [
     ("gen1", 32, 16, 32, 32, 3, 0, 1, 4, 16, 16, 2, False, (None,), "constant"),
     ("gen2", 64, 16, 32, 64, 3, 1, 2, 2, 64, 24, 1, False, (None, 700), "constant"),  # ties, 16-row dot products
     ("gen2", 32, 16, 32, 64, 4, 1, 1, 4, 128, 22, 2, False, (None, 150), "random"),  # head_dim 128, group of 4
+    # B03: the slots past each row's queries hold keys that every query would score highest (a cache's stale
+    # tail): the causal mask must come before the top-k, so no pick lies past a query's own block
+    ("gen2", 32, 16, 32, 64, 5, 1, 2, 2, 32, 16, 2, False, (300, 130), "future"),
+    ("gen1", 32, 16, 32, 64, 4, 1, 2, 2, 32, 16, 1, False, (250, 99), "future"),
 ]
 
 
@@ -152,11 +156,15 @@ def test_native_selection_equals_reference(case):
     shape = (b, cap, nkv, d) if keys == "random" else (b, 1, nkv, d)
     k = jnp.broadcast_to(jnp.asarray(rng.standard_normal(shape), jnp.float32), (b, cap, nkv, d))
     vc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
+    base = np.array([cap - t if f is None else f for f in firsts])
+    if keys == "future":
+        u = jnp.ones((d,), jnp.float32) / np.sqrt(d)
+        q = q + 3.0 * u
+        k = k + 40.0 * jnp.where(jnp.arange(cap)[None, :] >= base[:, None] + t, 1.0, 0.0)[..., None, None] * u
     ck1 = compress_keys(k, ks, st)
     ck2 = compress_keys(k, *coarse_geometry(ks, st)) if variant == "gen2" else None
-    q = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
     q_sel = jnp.asarray(rng.standard_normal((b, t, nkv * g, d)), jnp.float32) if nope else q
-    base = np.array([cap - t if f is None else f for f in firsts])
     pos = np.stack([base + i for i in range(t)], 1)
     pos[base < 0] = -1
     pos = jnp.asarray(pos, jnp.int32)
@@ -171,6 +179,9 @@ def test_native_selection_equals_reference(case):
                                               q_sel=q_sel if nope else None)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
     assert np.sum(np.asarray(sel.counts)) > 0  # something was selected
+    if keys == "future":
+        own = np.asarray(pos)[:, None, :, None] // bs  # [b, 1, t, 1]
+        assert np.all(np.where(np.asarray(idx) >= 0, np.asarray(idx), 0) <= own)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
 
 
