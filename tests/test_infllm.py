@@ -609,6 +609,12 @@ def test_b23_early_queries_no_nan(variant):
         assert not np.isnan(np.asarray(sc[key])).any(), key
     if variant == "gen2":
         assert np.isinf(np.asarray(sc["scores"])[:, :, 31:127]).any()  # the documented +inf, reached
+    # bf16 selection scores (score_dtype, the 8B bf16 training setting): the same rows, no NaN, same early picks
+    bf = selection_scores(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), q_positions=pos,
+                          params=select_params(cfg, score_dtype="bfloat16"))
+    for key in ("scores", "block_scores"):
+        assert not np.isnan(np.asarray(bf[key], np.float32)).any(), key
+    np.testing.assert_array_equal(np.asarray(bf["topk_idx"])[:, :, :64], np.asarray(sc["topk_idx"])[:, :, :64])
 
     def f(q, k, v):
         return infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg)
