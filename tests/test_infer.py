@@ -75,7 +75,6 @@ CASES = {
 }
 
 
-# attention_impl auto decodes with the native CPU kernel (ops/native) where it builds; "@xla" keeps the reference
 def _free_picks(cfg) -> int:
     """Blocks per query row that the stage-1 scores choose (not forced) in ``cfg``'s sparse layout."""
     p = select_params(cfg.sparse_config)
@@ -95,6 +94,7 @@ def test_the_picks_cases_select_by_score(weights):
     assert np.abs(forced - picks).max() > 1e-3
 
 
+# attention_impl auto decodes with the native CPU kernel (ops/native) where it builds; "@xla" keeps the reference
 @pytest.mark.parametrize("case", list(CASES) + ["dense@xla", "gen2@xla", "gen2_picks@xla", "gen1_switch@xla"])
 def test_cached_decode_equals_full_forward_every_step(weights, case):
     case, _, impl = case.partition("@")
