@@ -22,8 +22,8 @@ SMALL = ModelConfig(vocab_size=11, hidden_size=64, intermediate_size=128, num_hi
                     initializer_range=0.5)
 SPARSE = SparseConfig(kernel_size=32, kernel_stride=16, block_size=32, window_size=64, topk=2, dense_len=128)
 # topk 4: K = 6 blocks of which 2 per row are picked by the stage-1 scores (with SPARSE's topk 2 all 4 gen-2 slots
-# are forced blocks, so stale compressed keys after a rollback could not change a token); prompts of 300+ tokens
-# (10+ blocks) so that the picks drop blocks
+# are forced blocks, so stale compressed keys after a rollback could not change a token); the tests using it give
+# prompts of 170 to 375 tokens (7 to 12+ blocks with the generated ones), so that the picks drop blocks
 PICKS = dataclasses.replace(SPARSE, topk=4)
 
 
