@@ -187,6 +187,33 @@ def test_target_cache_after_rounds_equals_one_pass_over_the_accepted_tokens():
         assert int(st.tok[row]) == int(np.argmax(np.asarray(last[0]))) == seqs[row][n]
 
 
+def test_verify_logits_equal_the_full_forward_at_every_verified_position():
+    """The verify chunk of a round (the pending token and k drafts at positions ``n .. n + k``, run by
+    ``_round``'s call of the engine's ``_forward`` with the decoder's verify weights and mode) gives at every row the
+    logits of a full forward over the same tokens (fp32, 1e-4), also where the chunk crosses ``dense_len`` (row 0:
+    positions 124-128 with dense_len 128, the "mixed" mode) and where picks drop blocks (row 1, 300 tokens, topk 4).
+    Greedy exactness and the statistical test above could miss logits that are off but keep the argmax."""
+    from minicpm4_jax.infer.engine import _forward, decode_mode
+
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=PICKS)
+    model, mtp = _pair(cfg, seed=5)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    k = 4
+    dec = SpeculativeDecoder(eng, mtp, num_draft=k)
+    lens = (124, 300)
+    seqs = _prompts(cfg.vocab_size, lens=tuple(n + k + 1 for n in lens))
+    cache, _, _ = eng.prefill(eng.new_cache(2, 320), [s[:n] for s, n in zip(seqs, lens)])
+    chunk = jnp.asarray([s[n:n + k + 1] for s, n in zip(seqs, lens)], jnp.int32)
+    vpos = jnp.asarray([[n + j for j in range(k + 1)] for n in lens], jnp.int32)
+    mode = dec._mode(list(lens), 0)
+    assert mode == "mixed" == decode_mode(cfg, [125, 129, 301, 305])
+    _, lg, _ = _forward(dec._verify_weights, cache, chunk, vpos, jnp.max(vpos, axis=1) + 1, cfg=cfg,
+                        graphdefs=eng._graphdefs, all_rows=True, mode=mode)
+    for row, (s, n) in enumerate(zip(seqs, lens)):
+        full = np.asarray(model(jnp.asarray([s], jnp.int32)))[0, n:n + k + 1]
+        np.testing.assert_allclose(np.asarray(lg[row]), full, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fr", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_greedy_speculative_equals_greedy_plain_real_draft(sparse, fr):
