@@ -12,6 +12,9 @@ searched recursively). Output (``--out DIR``):
 * ``bench_sparse_vs_dense_<label>.png`` -- grouped bars when a model has both;
 * ``report.md`` -- the images with the headline numbers.
 
+Re-running into the same ``--out`` replaces the report: the plots the earlier ``report.md`` linked that the new
+one does not draw (e.g. of a result no longer given) are removed; no other file in the folder is touched.
+
 Expected shapes (``scores`` of the results JSON):
 
 * ``kind="ruler"``: ``{"tasks": {task: {"by_length": {"4096": score, ...}, ...}}, "lengths": {"4096":
@@ -326,6 +329,7 @@ def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike
     """
     loaded = load_results(paths)
     out = Path(out_dir)
+    earlier = _earlier_images(out)
     ruler = [(p, r) for p, r in loaded if r.get("kind") == "ruler"]
     bench = [(p, r) for p, r in loaded if r.get("kind") == "bench"]
     if not ruler and not bench:
@@ -367,7 +371,25 @@ def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    for name in sorted(earlier - {p.name for p in made}):  # an earlier report's plots this one does not redraw
+        (out / name).unlink(missing_ok=True)
     return made
+
+
+#: The file names :func:`render_report` writes (besides ``report.md``).
+_REPORT_PNG = re.compile(r"(ruler_heatmap_.+|ruler_score_vs_length|ruler_sparse_vs_dense_.+|bench_.+)\.png")
+
+
+def _earlier_images(out: Path) -> set[str]:
+    """The plots an earlier report in ``out`` shows: the PNG names its ``report.md`` links that this module
+    writes (a re-run then removes those it does not redraw, so no stale plot of a result no longer given stays
+    beside the new report; other files in the folder are never touched)."""
+    try:
+        text = (out / "report.md").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return set()
+    names = re.findall(r"!\[[^\]]*\]\(([^)/\\]+)\)", text)
+    return {n for n in names if _REPORT_PNG.fullmatch(n)}
 
 
 # -- CLI -----------------------------------------------------------------------------------------------------

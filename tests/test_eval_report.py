@@ -71,6 +71,24 @@ def test_report_renders_all_plots(tmp_path):
     assert all(n in md for n in names) and "4K: " in md
 
 
+def test_report_rerun_into_the_same_out_removes_only_the_earlier_reports_plots(tmp_path):
+    """A second report into the same --out from fewer results: the earlier plots it does not redraw go (they were
+    left beside the new report.md before); a user's own PNG and the results files in the folder stay."""
+    _ruler(tmp_path / "dense", "dense", 0.0)
+    _ruler(tmp_path / "sparse", "sparse", 4.0)
+    _bench(tmp_path / "sparse", "sparse", 1.5)
+    out = tmp_path / "dense"  # the report beside one run's results, as `eval report RUN --out RUN` writes it
+    first = render_report([tmp_path / "dense", tmp_path / "sparse"], out)
+    (out / "bench_notes.png").write_bytes(_PNG)  # a PNG of the user's with a report-like name, not linked
+    (out / "mine.png").write_bytes(_PNG)
+    again = render_report([tmp_path / "dense"], out)
+    assert sorted(p.name for p in again) == ["ruler_heatmap_tiny_dense_abc123ab.png", "ruler_score_vs_length.png"]
+    assert len(first) == 5 and all(p.exists() for p in again)
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(
+        ["bench_notes.png", "mine.png", "ruler_heatmap_tiny_dense_abc123ab.png", "ruler_score_vs_length.png"])
+    assert (out / "ruler_results.json").is_file() and "sparse" not in (out / "report.md").read_text()
+
+
 def test_report_single_result_no_comparison_and_cli(tmp_path):
     res = _ruler(tmp_path / "one", "dense", 0.0)
     parser = argparse.ArgumentParser()
