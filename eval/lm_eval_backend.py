@@ -85,7 +85,7 @@ class MiniCPM4LM(TemplateLM):
             att = None if attention in (None, "", "none", "None") else str(attention)
             model = EvalModel.from_checkpoint(checkpoint, step=_int_or_none(step), attention=att, batch_size=bs,
                                               prefill_chunk=int(prefill_chunk), prefix=str(prefix),
-                                              max_length=_int_or_none(max_length))
+                                              max_length=_int_or_none(max_length), path_option="checkpoint")
         self.model = model
         self._tok = model.tokenizer
         self.max_gen_toks = int(max_gen_toks)

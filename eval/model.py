@@ -207,13 +207,16 @@ class EvalModel:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, step: int | None = None, attention: str | None = None,
                         batch_size: int = 8, prefill_chunk: int = 512, prefix: str = "eos",
-                        max_length: int | None = None, progress: bool = True) -> "EvalModel":
+                        max_length: int | None = None, progress: bool = True,
+                        path_option: str = "--checkpoint") -> "EvalModel":
         """Load a training run (its ``out_dir`` or ``checkpoints`` folder) and the tokenizer saved beside it.
 
         Args:
             step: the checkpoint step (default the latest).
             attention: ``None`` (as trained), ``"dense"`` or ``"sparse"`` (InfLLM v2 with the model's
                 ``sparse_config``), to evaluate one checkpoint both ways.
+            path_option: how the caller's user gave ``path``, named in the errors (``"--checkpoint"``, a
+                positional argument's ``"the checkpoint argument"``, lm-eval's ``"checkpoint"`` model argument).
 
         Raises:
             ConfigError: no checkpoint/tokenizer there, a bad ``attention`` value, or the arguments of
@@ -225,7 +228,7 @@ class EvalModel:
 
         if attention not in (None, "dense", "sparse"):
             raise ConfigError(f"attention={attention!r}; use 'dense', 'sparse' or leave it unset (as trained)")
-        ckpt_dir = find_checkpoint_dir(path)
+        ckpt_dir = find_checkpoint_dir(path, path_option=path_option)
         tokenizer = load_run_tokenizer(path, ckpt_dir)  # before the parameters: a bad one fails fast
         _cfg, model = load_params_for_inference(ckpt_dir, step)
         if attention is not None:

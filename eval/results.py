@@ -15,7 +15,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["sha256_file", "write_results", "read_results", "check_out_dir", "remove_outputs", "RESULTS_VERSION"]
+__all__ = ["sha256_file", "write_results", "read_results", "check_out_dir", "checkpoint_folder_above", "remove_outputs",
+           "RESULTS_VERSION"]
 
 RESULTS_VERSION = 1
 
@@ -23,8 +24,9 @@ RESULTS_VERSION = 1
 def check_out_dir(path: str | os.PathLike | None, option: str = "--out", *, owned: tuple[str, ...] = (),
                   overwrite: bool = False, flag: str = "--overwrite") -> None:
     """Raise ``ValueError`` (one line) when ``path`` cannot be an output folder: it, or a folder above it, is a file,
-    the nearest existing folder refuses new entries (read-only, ``/proc``, no permission), or it already holds an
-    earlier run's outputs.
+    the nearest existing folder refuses new entries (read-only, ``/proc``, no permission), it is or lies in a
+    training run's checkpoint folder (:func:`checkpoint_folder_above`), or it already holds an earlier run's
+    outputs.
 
     Args:
         owned: the entries this run writes in ``path`` (``"ruler_results.json"``, ``"pred"`` ...). When one exists
@@ -48,10 +50,37 @@ def check_out_dir(path: str | os.PathLike | None, option: str = "--out", *, owne
             if why:
                 raise ValueError(f"{option} {path}: {q} is not writable ({why}); give a writable folder")
             break
+    ck = checkpoint_folder_above(p)
+    if ck is not None:
+        raise ValueError(f"{option} {path} lies in the checkpoint folder {ck} of a training run; evaluation outputs "
+                         "there could replace a checkpoint's own items (its data/ folder): give a folder outside it")
     held = [name for name in owned if os.path.lexists(p / name)]
     if held and not overwrite:
         raise ValueError(f"{option} {path} already holds an earlier run's {', '.join(held)}; give a new folder, or "
                          f"{flag} to replace them")
+
+
+def _is_step_folder(q: Path) -> bool:
+    return (q / "_CHECKPOINT_METADATA").is_file()
+
+
+def checkpoint_folder_above(path: str | os.PathLike) -> Path | None:
+    """The orbax checkpoint folder that ``path`` is or lies in, else ``None``: a step folder (holding
+    ``_CHECKPOINT_METADATA``) or a folder of steps (a run's ``checkpoints/``: an integer-named step folder in it),
+    the nearest one from ``path`` upwards. Outputs never go there: an evaluation's ``data/`` is also the name of a
+    step's data-iterator item."""
+    p = Path(path).absolute()
+    for q in (p, *p.parents):
+        if not q.is_dir():
+            continue
+        if _is_step_folder(q):
+            return q
+        try:
+            if any(c.name.isdigit() and _is_step_folder(c) for c in q.iterdir()):
+                return q
+        except OSError:
+            pass
+    return None
 
 
 def remove_outputs(out_dir: str | os.PathLike, names: tuple[str, ...]) -> None:

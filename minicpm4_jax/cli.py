@@ -270,7 +270,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.generate import generate
     from minicpm4_jax.infer.engine import InferenceEngine
-    from minicpm4_jax.tokenizer import load_run_tokenizer
+    from minicpm4_jax.tokenizer import check_tokenizer_vocab, load_run_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
     _check_utf8("--prompt", args.prompt)
@@ -280,6 +280,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     ckpt_dir = find_checkpoint_dir(args.checkpoint)
     tokenizer = load_run_tokenizer(args.checkpoint, ckpt_dir)  # before the parameters: a bad one fails fast
     _cfg, model = load_params_for_inference(ckpt_dir, args.step)
+    check_tokenizer_vocab(tokenizer, model.cfg.vocab_size)  # ids past the embedding table
     if args.sparse is not None:
         from minicpm4_jax.infer.engine import with_attention
 

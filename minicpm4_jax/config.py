@@ -808,6 +808,8 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping of sections")
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"preset {path}: base: {base!r} must be a preset name or a path to a YAML file (a string)")
     if base is not None:
         base_path = resolve_preset(base) if not (path.parent / base).is_file() else path.parent / base
         data = _merge(_load_yaml_with_base(base_path, seen + (path,)), data)
@@ -1042,8 +1044,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.save_every < 1:
         raise ConfigError("checkpoint.keep and checkpoint.save_every must be >= 1")
     validate_distributed(cfg.distributed)
-    if cfg.sample_temperature < 0 or not 0.0 < cfg.sample_top_p <= 1.0:
-        raise ConfigError(f"sample_temperature={cfg.sample_temperature} must be >= 0 (0 = greedy) and "
+    # (nan passed `< 0` and failed only when the end-of-run sample was drawn, after the whole training)
+    if not 0 <= cfg.sample_temperature < math.inf or not 0.0 < cfg.sample_top_p <= 1.0:
+        raise ConfigError(f"sample_temperature={cfg.sample_temperature} must be a finite number >= 0 (0 = greedy) and "
                           f"sample_top_p={cfg.sample_top_p} in (0, 1]")
     if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:
         raise ConfigError("log_every, eval_every and eval_batches must be >= 1")

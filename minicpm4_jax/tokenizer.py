@@ -509,10 +509,13 @@ def load_tokenizer(path: str | os.PathLike, *, fix: str | None = None) -> Tokeni
 
 def load_run_tokenizer(run: str | os.PathLike, ckpt_dir: str | os.PathLike) -> Tokenizer:
     """The tokenizer saved beside a run's checkpoints (``generate``, ``eval``): the first folder of
-    ``run/tokenizer``, ``ckpt_dir/../tokenizer`` and ``ckpt_dir/tokenizer``.
+    ``run/tokenizer``, ``ckpt_dir/../tokenizer`` and ``ckpt_dir/tokenizer``, checked against the run.
 
     Raises:
-        ConfigError: no such folder, or its tokenizer does not load (the fix names that folder).
+        ConfigError: no such folder; its tokenizer does not load; or the run's ``data.json`` (written by ``train``)
+            records another tokenizer's ``tokenizer_hash`` (a tokenizer swapped in would decode every id to the
+            wrong text). Each message names the folder and the fix. The model's side is
+            :func:`check_tokenizer_vocab`.
     """
     ckpt = Path(ckpt_dir)
     cands = [Path(run) / "tokenizer", ckpt.parent / "tokenizer", ckpt / "tokenizer"]
@@ -520,8 +523,29 @@ def load_run_tokenizer(run: str | os.PathLike, ckpt_dir: str | os.PathLike) -> T
     if tok_dir is None:
         raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]}); "
                           f"copy the tokenizer folder of the run the model was trained in (or imported from) to {cands[0]}")
-    return load_tokenizer(tok_dir, fix=f"restore {tok_dir} from the tokenizer the model was trained with (the "
-                                       "run's tokenizer/ folder, or the Hugging Face folder it was imported from)")
+    fix = (f"restore {tok_dir} from the tokenizer the model was trained with (the run's tokenizer/ folder, or the "
+           "Hugging Face folder it was imported from)")
+    tok = load_tokenizer(tok_dir, fix=fix)
+    record = tok_dir.parent / "data.json"
+    try:
+        saved = json.loads(record.read_text(encoding="utf-8")).get("tokenizer_hash")
+    except (OSError, ValueError, AttributeError):
+        saved = None  # no record (an imported run) or an unreadable one: nothing to compare
+    if isinstance(saved, str) and saved and tok.file_hash and saved != tok.file_hash:
+        raise ConfigError(f"the tokenizer in {tok_dir} (sha256 {tok.file_hash[:12]}) is not the one {record} records "
+                          f"for this run's training (sha256 {saved[:12]}); {fix}")
+    return tok
+
+
+def check_tokenizer_vocab(tokenizer: Any, vocab_size: int) -> None:
+    """Raise ConfigError when ``tokenizer`` has more tokens than the model's ``vocab_size`` (its ids past the
+    embedding table): it is not the model's tokenizer. Fewer is fine (the vocabulary is padded)."""
+    n = getattr(tokenizer, "vocab_size", None)
+    if n is not None and int(n) > vocab_size:
+        src = getattr(tokenizer, "source", "") or "the tokenizer"
+        raise ConfigError(f"the tokenizer {src} has {n} tokens but the model's vocab_size is {vocab_size}, so it is "
+                          "not the model's tokenizer; use the tokenizer the model was trained with (its run's "
+                          "tokenizer/ folder, or the Hugging Face folder it was imported from)")
 
 
 def _load_tokenizer(p: Path) -> Tokenizer:

@@ -48,6 +48,23 @@ def test_bad_profile_window(over, msg):
         load_config("cpu_tiny", ["steps=1000"] + over)
 
 
+@pytest.mark.parametrize("base", ["5", "[cpu_tiny]", "{a: 1}"])
+def test_non_string_base_is_one_line(tmp_path, base):
+    """Tenth-session break test: `base: 5` ended in a TypeError traceback (Path / int)."""
+    bad = tmp_path / "b.yaml"
+    bad.write_text(f"base: {base}\n")
+    with pytest.raises(ConfigError, match=r"base: .* must be a preset name or a path to a YAML file \(a string\)"):
+        load_config(str(bad))
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-1"])
+def test_sample_temperature_not_finite_is_refused_before_training(value):
+    """Tenth-session break test: sample_temperature=.nan passed validation, the whole run trained and the end-of-run
+    sample then failed (exit 2, no summary.json)."""
+    with pytest.raises(ConfigError, match=r"sample_temperature=.* must be a finite number >= 0"):
+        load_config("cpu_tiny", [f"sample_temperature={value}"])
+
+
 def test_yaml_merge_keys_and_unusual_keys(tmp_path):
     """Merge keys (``<<:``) may be overridden by design; 1 and true are different keys; a non-scalar key is a
     one-line error (not the duplicate check's TypeError); a CLI override giving a key twice is refused too."""

@@ -194,3 +194,8 @@ def test_bad_input_is_one_line(dense_model):
         EvalModel(dense_model, TOK, prefix="none", progress=False).loglikelihood_tokens([([], [5])])
     with pytest.raises(ConfigError, match="attention='fast'"):
         EvalModel.from_checkpoint("/nonexistent", attention="fast")
+    # the eval CLIs take the run as a positional argument: the error names it so, not as a --checkpoint flag they
+    # do not have (tenth-session break test); lm-eval's model_args as checkpoint=...
+    for option, shown in (("the checkpoint argument", "the checkpoint argument "), ("checkpoint", "checkpoint=")):
+        with pytest.raises(ConfigError, match=f"^{shown}{__file__} is a file, not a folder"):
+            EvalModel.from_checkpoint(__file__, path_option=option)

@@ -620,6 +620,51 @@ def test_cli_reused_out_is_refused_and_overwrite_replaces_the_run(tmp_path, trai
     assert (o / "pred" / "2048" / "niah_single_1.jsonl").is_file() and oracle.calls == 0
 
 
+def test_cli_out_in_a_checkpoint_a_foreign_data_folder_or_the_data_read_is_refused(tmp_path, trained_tok):
+    """Tenth-session break test: `--out RUN/checkpoints/226 --overwrite` deleted the step's data-iterator item
+    (`data/`, taken for RULER's generated data), so the step no longer resumed; `--out` inside the `--data` folder
+    wrote predictions into the data (a later `--data` run then found two files per task). Refused before any work,
+    with or without --overwrite, and nothing is removed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    tok_dir = tmp_path / "tok"
+    trained_tok.save(tok_dir)
+
+    def gen(out, *extra):
+        return run(parser.parse_args(["--tokenizer", str(tok_dir), "--generate-only", "--out", str(out), "--lengths",
+                                      "1K", "--tasks", "niah_single_1", "--num-samples", "1", "--no-progress",
+                                      *extra]))
+
+    step = tmp_path / "run" / "checkpoints" / "226"  # an orbax step folder: metadata and a data-iterator item
+    (step / "data").mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (step / "data" / "process_0-of-1.json").write_text("{}")
+    for out in (step, step.parent, step / "eval"):
+        for extra in ((), ("--overwrite",)):
+            with pytest.raises(ConfigError, match=r"lies in the checkpoint folder .* of a training run; .* give a "
+                                                  r"folder outside it"):
+                gen(out, *extra)
+    assert (step / "data" / "process_0-of-1.json").is_file() and not (step / "eval").exists()
+
+    bench = tmp_path / "shared"  # a data/ folder that is not RULER's, e.g. ../shared's benchmarks
+    (bench / "data" / "benchmarks").mkdir(parents=True)
+    (bench / "data" / "benchmarks" / "mmlu.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"its data/ holds 'benchmarks', so eval ruler did not write it .* will "
+                                          r"not replace it"):
+        gen(bench, "--overwrite")
+    assert (bench / "data" / "benchmarks" / "mmlu.jsonl").is_file()
+
+    g = tmp_path / "g"
+    assert gen(g) == 0
+    for out in (g / "data", g / "data" / "1024"):
+        with pytest.raises(ConfigError, match=r"(is|lies in) the --data folder .*; the outputs would mix with the "
+                                              r"data read"):
+            run(parser.parse_args([str(tmp_path / "run"), "--data", str(g / "data"), "--out", str(out),
+                                   "--no-progress"]))
+    assert sorted(p.name for p in (g / "data").iterdir()) == ["1024", "manifest.json"]
+    assert gen(g, "--overwrite") == 0  # RULER's own data/ (length folders and its manifest) is still replaced
+
+
 # -- shared data ---------------------------------------------------------------------------------------------
 def test_shared_inputs_official_tokenizer(official_tok):
     """The real inputs (essay, SQuAD halves, HotpotQA first 100) with the official tokenizer at 4K."""

@@ -407,6 +407,23 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     r = _cli("generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "def")
     assert r.returncode == 2 and "does not exist" in r.stderr
 
+    # a tokenizer that is not the run's (tenth-session break test: the official 73,448-token tokenizer copied into
+    # the run of an 8,192-token model generated "defdefdef" with exit 0): data.json's tokenizer_hash, and the size
+    import json
+
+    from minicpm4_jax.tokenizer import check_tokenizer_vocab, load_run_tokenizer
+
+    tok = load_run_tokenizer(out, out / "checkpoints")  # the run's own tokenizer matches its record
+    check_tokenizer_vocab(tok, tiny_cfg(corpus, cache_dir, out).model.vocab_size)
+    with pytest.raises(ConfigError, match=r"has \d+ tokens but the model's vocab_size is 8, so it is not the model's"):
+        check_tokenizer_vocab(tok, 8)
+    record = out / "data.json"
+    data = json.loads(record.read_text())
+    record.write_text(json.dumps({**data, "tokenizer_hash": "0" * 64}))
+    r = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "2")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"is not the one {record} records for this run's training (sha256 000000000000)" in r.stderr, r.stderr
+
 
 def test_generate_greedy_matches_argmax_and_top_p():
     from flax import nnx

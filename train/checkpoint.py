@@ -570,14 +570,15 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
         step_option: the command's option choosing a step (named in the message for a step folder);
             ``None`` for a command without one (``generate`` reads the latest step).
         path_option: the option that gave ``path`` (named in the messages); a config key (no leading ``--``,
-            e.g. ``branch_from`` with ``step_option="branch_step"``) is written ``key=value``.
+            e.g. ``branch_from`` with ``step_option="branch_step"``) is written ``key=value``, a phrase (holding a
+            space, e.g. ``"the checkpoint argument"`` for a positional argument) ``phrase value``.
 
     Raises:
         ConfigError: the path does not exist, is a file, is one step's folder (names the run folder
             and the step to give instead) or holds no checkpoint.
     """
-    def opt(name: str, value: Any) -> str:  # `--checkpoint DIR` on a command line, `branch_from=DIR` in a config
-        return f"{name} {value}" if name.startswith("--") else f"{name}={value}"
+    def opt(name: str, value: Any) -> str:  # `--checkpoint DIR` / `the checkpoint argument DIR`, `branch_from=DIR`
+        return f"{name} {value}" if name.startswith("--") or " " in name else f"{name}={value}"
 
     p = Path(path).expanduser().resolve()
     if p.exists() and not p.is_dir():

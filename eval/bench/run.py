@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
 
         model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
                                           batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                          progress=not args.no_progress)
+                                          progress=not args.no_progress, path_option="the checkpoint argument")
         limits = SandboxLimits(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
         res = run_bench(model, args.data_dir, names, out_dir=args.out_dir, limit=args.limit, k_shot=args.k_shot,
                         seed=args.seed, n_samples=args.pass_k_samples, pass_ks=ks,

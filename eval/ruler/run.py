@@ -263,6 +263,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
         # written once every task generated: a task that cannot fit its length (ConfigError above) leaves no
         # data files of the others behind to be mistaken for a complete set; an earlier run's data/ is replaced
         # whole, so no length or task of it stays beside this run's
+        check_ruler_folders(out, ("data",))
         remove_outputs(out, ("data",))
         for (n, t), records in datasets.items():
             data_files[f"data/{n}/{t}"] = write_jsonl(out / "data" / str(n) / t / "validation.jsonl", records)
@@ -294,6 +295,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
     if inside is not None:
         raise ConfigError(f"--data file {inside} lies in {out / 'pred'}, which this run replaces with its predictions; "
                           "give another --out")
+    check_ruler_folders(out, ("pred",))
     remove_outputs(out, RULER_OUTPUTS[1:])
     bs = int(batch_size or getattr(model, "batch_size", 8) or 8)
     pred_files: dict[str, Path] = {}
@@ -338,6 +340,38 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
 
 #: the entries of ``--out`` a RULER run writes (``data`` only when it generates the data)
 RULER_OUTPUTS = ("data", "pred", "ruler_results.json", "ruler_summary.md")
+
+
+def check_ruler_folders(out: str | os.PathLike, names: Sequence[str]) -> None:
+    """Raise ConfigError when ``data/`` or ``pred/`` among ``names`` exists in ``out`` but was not written by
+    ``eval ruler`` (RULER's hold only ``<length>/`` folders, and ``data/`` a ``manifest.json``): replacing such a
+    folder (``--overwrite``) would delete someone else's files, e.g. a benchmark data folder or a checkpoint's
+    data-iterator state."""
+    for name in ("data", "pred"):
+        q = Path(out) / name
+        if name not in names or not os.path.lexists(q):
+            continue
+        if q.is_symlink() or not q.is_dir():
+            raise ConfigError(f"--out {out}: its {name} is not a folder eval ruler wrote; give another --out")
+        stray = next((c.name for c in sorted(q.iterdir()) if not ((c.is_dir() and c.name.isdigit()) or
+                                                                  (name == "data" and c.name == "manifest.json"))),
+                     None)
+        if stray is not None:
+            raise ConfigError(f"--out {out}: its {name}/ holds {stray!r}, so eval ruler did not write it (RULER's "
+                              f"{name}/ holds only <length>/ folders) and will not replace it; give another --out")
+
+
+def _check_out_outside_data(args: argparse.Namespace) -> None:
+    """``--out`` must not be, or lie in, a ``--data`` folder: the run would write its predictions into the data
+    it reads (a later ``--data`` of that folder then finds two files per task)."""
+    if not args.out:
+        return
+    out = Path(args.out).expanduser().resolve()
+    for d in args.data or []:
+        src = Path(d).expanduser().resolve()
+        if src.is_dir() and (out == src or src in out.parents):
+            raise ConfigError(f"--out {args.out} {'is' if out == src else 'lies in'} the --data folder {d}; the "
+                              "outputs would mix with the data read: give an --out outside it")
 
 
 def _owned_outputs(args: argparse.Namespace) -> tuple[str, ...]:
@@ -616,6 +650,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_swallowed_checkpoint(args)
+    check_ruler_folders(args.out, _owned_outputs(args))
+    _check_out_outside_data(args)
     if args.predictions:
         r = score_predictions(args.predictions, out_dir=args.out, lengths=lengths, attention=args.attention)
         print(f"RULER score {r['scores']['score']:.2f}; wrote {r['results']} and {r['summary']}")
@@ -641,7 +677,8 @@ def run(args: argparse.Namespace) -> int:
 
     model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
                                       batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                      prefix=args.prefix, max_length=args.max_length, progress=progress)
+                                      prefix=args.prefix, max_length=args.max_length, progress=progress,
+                                      path_option="the checkpoint argument")
     extra = {"checkpoint": str(args.checkpoint), "step": args.step}
     r = run_ruler(model, batch_size=args.batch_size, attention=args.attention, extra_config=extra, **common)
     print(f"RULER score {r['scores']['score']:.2f}; wrote {r['results']} and {r['summary']}")
