@@ -346,12 +346,20 @@ def test_import_rejects_truncated_and_inconsistent_files(official_dir, tmp_path)
     (["LlamaForCausalLM"], "a Llama-folded export"),
     (["MiniCPM3ForCausalLM"], "is not ['MiniCPMForCausalLM']"),
     (None, "architectures=[]"),
+    # tenth-session break test: an EAGLE draft or a run folder got only "architectures=[] is not [...]"
+    ("eagle", "an EAGLE draft folder: import it together with its base model, 'minicpm4 import hf BASE --eagle "),
+    ("run", "a training run of this project: generate, eval and export take the run folder as it is"),
 ])
 def test_import_rejects_wrong_architecture(official_dir, tmp_path, arch, needle):
     folder, _ = official_dir
     cfg = read_json(folder / "config.json")
-    if arch is None:
+    if arch in (None, "eagle"):
         cfg.pop("architectures")
+        if arch == "eagle":
+            cfg.update(num_hidden_layers=1, base_num_hidden_layers=2)
+    elif arch == "run":  # a run's config.json is the TrainConfig (a "model" section), beside checkpoints/
+        cfg = {"model": {"hidden_size": cfg["hidden_size"]}, "steps": 3}
+        (folder / "checkpoints").mkdir()
     else:
         cfg["architectures"] = arch
     (folder / "config.json").write_text(json.dumps(cfg))

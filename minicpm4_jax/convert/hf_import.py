@@ -88,8 +88,16 @@ def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]
         raise ConvertError(f"{p} holds a JSON {type(raw).__name__}, not an object; give a Hugging Face config.json")
     archs = raw.get("architectures") or []
     if OFFICIAL_ARCHITECTURE not in archs:
-        hint = (" (a Llama-folded export: import the official layout instead, written by "
-                "'minicpm4 export hf --layout minicpm')") if "LlamaForCausalLM" in archs else ""
+        hint = ""
+        if "LlamaForCausalLM" in archs:
+            hint = (" (a Llama-folded export: import the official layout instead, written by "
+                    "'minicpm4 export hf --layout minicpm')")
+        elif (folder / "checkpoints").is_dir() and isinstance(raw.get("model"), dict):
+            hint = (" (a training run of this project: generate, eval and export take the run folder as it is; "
+                    "there is nothing to import)")
+        elif "base_num_hidden_layers" in raw or any("eagle" in str(a).lower() for a in archs):
+            hint = (" (an EAGLE draft folder: import it together with its base model, "
+                    f"'minicpm4 import hf BASE --eagle {folder} --out RUN')")
         raise ConvertError(f"{p}: architectures={archs!r} is not ['{OFFICIAL_ARCHITECTURE}']{hint}; "
                            "'minicpm4 import hf' reads official MiniCPM4 folders only")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
