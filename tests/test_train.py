@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import COLLECTIVE_TIMEOUT_FLAGS
 
-from minicpm4_jax.config import ConfigError, load_config
+from minicpm4_jax.config import ConfigError, config_to_dict, load_config
 from minicpm4_jax.train import loop as loop_mod
 from minicpm4_jax.train.checkpoint import Checkpointer, load_params_for_inference
 from minicpm4_jax.train.loop import TrainingDiverged, run_training
@@ -816,6 +816,75 @@ def test_train_refuses_an_export_folder_a_file_and_a_missing_resume_folder(corpu
     missing = tmp_path / "missing"
     err = _train_error(tiny_overrides(corpus, cache_dir, missing), resume=True)
     assert "does not exist" in err and not missing.exists()
+
+
+def _fake_run(folder: Path, cfg, steps: tuple[int, ...] = (4,), checkpoints: str = "checkpoints") -> Path:
+    """A folder shaped like a finished run (training config.json, tokenizer/, orbax step folders), written directly."""
+    (folder / "tokenizer").mkdir(parents=True)
+    (folder / "tokenizer" / "tokenizer.json").write_text("{}")
+    (folder / "config.json").write_text(json.dumps(config_to_dict(cfg)))
+    for st in steps:
+        (folder / checkpoints / str(st) / "state").mkdir(parents=True)
+        (folder / checkpoints / str(st) / "_CHECKPOINT_METADATA").write_text("{}")
+    return folder
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def test_train_refuses_an_out_dir_inside_another_run(corpus, cache_dir, tmp_path, monkeypatch):
+    """Break test: out_dir=<run>/checkpoints trained a run into another run's checkpoints folder (config.json,
+    tokenizer/, checkpoints/ there), and then 'generate --checkpoint <run> --step 3' loaded that nested run's step;
+    a step folder, <run>/tokenizer and branch_from=<run> out_dir=<run>/checkpoints/br were accepted too. Each is now
+    one line before anything is written; out_dir beside other runs in a plain folder, and --resume, still train."""
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir
+
+    runs = tmp_path / "runs"
+    a = _fake_run(runs / "a", tiny_cfg(corpus, cache_dir, runs / "a"))
+    ck = tmp_path / "ck"  # a bare checkpoints folder (checkpoint.directory of some run)
+    (ck / "7" / "state").mkdir(parents=True)
+    (ck / "7" / "_CHECKPOINT_METADATA").write_text("{}")
+    before_a, before_ck = _tree(a), _tree(ck)
+    with monkeypatch.context() as m:
+        m.setattr(loop_mod, "_data_api", lambda: pytest.fail("data prepared for a refused run"))
+        for out in (a / "checkpoints", a / "checkpoints" / "4", a / "checkpoints" / "4" / "x", a / "tokenizer",
+                    a / "new"):
+            err = _train_error(tiny_overrides(corpus, cache_dir, out))
+            assert f"out_dir {str(out)!r} is inside the run folder {a} of another run" in err, err
+            assert f"choose an out_dir outside {a}" in err, err
+        err = _train_error(tiny_overrides(corpus, cache_dir, ck))
+        assert f"is the checkpoints folder {ck} of another run" in err, err
+        err = _train_error(tiny_overrides(corpus, cache_dir, ck / "7"))
+        assert f"is the checkpoint step folder {ck / '7'} of another run" in err, err
+        err = _train_error(tiny_overrides(corpus, cache_dir, ck / "7" / "br"))
+        assert f"is inside the checkpoint step folder {ck / '7'}" in err, err
+        err = _train_error(tiny_overrides(corpus, cache_dir, tmp_path / "fresh",
+                                          **{"checkpoint.directory": a / "checkpoints" / "mine"}))
+        assert f"checkpoint.directory '{a / 'checkpoints' / 'mine'}' is inside the run folder {a}" in err, err
+        # the folders a run reads (branch_from, qat.init_from): out_dir neither is, lies inside nor holds one
+        err = _train_error(tiny_overrides(corpus, cache_dir, a / "checkpoints" / "br", branch_from=a, steps=16))
+        assert f"is inside the branch_from source {a}, which this run reads" in err, err
+        err = _train_error(tiny_overrides(corpus, cache_dir, runs, branch_from=a, steps=16))
+        assert f"out_dir {str(runs)!r} holds the branch_from source {a}" in err, err
+        err = _train_error(tiny_overrides(corpus, cache_dir, ck / "q", **{"qat.enabled": "true",
+                                                                         "qat.init_from": ck}))
+        assert f"is inside the qat.init_from source {ck}" in err, err
+        assert _tree(a) == before_a and _tree(ck) == before_ck and not (tmp_path / "fresh").exists()
+        assert not runs.joinpath("config.json").exists()
+    # a run trained into a checkpoints folder before this check: the outer run's checkpoints still resolve to its
+    # own (resolving <run> and then <run>/checkpoints again stepped into the nested run's checkpoints/)
+    _fake_run(a / "checkpoints", tiny_cfg(corpus, cache_dir, a / "checkpoints"), steps=(3,))
+    assert find_checkpoint_dir(a) == a / "checkpoints"
+    assert find_checkpoint_dir(find_checkpoint_dir(a)) == a / "checkpoints"
+    assert find_checkpoint_dir(a / "checkpoints" / "checkpoints") == a / "checkpoints" / "checkpoints"
+    # normal runs: a fresh out_dir beside other runs in a plain folder, then --resume into it
+    b = runs / "b"
+    ov = tiny_overrides(corpus, cache_dir, b, steps=4, **{"checkpoint.save_every": 4})
+    assert run_training(load_config(None, ov), log=lambda _m: None, progress=False)["step"] == 4
+    assert run_training(load_config(None, [*ov, "steps=4"]), resume=True, log=lambda _m: None,
+                        progress=False)["step"] == 4
+    assert find_checkpoint_dir(b) == b / "checkpoints"
 
 
 def test_qat_tokenizer_check_compares_files_of_the_same_kind(tmp_path):

@@ -55,6 +55,7 @@ from minicpm4_jax.train.checksums import ChecksumMismatch, checksum_record, on_m
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of", "sharded_abstract_state",
            "checkpoint_write_error", "load_params_for_inference", "find_checkpoint_dir", "CheckpointSource",
+           "is_checkpoint_step", "holds_checkpoint_steps",
            "resolve_source", "params_all_finite",
            "resume_differences", "restore_data_iterator", "state_save_args", "CHECKSUM_ITEM"]
 
@@ -561,6 +562,23 @@ class Checkpointer:
         return step, state
 
 
+#: what an orbax step folder (``<checkpoints>/<step>``) holds (any one of them marks it)
+_STEP_MARKERS = ("_CHECKPOINT_METADATA", "state", "config")
+
+
+def is_checkpoint_step(path: Path) -> bool:
+    """Whether ``path`` is one orbax checkpoint step's folder (a number, holding a step's items)."""
+    return path.name.isdigit() and path.is_dir() and any((path / n).exists() for n in _STEP_MARKERS)
+
+
+def holds_checkpoint_steps(path: Path) -> bool:
+    """Whether ``path`` is a checkpoints folder: it holds at least one orbax step folder (:func:`is_checkpoint_step`)."""
+    try:
+        return any(is_checkpoint_step(c) for c in path.iterdir() if c.name.isdigit())
+    except OSError:  # not a folder, or unreadable
+        return False
+
+
 def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
                         path_option: str = "--checkpoint") -> Path:
     """Resolve ``path`` (a run's ``out_dir`` or its checkpoint folder) to the checkpoint folder.
@@ -586,15 +604,17 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
                           "(its out_dir, holding checkpoints/) or its checkpoints folder")
     if not p.is_dir():
         raise ConfigError(f"checkpoint directory {str(path)!r} does not exist")
-    if (p / "checkpoints").is_dir():
-        p = p / "checkpoints"
-    elif p.name.isdigit() and any((p / n).exists() for n in ("_CHECKPOINT_METADATA", "state", "config")):
+    if is_checkpoint_step(p):
         # one orbax step folder (<checkpoints>/<step>), not a run or checkpoints folder
         run = p.parent.parent if p.parent.name == "checkpoints" else p.parent
         how = (f"{opt(path_option, run)} {opt(step_option, int(p.name))}" if step_option
                else f"{opt(path_option, run)} (the latest step is used)")
         raise ConfigError(f"{opt(path_option, path)} is the folder of one checkpoint step ({int(p.name)}), not a run; "
                           f"give the run folder instead: {how}")
+    if (p / "checkpoints").is_dir() and not holds_checkpoint_steps(p):
+        # a folder that holds step folders is a checkpoints folder even with a checkpoints/ inside it (a run
+        # trained into it by mistake): resolving it again must not step into that other run's checkpoints
+        p = p / "checkpoints"
     if not any(c.is_dir() and c.name.isdigit() for c in p.iterdir()):
         hint = ""
         if (p / "config.json").is_file() and any(p.glob("*.safetensors")):

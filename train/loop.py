@@ -65,7 +65,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -73,7 +73,8 @@ import numpy as np
 from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict, inactive_draft_options
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
-                                           checkpoint_write_error, params_all_finite, sharded_abstract_state)
+                                           checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
+                                           params_all_finite, sharded_abstract_state)
 from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
@@ -178,34 +179,115 @@ def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None
         )
 
 
-def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None) -> None:
+def _is_training_config(path: Path) -> bool:
+    """Whether ``path`` is a file holding a training config (a JSON object with model, optimizer and data)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and {"model", "optimizer", "data"} <= raw.keys()
+
+
+def _run_part(folder: Path) -> str | None:
+    """What ``folder`` is to a training run, or ``None``: ``"run folder"`` (``config.json``, a training config or
+    one beside ``checkpoints/``), ``"checkpoints folder"`` (it holds orbax step folders) or ``"checkpoint step
+    folder"`` (``<checkpoints>/<step>``)."""
+    try:
+        if is_checkpoint_step(folder):
+            return "checkpoint step folder"
+        if holds_checkpoint_steps(folder):
+            return "checkpoints folder"
+        cfg_file = folder / "config.json"
+        if cfg_file.is_file() and ((folder / "checkpoints").is_dir() or _is_training_config(cfg_file)):
+            return "run folder"
+    except OSError:  # an unreadable folder is not known to be a run
+        pass
+    return None
+
+
+def _a(what: str) -> str:
+    """``what`` with its indefinite article (``an out_dir``, ``a checkpoint.directory``)."""
+    return f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
+
+
+def _refuse_inside_run(path: Path, what: str, *, own: Path | None = None) -> None:
+    """Refuse a run's output folder ``path`` (option ``what``) inside another run: a folder above it is a run folder,
+    a checkpoints folder or one checkpoint step, or ``path`` itself is a checkpoints or step folder that is not
+    ``own`` (this run's own checkpoint folder). The run's ``config.json``, ``tokenizer/`` and ``checkpoints/`` there
+    would mix into the other run, and ``find_checkpoint_dir`` of the other run could resolve to this run's.
+
+    Raises:
+        ConfigError: naming the enclosing run folder (the innermost one) and the fix.
+    """
+    hits: list[tuple[Path, str]] = []  # innermost first
+    if path != own:
+        kind = _run_part(path)
+        if kind in ("checkpoints folder", "checkpoint step folder"):
+            hits.append((path, kind))
+    hits += [(a, k) for a in path.parents if (k := _run_part(a)) is not None]
+    if not hits:
+        return
+    folder, kind = next((h for h in hits if h[1] == "run folder"), hits[0])
+    how = "is" if folder == path else "is inside"
+    raise ConfigError(f"{what} {str(path)!r} {how} the {kind} {folder} of another run; a run there would mix its "
+                      "config.json, tokenizer/ and checkpoints into that run's (and 'generate --checkpoint' of it "
+                      f"could load the wrong model): choose {_a(what)} outside {folder}")
+
+
+def _refuse_over_source(path: Path, what: str, sources: Sequence[tuple[str, str | Path]]) -> None:
+    """Refuse a run's output folder ``path`` (option ``what``) that is, lies inside or holds a folder this run reads
+    from (``sources``: ``[(config key, folder)]``, e.g. ``branch_from``), as ``export`` / ``import`` refuse an
+    ``--out`` over their source (:func:`minicpm4_jax.convert.io.refuse_output_over_source`).
+
+    Raises:
+        ConfigError: naming the source and the fix.
+    """
+    for key, src in sources:
+        s = Path(src).expanduser().resolve()
+        how = ("is" if path == s else "is inside" if s in path.parents else "holds" if path in s.parents else None)
+        if how is not None:
+            where = "that does not hold it" if how == "holds" else f"outside {s}"
+            raise ConfigError(f"{what} {str(path)!r} {how} the {key} source {s}, which this run reads: its files "
+                              f"would mix with that run's; choose {_a(what)} {where}")
+
+
+def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, *,
+                     sources: Sequence[tuple[str, str | Path]] = ()) -> None:
     """Refuse an ``out_dir`` that is not (or cannot become) this kind of run folder.
 
     A run writes ``config.json`` and ``tokenizer/`` into ``out_dir``: an export folder
     (``minicpm4_manifest.json`` without ``checkpoints/``) or another program's ``config.json`` would lose
-    its own. An ``import hf`` folder is a run folder (checkpoints and a training config).
+    its own. An ``import hf`` folder is a run folder (checkpoints and a training config). A folder inside
+    another run (its run folder, checkpoints folder, a step or ``tokenizer/``) would mix the two runs, and the
+    other run's checkpoint folder would then resolve to this one's (:func:`_refuse_inside_run`); the same for
+    ``ckpt_dir`` when it lies outside ``out_dir``. ``sources`` (``[(config key, folder)]``: ``branch_from``,
+    ``qat.init_from``) are the folders this run reads: neither output folder may be, lie inside or hold one.
 
     Raises:
-        ConfigError: ``--resume`` without the folder (nor ``ckpt_dir``); an export folder or a ``config.json`` that is not a
-            training config (one line, with the fix).
+        ConfigError: ``--resume`` without the folder (nor ``ckpt_dir``); a folder inside another run or
+            overlapping a source; an export folder or a ``config.json`` that is not a training config (one line,
+            with the fix).
     """
     if resume and not out_dir.is_dir() and not (ckpt_dir is not None and ckpt_dir.is_dir()):
         raise ConfigError(f"--resume: no checkpoint found: out_dir {str(out_dir)!r} does not exist; give the folder "
                           "of the run to continue, or train without --resume")
+    _refuse_over_source(out_dir, "out_dir", sources)
+    _refuse_inside_run(out_dir, "out_dir", own=ckpt_dir)
+    if ckpt_dir is not None and ckpt_dir != out_dir and out_dir not in ckpt_dir.parents:
+        _refuse_over_source(ckpt_dir, "checkpoint.directory", sources)
+        if _run_part(ckpt_dir) == "run folder":
+            raise ConfigError(f"checkpoint.directory {str(ckpt_dir)!r} is the run folder of another run; its "
+                              "checkpoint steps would mix into that run: choose another checkpoint.directory")
+        _refuse_inside_run(ckpt_dir, "checkpoint.directory", own=ckpt_dir)
     if not out_dir.is_dir():
         return
     if (out_dir / "minicpm4_manifest.json").is_file() and not (out_dir / "checkpoints").is_dir():
         raise ConfigError(f"out_dir {str(out_dir)!r} holds an export (minicpm4_manifest.json); a run would write "
                           "its config.json and tokenizer/ into it: choose another out_dir")
     cfg_file = out_dir / "config.json"
-    if cfg_file.is_file():
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except (OSError, ValueError):
-            raw = None
-        if not (isinstance(raw, dict) and {"model", "optimizer", "data"} <= raw.keys()):
-            raise ConfigError(f"out_dir {str(out_dir)!r} holds a config.json that is not a training config (a "
-                              "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
+    if cfg_file.is_file() and not _is_training_config(cfg_file):
+        raise ConfigError(f"out_dir {str(out_dir)!r} holds a config.json that is not a training config (a "
+                          "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
 
 
 def _missing_folders(*paths: Path) -> list[Path]:
@@ -379,7 +461,8 @@ def run_training(
             config that differs from the checkpoint's outside the fields a resume may change /
             ``--resume`` when the files under ``data.sources`` changed since the run started
             (:func:`check_run_data`) / a damaged checkpoint step / an ``out_dir`` that is a file, an
-            export folder or holds another program's ``config.json`` (:func:`check_run_folder`).
+            export folder, holds another program's ``config.json``, lies inside another run or overlaps the
+            ``branch_from`` / ``qat.init_from`` source (:func:`check_run_folder`).
             Raised before anything is written into ``out_dir``; the folders the checks created
             (``out_dir``, the checkpoint folder) are removed again while empty.
         TrainingDiverged: a non-finite loss or gradient norm (the step is named).
@@ -396,7 +479,9 @@ def run_training(
     need = required_free_bytes(cfg)
     created = _missing_folders(out_dir, ckpt_dir)  # made by the checks below; removed again if the run is refused
     try:
-        check_run_folder(out_dir, resume, ckpt_dir)
+        sources = [(k, v) for k, v in (("branch_from", cfg.branch_from),
+                                       ("qat.init_from", cfg.qat.init_from if cfg.qat.enabled else None)) if v]
+        check_run_folder(out_dir, resume, ckpt_dir, sources=sources)
         check_output_dir(out_dir, need)
         check_output_dir(ckpt_dir, need, what="checkpoint.directory")
         ckpt = Checkpointer(cfg, ckpt_dir)
