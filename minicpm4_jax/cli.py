@@ -253,6 +253,7 @@ def _drop_orbax_tracebacks() -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from minicpm4_jax.config import load_config
+    from minicpm4_jax.train.distributed import SecondInterrupt
     from minicpm4_jax.train.loop import CheckpointWriteError, TrainingDiverged, run_training
 
     cfg = load_config(args.config, list(args.overrides) + list(args.set_overrides))
@@ -262,6 +263,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (TrainingDiverged, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except SecondInterrupt as e:  # Ctrl-C twice: the message names what was (not) saved
+        print(f"error: {e}", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop's handlers (start-up, clean-up): no traceback
+        from minicpm4_jax.train.checkpoint import checkpoint_dir_of
+
+        print(f"error: interrupted; no further checkpoint was saved (the complete ones in {checkpoint_dir_of(cfg)}, if "
+              "any, are intact: resume with --resume)", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
     if summary.get("stop_reason") == "signal":
         return 128 + int(signal.Signals[summary["signal"]])
     return 0

@@ -425,6 +425,94 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     assert f"is not the one {record} records for this run's training (sha256 000000000000)" in r.stderr, r.stderr
 
 
+#: a CLI run whose first SIGINT comes from a step hook (the loop stops at step 3) and whose second SIGINT (then a
+#: SIGTERM) comes from the final save: "before" sends them before that save starts, "after" once it has started
+_TWICE_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from minicpm4_jax import cli
+    from minicpm4_jax.train import loop
+
+    MODE = sys.argv[1]
+
+    class Ck(loop.Checkpointer):
+        def save(self, step, *a, **k):
+            if step != 3:
+                return super().save(step, *a, **k)
+            started = super().save(step, *a, **k) if MODE == "after" else False
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return started
+
+    def hook(step, state):
+        if step == 2:  # the flag is set during update 3; the loop stops and announces step 3
+            os.kill(os.getpid(), signal.SIGINT)
+        return state
+
+    real = loop.run_training
+    loop.Checkpointer = Ck
+    loop.run_training = lambda cfg, **kw: real(cfg, step_hook=hook, **kw)
+    sys.exit(cli.main(["train", "--no-progress", *sys.argv[2:]]))
+""")
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+def test_cli_second_interrupt_during_the_final_save_is_one_line(corpus, cache_dir, tmp_path, mode):
+    """Break test: Ctrl-C twice (the second during the save the first announced) printed a KeyboardInterrupt
+    traceback and nothing said the announced step was not saved. Now: one ``error:`` line naming the step and the
+    last complete checkpoint, exit 130; a SIGTERM after it changes nothing; earlier checkpoints are intact and the
+    run resumes. A save already under way ("after") is awaited, and the line says it is complete."""
+    out = tmp_path / "twice"
+    kw = {"steps": 6, "optimizer.decay_steps": 2, "checkpoint.save_every": 2, "eval_every": 100,
+          "model.rope_scaling": "null", "max_train_minutes": "null"}
+    ov = tiny_overrides(corpus, cache_dir, out, **kw)
+    script = tmp_path / "twice.py"
+    script.write_text(_TWICE_SCRIPT)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS,
+           **_CACHE_ENV}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    r = subprocess.run([PY, str(script), mode, *ov], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert "SIGINT received: saving a checkpoint at step 3" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 128 + signal.SIGINT, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    ckpt_dir = out / "checkpoints"
+    want = (f"error: second interrupt: stopped without saving step 3; the last complete checkpoint is step 2 in "
+            f"{ckpt_dir} (resume with --resume)" if mode == "before" else
+            f"error: second interrupt: stopped; checkpoint step 3 in {ckpt_dir} is complete (resume with --resume)")
+    assert errors == [want], r.stderr
+    cfg = load_config("cpu_tiny", ov)  # the CLI's default preset
+    assert Checkpointer(cfg).all_steps() == ([2] if mode == "before" else [2, 3])
+    if mode == "before":
+        s = run_training(cfg, resume=True, log=lambda _m: None, progress=False)
+        assert s["step"] == 6 and Checkpointer(cfg).all_steps()[-1] == 6
+
+
+def test_cli_interrupt_outside_the_loop_handlers_is_one_line(corpus, cache_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the training loop installs its handlers (data preparation, compilation) or after it restored
+    them: one ``error:`` line and exit 130, not a KeyboardInterrupt traceback."""
+    from minicpm4_jax import cli
+
+    def interrupted(cfg, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop_mod, "run_training", interrupted)
+    out = tmp_path / "x"
+    assert cli.main(["train", *tiny_overrides(corpus, cache_dir, out, **{"model.rope_scaling": "null"})]) == 130
+    err = capsys.readouterr().err
+    assert err == (f"error: interrupted; no further checkpoint was saved (the complete ones in {out / 'checkpoints'}, "
+                   "if any, are intact: resume with --resume)\n"), err
+
+
+def test_interrupted_message_without_a_checkpoint():
+    from minicpm4_jax.train.loop import interrupted_message
+
+    assert interrupted_message(5, None, Path("/r/checkpoints")) == (
+        "second interrupt: stopped without saving step 5; no checkpoint was saved in /r/checkpoints (train again "
+        "without --resume)")
+
+
 def test_generate_greedy_matches_argmax_and_top_p():
     from flax import nnx
 

@@ -16,6 +16,10 @@
     process), so Ctrl-C also stops all processes at one step. Without the preemption service
     (``jax_enable_preemption_service=False``) the processes all-gather their Python stop flag at every
     step instead.
+
+  A second SIGINT while stopping (Ctrl-C twice: do not wait for the checkpoint) raises
+  :class:`SecondInterrupt` where the main thread is; any signal after that is ignored, so the clean-up
+  (awaiting a checkpoint write already under way) and the one-line report are not interrupted in turn.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import jax
 
 from minicpm4_jax.config import ConfigError, DistributedConfig
 
-__all__ = ["initialize", "is_distributed", "StopWatch"]
+__all__ = ["initialize", "is_distributed", "StopWatch", "SecondInterrupt"]
 
 
 def _cluster_methods() -> list[str] | None:
@@ -119,6 +123,15 @@ def _preemption_service() -> bool:
         return False
 
 
+class SecondInterrupt(KeyboardInterrupt):
+    """A second SIGINT while the run was already stopping for a signal: abort without the announced save.
+
+    A :class:`KeyboardInterrupt` (``except Exception`` does not swallow it);
+    :func:`~minicpm4_jax.train.loop.run_training` re-raises it with a one-line message naming the step that
+    was not saved and the last complete checkpoint, which the CLI prints as ``error: ...`` (exit 130).
+    """
+
+
 class StopWatch:
     """When to stop for a signal / preemption notice; the same step on every process (module docs).
 
@@ -130,6 +143,7 @@ class StopWatch:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.aborted = False  # a second SIGINT raised SecondInterrupt; later signals are ignored
         self._old: dict[int, Any] = {}
         self.sync_point = _preemption_service()
         self.multi = jax.process_count() > 1
@@ -140,6 +154,7 @@ class StopWatch:
         return "preemption-service" if self.sync_point else ("allgather" if self.multi else "local")
 
     def install(self) -> None:
+        """Set the SIGTERM / SIGINT handlers (SIGINT alone with the preemption service); main thread only."""
         if threading.current_thread() is not threading.main_thread():
             return
         sigs = (signal.SIGINT,) if self.sync_point else (signal.SIGTERM, signal.SIGINT)
@@ -148,8 +163,11 @@ class StopWatch:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self.aborted:  # already aborting: let the clean-up and its report finish
+            return
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            self.aborted = True
+            raise SecondInterrupt("second interrupt")
         self.signum = signum
         if self.sync_point:  # hand Ctrl-C to JAX's notifier so all processes agree on the step
             os.kill(os.getpid(), signal.SIGTERM)
@@ -176,6 +194,7 @@ class StopWatch:
         return bool(hit)
 
     def restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced."""
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()

@@ -18,10 +18,12 @@ Stopping:
   runs);
 * SIGTERM / SIGINT (and, with ``distributed.mode`` on, JAX's preemption notice): checked once per
   step; the state at the current step is checkpointed and :func:`run_training` returns with
-  ``stop_reason = "signal"`` (a second SIGINT aborts). With several processes all of them stop
-  and save at the same step (:class:`~minicpm4_jax.train.distributed.StopWatch`); the CLI then
-  exits with 128 + the signal number (143 for SIGTERM) after one line
-  ``SIGTERM received: saving a checkpoint at step N and exiting``;
+  ``stop_reason = "signal"``. With several processes all of them stop and save at the same step
+  (:class:`~minicpm4_jax.train.distributed.StopWatch`); the CLI then exits with 128 + the signal
+  number (143 for SIGTERM) after one line ``SIGTERM received: saving a checkpoint at step N and exiting``.
+  A second SIGINT aborts without the announced save: a save already under way is awaited, and
+  :class:`~minicpm4_jax.train.distributed.SecondInterrupt` (a ``KeyboardInterrupt``) names the step not
+  saved and the last complete checkpoint; the CLI prints it as one ``error:`` line and exits 130;
 * a non-finite loss or gradient norm: :class:`TrainingDiverged` names the step and which value was
   non-finite; nothing after the last good checkpoint is saved (parameters are also checked finite
   before every save);
@@ -100,6 +102,17 @@ def divergence_message(step_no: int, loss: float, grad_norm: float, where: str) 
     if good:
         msg += f" ({good[0]} is finite)"
     return f"{msg}; training stopped and this state was not saved; {where}"
+
+
+def interrupted_message(step: int | None, saved: int | None, ckpt_dir: Path) -> str:
+    """The one-line report of a run stopped by a second SIGINT: whether ``step`` (the completed updates) was saved,
+    else the last complete checkpoint ``saved`` in ``ckpt_dir`` to resume from."""
+    if step is not None and saved == step:
+        return f"second interrupt: stopped; checkpoint step {step} in {ckpt_dir} is complete (resume with --resume)"
+    what = f"stopped without saving step {step}" if step is not None else "stopped before the first step"
+    last = (f"the last complete checkpoint is step {saved} in {ckpt_dir} (resume with --resume)" if saved is not None
+            else f"no checkpoint was saved in {ckpt_dir} (train again without --resume)")
+    return f"second interrupt: {what}; {last}"
 
 
 class _Throughput:
@@ -492,6 +505,7 @@ def run_training(
     tracer: _StepTracer | None = None
     stop = dist.StopWatch()
     failed = refused = False
+    step: int | None = None  # completed updates (set once the training loop starts)
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
         mesh = make_mesh(cfg.mesh)
@@ -917,6 +931,13 @@ def run_training(
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
         return summary
+    except dist.SecondInterrupt:  # Ctrl-C twice: stop without the announced save
+        failed = True
+        try:
+            ckpt.wait()  # a save already under way completes: it is not lost
+        except CheckpointWriteError:
+            pass
+        raise dist.SecondInterrupt(interrupted_message(step, ckpt.latest_step(), ckpt_dir)) from None
     except BaseException as e:
         failed, refused = True, isinstance(e, ConfigError)
         raise
