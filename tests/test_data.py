@@ -501,6 +501,37 @@ def test_corpus_smaller_than_one_window(tmp_path):
         prepare_data(_cfg(tmp_path, [tmp_path / "corpus"], val_fraction=0.01, seq_len=n_val), log=_quiet)
 
 
+def test_batch_larger_than_the_corpus(tmp_path):
+    """Break test: data.batch_size=10000000 was accepted and the run was OOM-killed after writing its files. A batch
+    of more windows than the train split holds (summed over a mixture's components) is one line; one that
+    overflows int64 is refused before the corpus is read."""
+    _txt_corpus(tmp_path / "corpus", n=30)
+    data = prepare_data(_cfg(tmp_path, [tmp_path / "corpus"]), log=_quiet)
+    n = data.manifest["num_train_tokens"]
+    windows = (n - 1) // 32
+    assert prepare_data(_cfg(tmp_path, [tmp_path / "corpus"], batch_size=windows), log=_quiet).manifest == data.manifest
+    for b in (windows + 1, 10_000_000):
+        with pytest.raises(ConfigError) as e:
+            prepare_data(_cfg(tmp_path, [tmp_path / "corpus"], batch_size=b), log=_quiet)
+        _one_line(e)
+        assert str(e.value) == (f"data.batch_size={b} x data.seq_len=32 = {b * 32:,} tokens per batch exceed the train "
+                                f"split's {n:,} tokens ({windows:,} windows of data.seq_len+1=33); lower "
+                                f"data.batch_size to at most {windows:,} or add text to data.sources")
+    with pytest.raises(ConfigError, match=r"^data.batch_size=10{20} x \(data.seq_len\+1=33\) tokens per batch overflow "
+                                          r"a 64-bit integer"):
+        prepare_data(_cfg(tmp_path, [tmp_path / "nowhere"], batch_size=10**20), log=_quiet)  # never read
+    # a mixture: its components' windows together
+    _txt_corpus(tmp_path / "other", n=30, seed=1)
+    mix = dict(weights=(1.0, 1.0))
+    both = prepare_data(_cfg(tmp_path, [tmp_path / "corpus", tmp_path / "other"], **mix), log=_quiet)
+    total = sum((c.data.manifest["num_train_tokens"] - 1) // 32 for c in both.components)
+    assert total > windows
+    prepare_data(_cfg(tmp_path, [tmp_path / "corpus", tmp_path / "other"], batch_size=total, **mix), log=_quiet)
+    with pytest.raises(ConfigError, match=f"lower data.batch_size to at most {total:,} or add text"):
+        prepare_data(_cfg(tmp_path, [tmp_path / "corpus", tmp_path / "other"], batch_size=total + 1, **mix),
+                     log=_quiet)
+
+
 # ------------------------------------------------------------------------------------------------
 # the real default corpus
 # ------------------------------------------------------------------------------------------------

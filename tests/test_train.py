@@ -975,6 +975,25 @@ def test_train_refuses_an_out_dir_inside_another_run(corpus, cache_dir, tmp_path
     assert find_checkpoint_dir(b) == b / "checkpoints"
 
 
+def test_train_refuses_a_batch_larger_than_the_corpus_before_writing(corpus, cache_dir, tmp_path, monkeypatch):
+    """Break test: data.batch_size=10000000 wrote config.json, data.json and tokenizer/ into out_dir, then the
+    process was OOM-killed. It is refused by the data check, before anything is written."""
+    from types import SimpleNamespace
+
+    from minicpm4_jax.train import data as data_api
+
+    def prepare_data(cfg, **kw):  # a batch the data check let through stops here, not in an out-of-memory kill
+        data_api.prepare_data(cfg, **kw)
+        pytest.fail(f"data.batch_size={cfg.batch_size} was accepted")
+
+    monkeypatch.setattr(loop_mod, "_data_api", lambda: SimpleNamespace(prepare_data=prepare_data))
+    out = tmp_path / "big"
+    err = _train_error(tiny_overrides(corpus, cache_dir, out, **{"data.batch_size": 10_000_000}))
+    assert err.startswith("data.batch_size=10000000 x data.seq_len=32 = 320,000,000 tokens per batch exceed the "
+                          "train split's"), err
+    assert not out.exists()
+
+
 def test_qat_tokenizer_check_compares_files_of_the_same_kind(tmp_path):
     """Fresh-eyes test: data.tokenizer=<export>/tokenizer.json, byte-identical to the init run's tokenizer.json,
     was reported as a different tokenizer (it was compared with the init folder's tokenizer.model)."""

@@ -77,6 +77,7 @@ __all__ = [
     "MixtureComponent",
     "component_names",
     "prepare_data",
+    "check_batch_fits",
     "train_iterator",
     "mixture_schedule",
     "MIXTURE_PERIOD",
@@ -558,15 +559,19 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
         ConfigError: (one line, naming the value and the fix) bad mixture weights; cache folder not writable or inside
             the interpreter's folders; missing/empty/unsupported corpus paths; no decodable text or a
             missing ``text_field``; a bad tokenizer path; a train or validation split shorter than one
-            window of ``seq_len + 1`` tokens.
+            window of ``seq_len + 1`` tokens; a global batch (``batch_size`` windows) larger than the train split
+            (:func:`check_batch_fits`) or overflowing a 64-bit integer.
     """
     if cfg.seq_len <= 0 or cfg.batch_size <= 0:
         raise ConfigError(f"data.seq_len={cfg.seq_len} and data.batch_size={cfg.batch_size} must be positive")
+    if cfg.batch_size * (cfg.seq_len + 1) > _INT64_MAX:  # before reading the corpus: no corpus is that large
+        raise ConfigError(f"data.batch_size={cfg.batch_size} x (data.seq_len+1={cfg.seq_len + 1}) tokens per batch "
+                          "overflow a 64-bit integer; lower data.batch_size (at most the train split's windows)")
     if not 0.0 < cfg.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in (0, 0.5)")
     check_mixture(cfg)
     if cfg.weights is not None:
-        return _prepare_mixture(cfg, log)
+        return check_batch_fits(cfg, _prepare_mixture(cfg, log))
     root = _check_cache_dir(cfg)
     t_start = time.perf_counter()
     corpus = read_corpus(cfg, with_documents=False)
@@ -575,7 +580,32 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
 
     split = _lazy_split(corpus, cfg)
     tok = _tokenizer(cfg, root, corpus.corpus_hash, lambda: split()[0], timings, log)
-    return _token_cache(cfg, root, corpus, tok, split, split_settings, timings, t_start, log)
+    return check_batch_fits(cfg, _token_cache(cfg, root, corpus, tok, split, split_settings, timings, t_start, log))
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def check_batch_fits(cfg: DataConfig, data: PreparedData) -> PreparedData:
+    """Refuse a global batch of more windows than the train split holds; returns ``data``.
+
+    A batch is ``cfg.batch_size`` windows of ``seq_len + 1`` tokens (stride ``seq_len``); one larger than the
+    corpus (summed over a mixture's components) would repeat windows inside every batch, and an absurd value
+    (``data.batch_size=10000000``) ran out of memory building the first batch after the run's files were written.
+
+    Raises:
+        ConfigError: naming the batch, the split's tokens and windows, and the fix.
+    """
+    parts = [c.data for c in data.components] if data.components else [data]
+    counts = [int(p.train_tokens.shape[0]) for p in parts]
+    windows = sum(max(0, (n - 1) // cfg.seq_len) for n in counts)  # as _Windows cuts them
+    if cfg.batch_size > windows:
+        n = sum(counts)
+        raise ConfigError(
+            f"data.batch_size={cfg.batch_size} x data.seq_len={cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} "
+            f"tokens per batch exceed the train split's {n:,} tokens ({windows:,} windows of data.seq_len+1="
+            f"{cfg.seq_len + 1}); lower data.batch_size to at most {windows:,} or add text to data.sources")
+    return data
 
 
 def _lazy_split(corpus: Corpus, cfg: DataConfig) -> Callable[[], tuple[list[str], list[str], str]]:
