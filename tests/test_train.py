@@ -955,6 +955,9 @@ def test_train_refuses_an_out_dir_inside_another_run(corpus, cache_dir, tmp_path
         assert f"is inside the branch_from source {a}, which this run reads" in err, err
         err = _train_error(tiny_overrides(corpus, cache_dir, runs, branch_from=a, steps=16))
         assert f"out_dir {str(runs)!r} holds the branch_from source {a}" in err, err
+        # a folder of runs (out_dir=runs instead of runs/NAME): the new run would enclose them
+        err = _train_error(tiny_overrides(corpus, cache_dir, runs))
+        assert f"out_dir {str(runs)!r} holds the run folder {a} of another run; a run there would enclose it" in err
         err = _train_error(tiny_overrides(corpus, cache_dir, ck / "q", **{"qat.enabled": "true",
                                                                          "qat.init_from": ck}))
         assert f"is inside the qat.init_from source {ck}" in err, err

@@ -294,6 +294,13 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
         _refuse_inside_run(ckpt_dir, "checkpoint.directory", own=ckpt_dir)
     if not out_dir.is_dir():
         return
+    if not resume and _run_part(out_dir) is None:
+        # a new run in a folder of runs (out_dir=runs instead of runs/NAME) would put them all inside it
+        inner = next((c for c in sorted(out_dir.iterdir()) if c.is_dir() and _run_part(c) == "run folder"), None)
+        if inner is not None:
+            raise ConfigError(f"out_dir {str(out_dir)!r} holds the run folder {inner} of another run; a run there "
+                              f"would enclose it (it could then no longer be resumed): choose a new folder, e.g. "
+                              f"out_dir={out_dir / 'NAME'}")
     if (out_dir / "minicpm4_manifest.json").is_file() and not (out_dir / "checkpoints").is_dir():
         raise ConfigError(f"out_dir {str(out_dir)!r} holds an export (minicpm4_manifest.json); a run would write "
                           "its config.json and tokenizer/ into it: choose another out_dir")
