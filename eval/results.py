@@ -60,27 +60,15 @@ def check_out_dir(path: str | os.PathLike | None, option: str = "--out", *, owne
                          f"{flag} to replace them")
 
 
-def _is_step_folder(q: Path) -> bool:
-    return (q / "_CHECKPOINT_METADATA").is_file()
-
-
 def checkpoint_folder_above(path: str | os.PathLike) -> Path | None:
-    """The orbax checkpoint folder that ``path`` is or lies in, else ``None``: a step folder (holding
-    ``_CHECKPOINT_METADATA``) or a folder of steps (a run's ``checkpoints/``: an integer-named step folder in it),
-    the nearest one from ``path`` upwards. Outputs never go there: an evaluation's ``data/`` is also the name of a
-    step's data-iterator item."""
+    """The orbax checkpoint folder that ``path`` is or lies in, else ``None``: a step folder or a folder of steps
+    (a run's ``checkpoints/``; :func:`~minicpm4_jax.train.checkpoint.is_checkpoint_step` /
+    :func:`~minicpm4_jax.train.checkpoint.holds_checkpoint_steps`), the nearest one from ``path`` upwards. Outputs
+    never go there: an evaluation's ``data/`` is also the name of a step's data-iterator item."""
+    from minicpm4_jax.train.checkpoint import holds_checkpoint_steps, is_checkpoint_step
+
     p = Path(path).absolute()
-    for q in (p, *p.parents):
-        if not q.is_dir():
-            continue
-        if _is_step_folder(q):
-            return q
-        try:
-            if any(c.name.isdigit() and _is_step_folder(c) for c in q.iterdir()):
-                return q
-        except OSError:
-            pass
-    return None
+    return next((q for q in (p, *p.parents) if is_checkpoint_step(q) or holds_checkpoint_steps(q)), None)
 
 
 def remove_outputs(out_dir: str | os.PathLike, names: tuple[str, ...]) -> None:
