@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minicpm4_jax.config import ConfigError
+from minicpm4_jax.tokenizer import check_tokenizer_vocab
 
 __all__ = ["EvalModel", "joint_encode_pair", "params_hash", "rolling_windows"]
 
@@ -184,10 +185,7 @@ class EvalModel:
             raise ConfigError(f"prefix={prefix!r} but the tokenizer has no {prefix.upper()} token; "
                               "use prefix='none' or another prefix")
         cfg = model.cfg
-        n_tok = getattr(tokenizer, "vocab_size", None)
-        if n_tok is not None and int(n_tok) > cfg.vocab_size:  # ids past the embedding: NaN log-likelihoods
-            raise ConfigError(f"the tokenizer has {n_tok} tokens but the model's vocab_size is {cfg.vocab_size}; "
-                              "evaluate with the tokenizer the model was trained with (its run's tokenizer/ folder)")
+        check_tokenizer_vocab(tokenizer, cfg.vocab_size)  # ids past the embedding: NaN log-likelihoods
         limit = cfg.max_position_embeddings
         if max_length is not None and not 2 <= max_length <= limit:
             raise ConfigError(f"max_length={max_length} must be in [2, max_position_embeddings={limit}]")

@@ -542,8 +542,8 @@ def check_tokenizer_vocab(tokenizer: Any, vocab_size: int) -> None:
     embedding table): it is not the model's tokenizer. Fewer is fine (the vocabulary is padded)."""
     n = getattr(tokenizer, "vocab_size", None)
     if n is not None and int(n) > vocab_size:
-        src = getattr(tokenizer, "source", "") or "the tokenizer"
-        raise ConfigError(f"the tokenizer {src} has {n} tokens but the model's vocab_size is {vocab_size}, so it is "
+        src = getattr(tokenizer, "source", "")
+        raise ConfigError(f"the tokenizer{' ' + str(src) if src else ''} has {n} tokens but the model's vocab_size is {vocab_size}, so it is "
                           "not the model's tokenizer; use the tokenizer the model was trained with (its run's "
                           "tokenizer/ folder, or the Hugging Face folder it was imported from)")
 
