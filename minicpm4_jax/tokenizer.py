@@ -40,6 +40,7 @@ __all__ = [
     "Tokenizer",
     "load_tokenizer",
     "load_run_tokenizer",
+    "check_tokenizer_vocab",
     "train_tokenizer",
     "sentencepiece_to_hf_json",
     "SPM_TRAINER_SETTINGS",
