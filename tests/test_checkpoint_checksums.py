@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from conftest import COLLECTIVE_TIMEOUT_FLAGS, subprocess_env
+from conftest import SUBPROCESS_XLA_FLAGS, subprocess_env
 
 from minicpm4_jax.config import ConfigError, load_config
 from minicpm4_jax.train.checkpoint import CHECKSUM_ITEM, load_params_for_inference, state_save_args
@@ -164,7 +164,7 @@ def test_checksums_do_not_depend_on_the_sharding(corpus, cache_dir, tmp_path):
     arrays = {k: v for k, v in _arrays().items() if k in ("f32", "bf16", "f16", "i8", "mask")}
     np.savez(tmp_path / "arrays.npz", bf16_bits=arrays["bf16"].view(np.uint16),  # npz keeps no bfloat16
              **{k: v for k, v in arrays.items() if k != "bf16"})
-    env = subprocess_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", XLA_FLAGS=COLLECTIVE_TIMEOUT_FLAGS)
+    env = subprocess_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     r = subprocess.run([sys.executable, "-c", _SHARDED_WORKER,
                         json.dumps({"overrides": ov, "dir": str(tmp_path / "ckpt"),
                                     "arrays": str(tmp_path / "arrays.npz")})],

@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import COLLECTIVE_TIMEOUT_FLAGS, subprocess_env
+from conftest import SUBPROCESS_XLA_FLAGS, subprocess_env
 
 from minicpm4_jax.config import load_config
 from minicpm4_jax.sharding import make_mesh
@@ -84,7 +84,7 @@ run_training(load_config(None, args["overrides"]), log=print, progress=False)
 
 
 def _run(code: str, args: dict, devices: int, timeout: float = 240.0) -> subprocess.Popen:
-    env = subprocess_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), XLA_FLAGS=COLLECTIVE_TIMEOUT_FLAGS,
+    env = subprocess_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), XLA_FLAGS=SUBPROCESS_XLA_FLAGS,
                          PYTHONUNBUFFERED="1")
     return subprocess.Popen([PY, "-c", code, json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=REPO)

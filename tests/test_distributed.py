@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import COLLECTIVE_TIMEOUT_FLAGS, subprocess_env
+from conftest import SUBPROCESS_XLA_FLAGS, subprocess_env
 
 from minicpm4_jax.config import ConfigError, DistributedConfig, load_config
 from minicpm4_jax.sharding import batch_sharding, make_global_batch, make_mesh, process_batch_rows
@@ -133,7 +133,7 @@ def _launch(args: dict, n: int, devices_each: int, timeout: float = 300.0,
     ``env_for(p)``: extra environment of process ``p`` (e.g. :func:`_slurm_env`)."""
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("SLURM_")}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices_each),
-                "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS, "PYTHONUNBUFFERED": "1"})
+                "XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "PYTHONUNBUFFERED": "1"})
     port = _free_port()
     procs = [subprocess.Popen([PY, "-c", _WORKER, json.dumps({**args, "nproc": n, "pid": p, "port": port})],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

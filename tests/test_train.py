@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import COLLECTIVE_TIMEOUT_FLAGS
+from conftest import SUBPROCESS_XLA_FLAGS
 
 from minicpm4_jax.config import ConfigError, config_to_dict, load_config
 from minicpm4_jax.train import loop as loop_mod
@@ -332,7 +332,7 @@ _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(jax.config.jax_p
 def _cli(*args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", **_CACHE_ENV}
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    env["XLA_FLAGS"] = COLLECTIVE_TIMEOUT_FLAGS
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     return subprocess.run([PY, "-m", "minicpm4_jax.cli", *args], capture_output=True, text=True, env=env,
                           cwd=REPO, timeout=kw.get("timeout", 240))
 
@@ -358,7 +358,7 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     ov = tiny_overrides(corpus, cache_dir, out, steps=100000, log_every=1, eval_every=100000,
                         **{"optimizer.decay_steps": 10, "checkpoint.save_every": 100000,
                            "model.rope_scaling": "null", "max_train_minutes": "null"})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS,
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
            **_CACHE_ENV}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     p = subprocess.Popen([PY, "-m", "minicpm4_jax.cli", "train", "--no-progress", *ov], stdout=subprocess.PIPE,
@@ -469,7 +469,7 @@ def test_cli_second_interrupt_during_the_final_save_is_one_line(corpus, cache_di
     ov = tiny_overrides(corpus, cache_dir, out, **kw)
     script = tmp_path / "twice.py"
     script.write_text(_TWICE_SCRIPT)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": COLLECTIVE_TIMEOUT_FLAGS,
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
            **_CACHE_ENV}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     r = subprocess.run([PY, str(script), mode, *ov], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
