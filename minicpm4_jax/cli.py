@@ -263,9 +263,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (TrainingDiverged, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except SecondInterrupt as e:  # Ctrl-C twice: the message names what was (not) saved
+    except SecondInterrupt as e:  # Ctrl-C twice, or a signal after the final save: the message names what was saved
         print(f"error: {e}", file=sys.stderr)
-        return 128 + int(signal.SIGINT)
+        return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl-C outside the training loop's handlers (start-up, clean-up): no traceback
         from minicpm4_jax.train.checkpoint import checkpoint_dir_of
 

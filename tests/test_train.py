@@ -489,6 +489,88 @@ def test_cli_second_interrupt_during_the_final_save_is_one_line(corpus, cache_di
         assert s["step"] == 6 and Checkpointer(cfg).all_steps()[-1] == 6
 
 
+#: a CLI run of 5 steps (the last checkpoint, step 5, is saved after the loop) that gets a signal after its last step:
+#: "save-SIGINT" during that final save (before the finishing phase), "sample-SIGINT" / "sample-SIGTERM" during the
+#: sample of the finishing phase (after the final evaluation)
+_FINISH_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from minicpm4_jax import cli, generate
+    from minicpm4_jax.train import loop
+
+    WHEN, SIG = sys.argv[1].split("-")
+
+    class Ck(loop.Checkpointer):
+        def save(self, step, *a, **k):
+            started = super().save(step, *a, **k)
+            if step == 5 and WHEN == "save":
+                os.kill(os.getpid(), getattr(signal, SIG))
+            return started
+
+    def sample(*a, **k):
+        os.kill(os.getpid(), getattr(signal, SIG))
+        raise AssertionError("the signal did not stop the run")
+
+    loop.Checkpointer = Ck
+    generate.generate = sample
+    sys.exit(cli.main(["train", "--no-progress", *sys.argv[2:]]))
+""")
+
+
+@pytest.mark.parametrize("mode", ["save-SIGINT", "sample-SIGINT", "sample-SIGTERM"])
+def test_cli_signal_after_the_last_step_stops_at_once(corpus, cache_dir, tmp_path, mode):
+    """Break test (eleventh session): a Ctrl-C during the final evaluation or sample was ignored and the run exited 0
+    after finishing them. Now a signal after the last step boundary stops a one-process run: during the final save
+    it is a normal signal stop once that save completes; after it (the finishing phase) at once, with one ``error:``
+    line naming the complete checkpoint, no summary.json, exit 128 + the signal number."""
+    out = tmp_path / "finish"
+    kw = {"steps": 5, "optimizer.decay_steps": 2, "checkpoint.save_every": 4, "eval_every": 100,
+          "model.rope_scaling": "null", "max_train_minutes": "null"}
+    ov = tiny_overrides(corpus, cache_dir, out, **kw)
+    script = tmp_path / "finish.py"
+    script.write_text(_FINISH_SCRIPT)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
+           **_CACHE_ENV}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    r = subprocess.run([PY, str(script), mode, *ov], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    sig = getattr(signal, mode.split("-")[1])
+    assert r.returncode == 128 + sig, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    ckpt_dir = out / "checkpoints"
+    cfg = load_config("cpu_tiny", ov)
+    assert Checkpointer(cfg).all_steps() == [4, 5]
+    assert not (out / "summary.json").exists()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    if mode.startswith("save"):
+        assert "SIGINT received: saving a checkpoint at step 5 and exiting" in r.stdout, r.stdout + r.stderr
+        assert errors == [] and "held-out" not in r.stdout, r.stdout + r.stderr  # no final evaluation
+    else:
+        assert "held-out" in r.stdout, r.stdout  # the final evaluation ran, the sample was interrupted
+        assert errors == [f"error: {sig.name} after the last step: stopped; checkpoint step 5 in {ckpt_dir} is "
+                          "complete; the final evaluation, sample and summary.json were skipped"], r.stderr
+
+
+def test_signal_in_the_finishing_phase_of_several_processes_is_a_flag():
+    """With several processes the finishing phase runs collectives that one process cannot leave alone: finishing()
+    neither reports nor arms a signal there (a pretend multi-process StopWatch; the real two-process runs are in
+    tests/test_distributed.py)."""
+    from minicpm4_jax.train.distributed import FinishInterrupt, StopWatch
+
+    one = StopWatch()
+    assert one.finishing() is False
+    with pytest.raises(FinishInterrupt, match="SIGTERM during the finishing phase") as e:
+        one._handle(int(signal.SIGTERM), None)
+    assert e.value.signum == signal.SIGTERM and one.aborted
+    one._handle(int(signal.SIGINT), None)  # aborting: later signals are ignored
+    early = StopWatch()
+    early._handle(int(signal.SIGINT), None)  # before the finishing phase: a flag
+    assert early.finishing() is True and early.signum == signal.SIGINT
+    multi = StopWatch()
+    multi.multi = True
+    assert multi.finishing() is False
+    multi._handle(int(signal.SIGTERM), None)
+    assert multi.signum == signal.SIGTERM and not multi.aborted
+
+
 def test_cli_interrupt_outside_the_loop_handlers_is_one_line(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     """Ctrl-C before the training loop installs its handlers (data preparation, compilation) or after it restored
     them: one ``error:`` line and exit 130, not a KeyboardInterrupt traceback."""

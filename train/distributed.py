@@ -20,6 +20,11 @@
   A second SIGINT while stopping (Ctrl-C twice: do not wait for the checkpoint) raises
   :class:`SecondInterrupt` where the main thread is; any signal after that is ignored, so the clean-up
   (awaiting a checkpoint write already under way) and the one-line report are not interrupted in turn.
+
+  Once the last step's checkpoint is saved, :meth:`StopWatch.finishing` starts the run's finishing phase
+  (final evaluation, statistics, sample): with one process a SIGTERM / SIGINT then raises
+  :class:`FinishInterrupt` at once, since there is nothing left to save. With several processes the phase
+  runs collectives and a signal reaching one process cannot stop the others there, so it is ignored.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import jax
 
 from minicpm4_jax.config import ConfigError, DistributedConfig
 
-__all__ = ["initialize", "is_distributed", "StopWatch", "SecondInterrupt"]
+__all__ = ["initialize", "is_distributed", "StopWatch", "SecondInterrupt", "FinishInterrupt"]
 
 
 def _cluster_methods() -> list[str] | None:
@@ -131,6 +136,20 @@ class SecondInterrupt(KeyboardInterrupt):
     was not saved and the last complete checkpoint, which the CLI prints as ``error: ...`` (exit 130).
     """
 
+    signum: int = int(signal.SIGINT)
+
+
+class FinishInterrupt(SecondInterrupt):
+    """SIGTERM / SIGINT during the finishing phase of a one-process run (after the last step's checkpoint was
+    saved: final evaluation, statistics, sample); ``signum`` is the signal. The run stops at once, without
+    ``summary.json``; :func:`~minicpm4_jax.train.loop.run_training` re-raises it with a one-line message naming
+    the complete checkpoint, which the CLI prints as ``error: ...`` (exit 128 + ``signum``).
+    """
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
 
 class StopWatch:
     """When to stop for a signal / preemption notice; the same step on every process (module docs).
@@ -144,6 +163,7 @@ class StopWatch:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.aborted = False  # a second SIGINT raised SecondInterrupt; later signals are ignored
+        self._finishing = False  # see finishing()
         self._old: dict[int, Any] = {}
         self.sync_point = _preemption_service()
         self.multi = jax.process_count() > 1
@@ -165,6 +185,9 @@ class StopWatch:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.aborted:  # already aborting: let the clean-up and its report finish
             return
+        if self._finishing:  # the checkpoint is saved: nothing to wait for
+            self.aborted, self.signum = True, signum
+            raise FinishInterrupt(f"{signal.Signals(signum).name} during the finishing phase", signum)
         if self.signum is not None and signum == signal.SIGINT:
             self.aborted = True
             raise SecondInterrupt("second interrupt")
@@ -192,6 +215,22 @@ class StopWatch:
         if hit and self.signum is None:
             self.signum = hit[0]
         return bool(hit)
+
+    def finishing(self) -> bool:
+        """Start the finishing phase; call it on every process once the last step's checkpoint is saved.
+
+        Returns whether a signal arrived since the last :meth:`should_stop` (one process only: the run then stops
+        as for a signal at a step boundary). Otherwise, with one process, a later SIGTERM / SIGINT raises
+        :class:`FinishInterrupt` where the main thread is. With several processes it returns False and signals
+        stay flags nobody reads (module docs).
+        """
+        if self.multi or self.sync_point:
+            return False
+        self._finishing = True  # first: a signal from here on raises, one before it is seen below
+        if self.signum is not None:
+            self._finishing = False
+            return True
+        return False
 
     def restore(self) -> None:
         """Put back the handlers :meth:`install` replaced."""

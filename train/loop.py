@@ -23,7 +23,11 @@ Stopping:
   number (143 for SIGTERM) after one line ``SIGTERM received: saving a checkpoint at step N and exiting``.
   A second SIGINT aborts without the announced save: a save already under way is awaited, and
   :class:`~minicpm4_jax.train.distributed.SecondInterrupt` (a ``KeyboardInterrupt``) names the step not
-  saved and the last complete checkpoint; the CLI prints it as one ``error:`` line and exits 130;
+  saved and the last complete checkpoint; the CLI prints it as one ``error:`` line and exits 130.
+  Once the last step's checkpoint is saved (the finishing phase: final evaluation, statistics, sample), a
+  signal to a one-process run stops it at once with
+  :class:`~minicpm4_jax.train.distributed.FinishInterrupt`: one ``error:`` line naming the complete
+  checkpoint, no ``summary.json``, exit 128 + the signal number; a multi-process run finishes that phase;
 * a non-finite loss or gradient norm: :class:`TrainingDiverged` names the step and which value was
   non-finite; nothing after the last good checkpoint is saved (parameters are also checked finite
   before every save);
@@ -113,6 +117,18 @@ def interrupted_message(step: int | None, saved: int | None, ckpt_dir: Path) -> 
     last = (f"the last complete checkpoint is step {saved} in {ckpt_dir} (resume with --resume)" if saved is not None
             else f"no checkpoint was saved in {ckpt_dir} (train again without --resume)")
     return f"second interrupt: {what}; {last}"
+
+
+def finish_interrupted_message(signum: int, step: int, saved: int | None, ckpt_dir: Path) -> str:
+    """The one-line report of a one-process run stopped by signal ``signum`` after its last step's checkpoint was
+    saved (during the final evaluation, statistics or sample); ``saved`` is the latest complete checkpoint."""
+    name = signal.Signals(signum).name
+    if saved == step:
+        where = f"checkpoint step {step} in {ckpt_dir} is complete"
+    else:  # the final save failed to complete
+        where = (f"the last complete checkpoint is step {saved} in {ckpt_dir}" if saved is not None
+                 else f"no checkpoint was saved in {ckpt_dir}")
+    return f"{name} after the last step: stopped; {where}; the final evaluation, sample and summary.json were skipped"
 
 
 class _Throughput:
@@ -824,6 +840,11 @@ def run_training(
         if pbar is not None:
             pbar.close()
 
+        if stop_reason != "signal":
+            if step not in ckpt.all_steps():
+                save(step)  # the last step's checkpoint comes first: nothing after it can lose it
+            if stop.finishing():  # a signal after the last step boundary: the run is saved, stop as for it
+                stop_reason = "signal"
         if stop_reason == "signal":
             name = signal.Signals(stop.signum).name
             say(f"{name} received: saving a checkpoint at step {step} and exiting"
@@ -837,8 +858,6 @@ def run_training(
         if stop_reason == "time":
             say(f"max_train_minutes={cfg.max_train_minutes} reached at step {step}; finishing")
 
-        if step not in ckpt.all_steps():
-            save(step)
         final_val, final_parts = evaluate(model_params(state.params, step))
         val_history.append((step, final_val))
         if writer is not None:
@@ -938,12 +957,15 @@ def run_training(
             (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
         return summary
-    except dist.SecondInterrupt:  # Ctrl-C twice: stop without the announced save
+    except dist.SecondInterrupt as e:  # Ctrl-C twice, or a signal once the run was saved: stop now
         failed = True
         try:
             ckpt.wait()  # a save already under way completes: it is not lost
         except CheckpointWriteError:
             pass
+        if isinstance(e, dist.FinishInterrupt):
+            raise dist.FinishInterrupt(finish_interrupted_message(e.signum, step, ckpt.latest_step(), ckpt_dir),
+                                       e.signum) from None
         raise dist.SecondInterrupt(interrupted_message(step, ckpt.latest_step(), ckpt_dir)) from None
     except BaseException as e:
         failed, refused = True, isinstance(e, ConfigError)
