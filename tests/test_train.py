@@ -425,6 +425,21 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     assert f"is not the one {record} records for this run's training (sha256 000000000000)" in r.stderr, r.stderr
 
 
+def _run_signal_script(script_text: str, mode: str, corpus, cache_dir, out: Path, *, steps: int, save_every: int):
+    """Run ``script_text`` (a CLI train run that signals itself as ``mode`` says) in a fresh one-device process;
+    returns its config overrides and the completed process."""
+    kw = {"steps": steps, "optimizer.decay_steps": 2, "checkpoint.save_every": save_every, "eval_every": 100,
+          "model.rope_scaling": "null", "max_train_minutes": "null"}
+    ov = tiny_overrides(corpus, cache_dir, out, **kw)
+    script = out.parent / f"{out.name}.py"
+    script.write_text(script_text)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
+           **_CACHE_ENV}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    r = subprocess.run([PY, str(script), mode, *ov], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return ov, r
+
+
 #: a CLI run whose first SIGINT comes from a step hook (the loop stops at step 3) and whose second SIGINT (then a
 #: SIGTERM) comes from the final save: "before" sends them before that save starts, "after" once it has started
 _TWICE_SCRIPT = textwrap.dedent("""
@@ -464,15 +479,7 @@ def test_cli_second_interrupt_during_the_final_save_is_one_line(corpus, cache_di
     last complete checkpoint, exit 130; a SIGTERM after it changes nothing; earlier checkpoints are intact and the
     run resumes. A save already under way ("after") is awaited, and the line says it is complete."""
     out = tmp_path / "twice"
-    kw = {"steps": 6, "optimizer.decay_steps": 2, "checkpoint.save_every": 2, "eval_every": 100,
-          "model.rope_scaling": "null", "max_train_minutes": "null"}
-    ov = tiny_overrides(corpus, cache_dir, out, **kw)
-    script = tmp_path / "twice.py"
-    script.write_text(_TWICE_SCRIPT)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
-           **_CACHE_ENV}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    r = subprocess.run([PY, str(script), mode, *ov], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    ov, r = _run_signal_script(_TWICE_SCRIPT, mode, corpus, cache_dir, out, steps=6, save_every=2)
     assert "SIGINT received: saving a checkpoint at step 3" in r.stdout, r.stdout + r.stderr
     assert r.returncode == 128 + signal.SIGINT, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
@@ -523,15 +530,7 @@ def test_cli_signal_after_the_last_step_stops_at_once(corpus, cache_dir, tmp_pat
     it is a normal signal stop once that save completes; after it (the finishing phase) at once, with one ``error:``
     line naming the complete checkpoint, no summary.json, exit 128 + the signal number."""
     out = tmp_path / "finish"
-    kw = {"steps": 5, "optimizer.decay_steps": 2, "checkpoint.save_every": 4, "eval_every": 100,
-          "model.rope_scaling": "null", "max_train_minutes": "null"}
-    ov = tiny_overrides(corpus, cache_dir, out, **kw)
-    script = tmp_path / "finish.py"
-    script.write_text(_FINISH_SCRIPT)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
-           **_CACHE_ENV}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    r = subprocess.run([PY, str(script), mode, *ov], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    ov, r = _run_signal_script(_FINISH_SCRIPT, mode, corpus, cache_dir, out, steps=5, save_every=4)
     sig = getattr(signal, mode.split("-")[1])
     assert r.returncode == 128 + sig, r.stdout + r.stderr
     assert "Traceback" not in r.stderr, r.stderr
