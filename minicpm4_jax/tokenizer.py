@@ -41,6 +41,7 @@ __all__ = [
     "load_tokenizer",
     "load_run_tokenizer",
     "check_tokenizer_vocab",
+    "check_tokenizer_record",
     "train_tokenizer",
     "sentencepiece_to_hf_json",
     "SPM_TRAINER_SETTINGS",
@@ -527,15 +528,33 @@ def load_run_tokenizer(run: str | os.PathLike, ckpt_dir: str | os.PathLike) -> T
     fix = (f"restore {tok_dir} from the tokenizer the model was trained with (the run's tokenizer/ folder, or the "
            "Hugging Face folder it was imported from)")
     tok = load_tokenizer(tok_dir, fix=fix)
-    record = tok_dir.parent / "data.json"
-    try:
-        saved = json.loads(record.read_text(encoding="utf-8")).get("tokenizer_hash")
-    except (OSError, ValueError, AttributeError):
-        saved = None  # no record (an imported run) or an unreadable one: nothing to compare
-    if isinstance(saved, str) and saved and tok.file_hash and saved != tok.file_hash:
-        raise ConfigError(f"the tokenizer in {tok_dir} (sha256 {tok.file_hash[:12]}) is not the one {record} records "
-                          f"for this run's training (sha256 {saved[:12]}); {fix}")
+    check_tokenizer_record(tok, tok_dir.parent, f"the tokenizer in {tok_dir}", fix)
     return tok
+
+
+def check_tokenizer_record(tokenizer: Any, run_dir: str | os.PathLike, what: str, fix: str) -> None:
+    """Raise ConfigError when the run in ``run_dir`` records another tokenizer than ``tokenizer``.
+
+    The record is ``data.json``'s ``tokenizer_hash`` (written by ``train``), else the ``tokenizer_hash`` of an
+    import's ``minicpm4_manifest.json`` (``minicpm4 import``); without either (or with an unreadable one) there is
+    nothing to compare. A tokenizer swapped in would decode every id to the wrong text. ``what`` names the
+    tokenizer in the message, ``fix`` ends it.
+    """
+    run = Path(run_dir)
+    saved, record = None, None
+    for name, ok in (("data.json", lambda d: True),
+                     ("minicpm4_manifest.json", lambda d: str(d.get("format", "")).startswith("import"))):
+        try:
+            data = json.loads((run / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and ok(data) and isinstance(data.get("tokenizer_hash"), str) and data["tokenizer_hash"]:
+            saved, record = data["tokenizer_hash"], run / name
+            break
+    digest = getattr(tokenizer, "file_hash", "")
+    if saved is not None and digest and saved != digest:
+        raise ConfigError(f"{what} (sha256 {digest[:12]}) is not the one {record} records for this run "
+                          f"(sha256 {saved[:12]}); {fix}")
 
 
 def check_tokenizer_vocab(tokenizer: Any, vocab_size: int) -> None:

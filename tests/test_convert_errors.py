@@ -310,6 +310,39 @@ def test_export_without_tokenizer_fails_before_loading(run_copy, tmp_path, capsy
     assert not (tmp_path / "e").exists()
 
 
+def test_a_tokenizer_the_run_does_not_record_is_refused(run_copy, tmp_path, capsys, no_param_loading):
+    """Twelfth-session break test: `export hf|gguf` (and, for an imported run, `generate`) accepted another
+    tokenizer than the run's, in its tokenizer/ folder or by --tokenizer, when it was no larger than vocab_size: a
+    model that decodes every id to the wrong text. The import manifest now records the tokenizer's hash, and export
+    and generate check it (a trained run's data.json record is checked the same way, tests/test_train.py)."""
+    from test_convert_common import make_tokenizer_dir
+
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    manifest = read_json(run_copy / MANIFEST_NAME)
+    assert manifest["tokenizer_hash"] == load_tokenizer(run_copy / "tokenizer").file_hash
+    other = make_tokenizer_dir(tmp_path / "other", vocab=300)
+    for fmt in ("hf", "gguf"):  # by --tokenizer
+        err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(run_copy), "--tokenizer", str(other),
+                                       "--out", str(tmp_path / "o")])
+        assert f"the tokenizer in {other} (sha256 " in err and f"is not the one {run_copy / MANIFEST_NAME} records" in err
+        assert "omit --tokenizer" in err, err
+    shutil.rmtree(run_copy / "tokenizer")  # swapped into the run's folder
+    shutil.copytree(other, run_copy / "tokenizer")
+    for argv in (["export", "hf", "--checkpoint", str(run_copy), "--out", str(tmp_path / "o")],
+                 ["export", "gguf", "--checkpoint", str(run_copy / "checkpoints"), "--out", str(tmp_path / "o")],
+                 ["generate", "--checkpoint", str(run_copy), "--prompt", "def", "--max-new-tokens", "2"]):
+        err = _one_line_error(capsys, argv)
+        assert f"is not the one {run_copy / MANIFEST_NAME} records for this run" in err, (argv, err)
+    assert not (tmp_path / "o").exists()
+    # an import written before the manifest recorded the hash: nothing to compare, as before
+    manifest.pop("tokenizer_hash")
+    (run_copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    from minicpm4_jax.tokenizer import load_run_tokenizer
+
+    assert load_run_tokenizer(run_copy, run_copy / "checkpoints").vocab_size == 300
+
+
 # ------------------------------------------------------------------------------------------------
 # 6. messages
 # ------------------------------------------------------------------------------------------------

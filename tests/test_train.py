@@ -422,7 +422,10 @@ def test_cli_sigterm_saves_checkpoint_then_generate(corpus, cache_dir, tmp_path)
     record.write_text(json.dumps({**data, "tokenizer_hash": "0" * 64}))
     r = _cli("generate", "--checkpoint", str(out), "--prompt", "def ", "--max-new-tokens", "2")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert f"is not the one {record} records for this run's training (sha256 000000000000)" in r.stderr, r.stderr
+    assert f"is not the one {record} records for this run (sha256 000000000000)" in r.stderr, r.stderr
+    r = _cli("export", "gguf", "--checkpoint", str(out), "--out", str(tmp_path / "gguf"))  # export checks it too
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"is not the one {record} records for this run (sha256 000000000000)" in r.stderr, r.stderr
 
 
 def _run_signal_script(script_text: str, mode: str, corpus, cache_dir, out: Path, *, steps: int, save_every: int):

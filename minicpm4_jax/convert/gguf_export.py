@@ -469,7 +469,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, *, outtype: str = "f16"
 
     def check(cfg: ModelConfig) -> None:
         check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)
-        check_tokenizer(paths.tokenizer_dir, cfg)
+        check_tokenizer(paths.tokenizer_dir, cfg, record_dir=paths.record_dir)
         check_disk_space(out_abs.parent, _needed_bytes(cfg, outtype))
 
     src = load_export_source(checkpoint, paths=paths, check_config=check, check_train=_check_train_for(outtype))

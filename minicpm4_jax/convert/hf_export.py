@@ -151,12 +151,15 @@ class SourcePaths:
         run_dir: the run folder holding it (``None`` when not known, e.g. a custom checkpoint folder).
         tokenizer_dir: the tokenizer folder (checked to hold a tokenizer), or ``None`` with ``--no-tokenizer``.
         step: the checkpoint step to export.
+        record_dir: the folder whose ``data.json`` / import manifest records the run's tokenizer
+            (``tokenizer.check_tokenizer_record``): ``run_dir``, else the checkpoints folder's parent.
     """
 
     checkpoint_dir: Path
     run_dir: Path | None
     tokenizer_dir: Path | None
     step: int
+    record_dir: Path | None = None
 
     def protected(self) -> list[tuple[str, Path]]:
         """``[(what, folder)]`` an output must not overlap (see ``io.refuse_output_over_source``)."""
@@ -232,7 +235,8 @@ def resolve_export_source(checkpoint: str | Path, *, step: int | None = None, to
         step = steps[-1]
     elif step not in steps:
         raise ConvertError(f"--step {step} is not a checkpoint in {ckpt_dir}; available steps: {steps}")
-    return SourcePaths(checkpoint_dir=ckpt_dir, run_dir=run_dir, tokenizer_dir=tok_dir, step=int(step))
+    return SourcePaths(checkpoint_dir=ckpt_dir, run_dir=run_dir, tokenizer_dir=tok_dir, step=int(step),
+                       record_dir=run_dir if run_dir is not None else ckpt_dir.parent)
 
 
 def load_export_source(checkpoint: str | Path, *, step: int | None = None,
@@ -311,26 +315,32 @@ def check_dense_only(cfg: ModelConfig, target: str, allow_dense: bool, keep_hint
 
 
 def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
-                    fix: str = "pass --tokenizer with the folder of the model's tokenizer (a run's tokenizer/ folder)"
-                    ) -> tuple[Any, list[str]]:
-    """Load the tokenizer of ``tokenizer_dir`` and check it against ``cfg``.
+                    fix: str = "pass --tokenizer with the folder of the model's tokenizer (a run's tokenizer/ folder)",
+                    record_dir: Path | None = None) -> tuple[Any, list[str]]:
+    """Load the tokenizer of ``tokenizer_dir`` and check it against ``cfg`` (and the run's record).
 
     Args:
         fix: the hint appended when the tokenizer cannot be read.
+        record_dir: the run folder whose ``data.json`` / import manifest records the tokenizer it was trained
+            (imported) with; the tokenizer must be that one (``tokenizer.check_tokenizer_record``).
 
     Returns:
         ``(tokenizer or None, warnings)``.
 
     Raises:
         ConvertError: the tokenizer has more ids than ``vocab_size`` (its ids would index past the
-            embedding), or the folder holds no readable tokenizer.
+            embedding), the folder holds no readable tokenizer, or the run records another tokenizer.
     """
     if tokenizer_dir is None:
         return None, []
-    from minicpm4_jax.tokenizer import load_tokenizer
+    from minicpm4_jax.tokenizer import check_tokenizer_record, load_tokenizer
 
     try:
         tok = load_tokenizer(tokenizer_dir, fix=fix)
+        if record_dir is not None:
+            check_tokenizer_record(tok, record_dir, f"the tokenizer in {tokenizer_dir}",
+                                   "export with the tokenizer the model was trained (imported) with: omit "
+                                   "--tokenizer to use the run's tokenizer/ folder, or restore that folder")
     except ConfigError as e:
         raise ConvertError(str(e)) from None
     if tok.vocab_size > cfg.vocab_size:
@@ -554,7 +564,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm
         if layout == "llama":
             check_dense_only(cfg, "--layout llama (LlamaForCausalLM)", allow_dense,
                              "use --layout minicpm to keep sparse_config")
-        check_tokenizer(paths.tokenizer_dir, cfg)
+        check_tokenizer(paths.tokenizer_dir, cfg, record_dir=paths.record_dir)
         n = sum(int(np.prod(s, dtype=np.int64)) for s in official_param_shapes(cfg).values())
         if layout == "llama" and cfg.tie_word_embeddings:
             n += cfg.vocab_size * cfg.hidden_size

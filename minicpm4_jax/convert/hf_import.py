@@ -262,6 +262,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         cfg = dataclasses.replace(cfg, mtp=True)
     tok_files = [n for n in _TOKENIZER_FILES if (folder / n).is_file()]
     has_tok = "tokenizer.model" in tok_files or "tokenizer.json" in tok_files
+    tok = None  # the imported tokenizer; its hash goes into the manifest (generate/export check it)
     if no_tokenizer:
         if has_tok:
             warnings.append(f"--no-tokenizer: the tokenizer files in {folder} were not imported")
@@ -344,6 +345,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             "params_sha256": params_sha256(flat_params(state)),
             "dtype": "float32",
             "tokenizer_files": tok_files,
+            "tokenizer_hash": tok.file_hash if tok is not None else "",
             "no_tokenizer": bool(no_tokenizer),
             "eagle_draft": ({"folder": str(eagle_folder),
                              "files": {p.name: file_sha256(p) for p in sorted(eagle_folder.glob("*.safetensors"))
