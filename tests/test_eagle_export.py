@@ -260,6 +260,24 @@ def test_cli_export_eagle_then_import_next_to_the_base_and_draft(tmp_path, tiny_
     spec = SpeculativeDecoder(engine, model.mtp, num_draft=3).generate([prompt], 12)
     assert spec.tokens == plain.tokens and len(plain.tokens[0]) == 12
 
+    # a ternary (QAT) checkpoint: QAT leaves the MTP module in float, and the manifest says so (twelfth-session
+    # break test: it claimed "fake-quantized ternary weights")
+    import minicpm4_jax.convert.hf_export as hf_export_mod
+
+    real_load = hf_export_mod.load_export_source
+
+    def as_ternary(*a, **k):
+        src = real_load(*a, **k)
+        return dataclasses.replace(src, ternary="qat", provenance={**src.provenance, "params": "fake-quantized"})
+
+    hf_export_mod.load_export_source = as_ternary
+    try:
+        assert main(["export", "eagle", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "dq")]) == 0
+    finally:
+        hf_export_mod.load_export_source = real_load
+    assert read_json(tmp_path / "dq" / MANIFEST_NAME)["source"]["params"].startswith(
+        "the MTP module's weights as trained (not ternary")
+
     # bad input: one line, exit 2, nothing written
     capsys.readouterr()
     assert main(["export", "eagle", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "draft2")]) == 2

@@ -221,6 +221,9 @@ def export_eagle(checkpoint: str | Path, out: str | Path, *, dtype: str = "float
 
     src = load_export_source(checkpoint, paths=paths, check_config=check, include_mtp=True)
     prov = {k: v for k, v in src.provenance.items() if k != "params_sha256"}
+    if src.ternary is not None:  # QAT quantizes the base model's matrices (quant.TERNARY_TABLE), not the MTP module
+        prov["params"] = ("the MTP module's weights as trained (not ternary: QAT quantizes the base model's "
+                          "projections only; the base model exports fake-quantized ternary)")
     return write_eagle(src.params, src.cfg, out_abs, dtype=dtype, force=force, provenance=prov)
 
 
