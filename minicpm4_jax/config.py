@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import yaml
 
 __all__ = [
     "ConfigError",
+    "MIN_TEMPERATURE",
+    "check_temperature",
     "RopeScalingConfig",
     "SparseConfig",
     "ModelConfig",
@@ -60,6 +63,21 @@ QAT_STE_MODES = ("identity", "clipped")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the value and the fix in one line."""
+
+
+#: the smallest sampling temperature > 0 accepted (vLLM's sampling epsilon): colder is greedy decoding in all but
+#: name, and dividing float32 logits by a temperature near float32's smallest normal number overflows (NaN samples)
+MIN_TEMPERATURE = 1e-5
+
+
+def check_temperature(value: Any, name: str = "temperature") -> None:
+    """Raise ConfigError unless ``value`` is 0 (greedy) or a finite number >= :data:`MIN_TEMPERATURE`; the message
+    names ``name`` (the option, e.g. ``--code-temperature``) and the value."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise ConfigError(f"{name}={value!r} must be a finite number >= 0 (0 = greedy)")
+    if 0 < value < MIN_TEMPERATURE:
+        raise ConfigError(f"{name}={value!r} is below {MIN_TEMPERATURE:g}: sampling that cold is greedy decoding (and "
+                          f"logits/temperature overflow float32 below about 1e-36); use {name}=0 for greedy")
 
 
 @dataclass(frozen=True)
@@ -1045,9 +1063,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("checkpoint.keep and checkpoint.save_every must be >= 1")
     validate_distributed(cfg.distributed)
     # (nan passed `< 0` and failed only when the end-of-run sample was drawn, after the whole training)
-    if not 0 <= cfg.sample_temperature < math.inf or not 0.0 < cfg.sample_top_p <= 1.0:
-        raise ConfigError(f"sample_temperature={cfg.sample_temperature} must be a finite number >= 0 (0 = greedy) and "
-                          f"sample_top_p={cfg.sample_top_p} in (0, 1]")
+    check_temperature(cfg.sample_temperature, "sample_temperature")
+    if not 0.0 < cfg.sample_top_p <= 1.0:
+        raise ConfigError(f"sample_top_p={cfg.sample_top_p} must be in (0, 1]")
     if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:
         raise ConfigError("log_every, eval_every and eval_batches must be >= 1")
     validate_qat(cfg)

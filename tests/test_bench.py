@@ -369,6 +369,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", str(tmp_path / "afile")], "is a file, not a folder"),
         (["ckpt", "--data-dir", d, "--tasks", "math500", "--math-timeout", "0"], "--math-timeout=0.0 must be > 0"),
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--code-temperature", "-1"], "--code-temperature=-1.0 must be"),
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--code-temperature", "1e-9"],
+         "--code-temperature=1e-09 is below 1e-05"),
     ]
     if Path("/proc/self").is_dir():  # third break test: a folder that refuses new entries, found only after the run
         cases.append((["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", "/proc/minicpm4-out"],

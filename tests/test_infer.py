@@ -384,6 +384,10 @@ def test_bad_requests_are_one_line_errors(weights):
         eng.generate([[1]], 3, stop_strings=[""], detokenize=str)
     with pytest.raises(ConfigError, match="temperature=inf must be a finite number"):
         eng.generate([[1]], 3, sampling=SamplingParams(temperature=float("inf")))
+    # twelfth-session break test: a temperature near float32's smallest normal number passed and logits/temperature
+    # overflowed (NaN samples: newlines, <unk>); colder than 1e-5 is refused, naming greedy
+    with pytest.raises(ConfigError, match=r"temperature=1e-40 is below 1e-05: .* use temperature=0 for greedy"):
+        eng.generate([[1]], 3, sampling=SamplingParams(temperature=1e-40))
     with pytest.raises(ConfigError, match="top_k=2.5 must be an integer"):
         eng.generate([[1]], 3, sampling=SamplingParams(top_k=2.5))
     # second break test: out-of-range / non-integer prompt ids ran silently (ids clamped or truncated), a

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from minicpm4_jax.config import check_temperature
 from minicpm4_jax.eval.bench.readers import DataError
 from minicpm4_jax.eval.bench.tasks import DEFAULT_TASKS, LOADERS, Task, load_task
 from minicpm4_jax.eval.results import check_out_dir
@@ -285,8 +286,8 @@ def run(args: argparse.Namespace) -> int:
         if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
             raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
         ct = args.code_temperature
-        if ct is not None and not 0 <= ct < float("inf"):  # checked whatever the tasks (it goes into the results)
-            raise ValueError(f"--code-temperature={ct} must be a finite number >= 0 (0: greedy)")
+        if ct is not None:  # checked whatever the tasks (it goes into the results)
+            check_temperature(ct, "--code-temperature")
         if not args.math_timeout > 0:
             raise ValueError(f"--math-timeout={args.math_timeout} must be > 0 seconds (a zero budget marks every "
                              "answer that needs sympy wrong)")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minicpm4_jax.config import ConfigError
+from minicpm4_jax.config import ConfigError, check_temperature
 
 __all__ = ["SamplingParams", "top_p_filter", "top_k_filter", "sample_tokens", "row_keys", "greedy_tokens", "is_integer"]
 
@@ -23,7 +23,7 @@ class SamplingParams:
     """How the next token is drawn from the float32 logits.
 
     Attributes:
-        temperature: ``0`` = greedy (argmax); else logits are divided by it before sampling.
+        temperature: ``0`` = greedy (argmax); else (``>= config.MIN_TEMPERATURE``) logits are divided by it before sampling.
         top_k: keep the ``top_k`` most likely tokens (``0`` = all).
         top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (``1`` = all).
     """
@@ -37,8 +37,7 @@ class SamplingParams:
         def real(x) -> bool:
             return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
-        if not real(self.temperature) or not 0 <= self.temperature < float("inf"):
-            raise ConfigError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        check_temperature(self.temperature)
         if not is_integer(self.top_k) or self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = no top-k filter)")
         if not real(self.top_p) or not 0.0 < self.top_p <= 1.0:
