@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -585,8 +586,16 @@ def test_cli_interrupt_outside_the_loop_handlers_is_one_line(corpus, cache_dir, 
     out = tmp_path / "x"
     assert cli.main(["train", *tiny_overrides(corpus, cache_dir, out, **{"model.rope_scaling": "null"})]) == 130
     err = capsys.readouterr().err
-    assert err == (f"error: interrupted; no further checkpoint was saved (the complete ones in {out / 'checkpoints'}, "
-                   "if any, are intact: resume with --resume)\n"), err
+    # twelfth-session break test: before the first checkpoint the line said "resume with --resume", which then failed
+    assert err == (f"error: interrupted before the first checkpoint; nothing to resume in {out / 'checkpoints'}: train "
+                   "again without --resume\n"), err
+    from minicpm4_jax.train.checkpoint import _STEP_MARKERS
+
+    (out / "checkpoints" / "4" / _STEP_MARKERS[0]).mkdir(parents=True)  # a step on disk (as the folder test sees it)
+    assert cli.main(["train", *tiny_overrides(corpus, cache_dir, out, **{"model.rope_scaling": "null"})]) == 130
+    err = capsys.readouterr().err
+    assert err == (f"error: interrupted; no further checkpoint was saved (the complete ones in {out / 'checkpoints'} "
+                   "are intact: resume with --resume)\n"), err
 
 
 def test_interrupted_message_without_a_checkpoint():
@@ -988,6 +997,40 @@ def test_train_refuses_an_export_folder_a_file_and_a_missing_resume_folder(corpu
     missing = tmp_path / "missing"
     err = _train_error(tiny_overrides(corpus, cache_dir, missing), resume=True)
     assert "does not exist" in err and not missing.exists()
+
+
+def test_train_refuses_a_user_folder_and_a_folder_inside_the_corpus(corpus, cache_dir, tmp_path, monkeypatch):
+    """Twelfth-session break test: out_dir=/ (or ~) was accepted, the run's files spread into it, and every later
+    out_dir below it was refused as inside that run; an out_dir inside a data.sources folder trained on its own
+    checkpoints' commit_success.txt files and could never --resume ("the files under data.sources changed"). Both
+    are one line before anything is written; a folder holding only what a run writes (a run stopped before its
+    first checkpoint) still trains."""
+    home = tmp_path / "home"
+    (home / "project").mkdir(parents=True)
+    (home / "notes.txt").write_text("mine")
+    own = tmp_path / "own"  # another copy of the corpus, holding the run
+    shutil.copytree(corpus, own)
+    with monkeypatch.context() as m:
+        m.setattr(loop_mod, "_data_api", lambda: pytest.fail("data prepared for a refused run"))
+        err = _train_error(tiny_overrides(corpus, cache_dir, home))
+        assert (f"out_dir {str(home)!r} is not empty (2 entries that are not a run's, e.g. 'notes.txt') and is not a "
+                f"run folder: a run would mix its files into it; choose a new or empty folder, e.g. "
+                f"out_dir={home / 'NAME'}") == err, err
+        for out, how in ((own / "runs" / "a", "is inside"), (own, "is"), (tmp_path, "holds")):
+            err = _train_error([*tiny_overrides(corpus, cache_dir, out), f"data.sources=[{own}]"])
+            assert f"out_dir {str(out)!r} {how} the data.sources source {own}, which this run reads: the run's own files" \
+                in err, err
+        err = _train_error([*tiny_overrides(corpus, cache_dir, tmp_path / "r"), f"data.sources=[{own}]",
+                            f"checkpoint.directory={own / 'ck'}"])
+        assert f"checkpoint.directory '{own / 'ck'}' is inside the data.sources source {own}" in err, err
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "project"]
+    assert not (own / "runs").exists() and not (own / "ck").exists() and not (tmp_path / "r").exists()
+    stopped = tmp_path / "stopped"  # what a run interrupted before its first checkpoint leaves, minus config.json
+    (stopped / "tokenizer").mkdir(parents=True)
+    (stopped / "checkpoints").mkdir()
+    (stopped / ".DS_Store").write_text("")
+    ov = tiny_overrides(corpus, cache_dir, stopped, steps=4, **{"checkpoint.save_every": 4, "eval_every": 4})
+    assert run_training(load_config(None, ov), log=lambda _m: None, progress=False)["step"] == 4
 
 
 def _fake_run(folder: Path, cfg, steps: tuple[int, ...] = (4,), checkpoints: str = "checkpoints") -> Path:

@@ -276,8 +276,16 @@ def _refuse_over_source(path: Path, what: str, sources: Sequence[tuple[str, str 
         how = ("is" if path == s else "is inside" if s in path.parents else "holds" if path in s.parents else None)
         if how is not None:
             where = "that does not hold it" if how == "holds" else f"outside {s}"
-            raise ConfigError(f"{what} {str(path)!r} {how} the {key} source {s}, which this run reads: its files "
-                              f"would mix with that run's; choose {_a(what)} {where}")
+            why = ("the run's own files (checkpoints' commit_success.txt, ...) would be read as training text and "
+                   "--resume would find the corpus changed" if key == "data.sources" else
+                   "its files would mix with that run's")
+            raise ConfigError(f"{what} {str(path)!r} {how} the {key} source {s}, which this run reads: {why}; "
+                              f"choose {_a(what)} {where}")
+
+
+#: what a run writes into its ``out_dir`` (a folder holding only these, e.g. a run stopped before its first
+#: checkpoint, may start a run)
+RUN_FOLDER_ENTRIES = ("config.json", "data.json", "summary.json", "tokenizer", "checkpoints", "tensorboard", "profile")
 
 
 def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, *,
@@ -290,12 +298,13 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
     another run (its run folder, checkpoints folder, a step or ``tokenizer/``) would mix the two runs, and the
     other run's checkpoint folder would then resolve to this one's (:func:`_refuse_inside_run`); the same for
     ``ckpt_dir`` when it lies outside ``out_dir``. ``sources`` (``[(config key, folder)]``: ``branch_from``,
-    ``qat.init_from``) are the folders this run reads: neither output folder may be, lie inside or hold one.
+    ``qat.init_from``, ``data.sources`` folders) are the folders this run reads: neither output folder may be, lie
+    inside or hold one.
 
     Raises:
         ConfigError: ``--resume`` without the folder (nor ``ckpt_dir``); a folder inside another run or
-            overlapping a source; an export folder or a ``config.json`` that is not a training config (one line,
-            with the fix).
+            overlapping a source; an export folder or a ``config.json`` that is not a training config; a new run in
+            a non-empty folder holding anything but :data:`RUN_FOLDER_ENTRIES` (one line, with the fix).
     """
     if resume and not out_dir.is_dir() and not (ckpt_dir is not None and ckpt_dir.is_dir()):
         raise ConfigError(f"--resume: no checkpoint found: out_dir {str(out_dir)!r} does not exist; give the folder "
@@ -324,6 +333,20 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
     if cfg_file.is_file() and not _is_training_config(cfg_file):
         raise ConfigError(f"out_dir {str(out_dir)!r} holds a config.json that is not a training config (a "
                           "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
+    if not resume and _run_part(out_dir) is None:
+        # a folder that is not a run's (out_dir=~ or .): the run's files would spread among the user's, and every
+        # later out_dir below it would be refused as inside this run
+        own = set(RUN_FOLDER_ENTRIES)
+        if ckpt_dir is not None and out_dir in ckpt_dir.parents:
+            own.add(ckpt_dir.relative_to(out_dir).parts[0])
+        try:
+            other = sorted(e.name for e in out_dir.iterdir() if e.name not in own and not e.name.startswith("."))
+        except OSError:
+            other = []  # unreadable: check_output_dir names it
+        if other:
+            raise ConfigError(f"out_dir {str(out_dir)!r} is not empty ({len(other)} entries that are not a run's, "
+                              f"e.g. {other[0]!r}) and is not a run folder: a run would mix its files into it; choose "
+                              f"a new or empty folder, e.g. out_dir={out_dir / 'NAME'}")
 
 
 def _missing_folders(*paths: Path) -> list[Path]:
@@ -517,6 +540,9 @@ def run_training(
     try:
         sources = [(k, v) for k, v in (("branch_from", cfg.branch_from),
                                        ("qat.init_from", cfg.qat.init_from if cfg.qat.enabled else None)) if v]
+        # corpus folders are scanned recursively: a run inside one would train on (and resume against) its own files
+        sources += [("data.sources", p) for p in (Path(src).expanduser() for src in cfg.data.sources
+                                                  if src != "stdlib") if p.is_dir()]
         check_run_folder(out_dir, resume, ckpt_dir, sources=sources)
         check_output_dir(out_dir, need)
         check_output_dir(ckpt_dir, need, what="checkpoint.directory")
@@ -528,6 +554,7 @@ def run_training(
     tracer: _StepTracer | None = None
     stop = dist.StopWatch()
     failed = refused = False
+    pbar = None
     step: int | None = None  # completed updates (set once the training loop starts)
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
@@ -839,6 +866,7 @@ def run_training(
         tracer.finish(step, metrics if step > start else None)  # before the final save, eval and sample
         if pbar is not None:
             pbar.close()
+            pbar = None
 
         if stop_reason != "signal":
             if step not in ckpt.all_steps():
@@ -963,6 +991,7 @@ def run_training(
             ckpt.wait()  # a save already under way completes: it is not lost
         except CheckpointWriteError:
             pass
+        ckpt.refresh()  # the interrupt may have cut a wait short: name the newest step on disk
         if isinstance(e, dist.FinishInterrupt):
             raise dist.FinishInterrupt(finish_interrupted_message(e.signum, step, ckpt.latest_step(), ckpt_dir),
                                        e.signum) from None
@@ -971,6 +1000,8 @@ def run_training(
         failed, refused = True, isinstance(e, ConfigError)
         raise
     finally:
+        if pbar is not None:  # an error ends the run mid-bar: the CLI's "error:" line starts on a line of its own
+            pbar.close()
         if tracer is not None:
             tracer.close()
         stop.restore()
