@@ -267,10 +267,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:  # Ctrl-C outside the training loop's handlers (start-up, clean-up): no traceback
-        from minicpm4_jax.train.checkpoint import checkpoint_dir_of
+        from minicpm4_jax.train.checkpoint import checkpoint_dir_of, holds_checkpoint_steps
 
-        print(f"error: interrupted; no further checkpoint was saved (the complete ones in {checkpoint_dir_of(cfg)}, if "
-              "any, are intact: resume with --resume)", file=sys.stderr)
+        ckpt_dir = checkpoint_dir_of(cfg)
+        if holds_checkpoint_steps(ckpt_dir):
+            print(f"error: interrupted; no further checkpoint was saved (the complete ones in {ckpt_dir} are intact: "
+                  "resume with --resume)", file=sys.stderr)
+        else:
+            print(f"error: interrupted before the first checkpoint; nothing to resume in {ckpt_dir}: train again "
+                  "without --resume", file=sys.stderr)
         return 128 + int(signal.SIGINT)
     if summary.get("stop_reason") == "signal":
         return 128 + int(signal.Signals[summary["signal"]])

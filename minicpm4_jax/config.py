@@ -1064,6 +1064,8 @@ def validate(cfg: TrainConfig) -> None:
     validate_distributed(cfg.distributed)
     # (nan passed `< 0` and failed only when the end-of-run sample was drawn, after the whole training)
     check_temperature(cfg.sample_temperature, "sample_temperature")
+    if cfg.sample_tokens < 0:
+        raise ConfigError(f"sample_tokens={cfg.sample_tokens} must be >= 0 (0 = no end-of-run sample)")
     if not 0.0 < cfg.sample_top_p <= 1.0:
         raise ConfigError(f"sample_top_p={cfg.sample_top_p} must be in (0, 1]")
     if cfg.log_every < 1 or cfg.eval_every < 1 or cfg.eval_batches < 1:

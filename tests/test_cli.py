@@ -65,6 +65,8 @@ def test_sample_temperature_not_finite_is_refused_before_training(value):
         load_config("cpu_tiny", [f"sample_temperature={value}"])
     with pytest.raises(ConfigError, match=r"sample_temperature=1e-40 is below 1e-05: .* sample_temperature=0"):
         load_config("cpu_tiny", ["sample_temperature=1.0e-40"])
+    with pytest.raises(ConfigError, match=r"sample_tokens=-1 must be >= 0 \(0 = no end-of-run sample\)"):
+        load_config("cpu_tiny", ["sample_tokens=-1"])
 
 
 def test_yaml_merge_keys_and_unusual_keys(tmp_path):

@@ -381,6 +381,14 @@ class Checkpointer:
         """All complete checkpoint steps, ascending."""
         return sorted(self.manager.all_steps())
 
+    def refresh(self) -> None:
+        """Re-read the complete steps from the folder: after a wait that an interrupt cut short, the manager's own
+        list can miss a save that completed since (a message would then name an older step)."""
+        try:
+            self.manager.reload()
+        except Exception:  # noqa: BLE001 - best effort: the cached list stays
+            pass
+
     def last_complete_step(self) -> int | None:
         """The newest step whose write is known to have completed (for error messages)."""
         return self._last_complete
