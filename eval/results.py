@@ -124,6 +124,12 @@ def default_markdown(result: dict[str, Any]) -> str:
         for name, t in tasks.items():
             lines.append(f"| {name} | {t.get('metric', '')} | {_fmt(t.get('score', ''))} | {t.get('n', '')} |")
         lines.append("")
+        for name, t in tasks.items():
+            if t.get("truncated"):
+                lines.append(f"- {name}: {t['truncated']} of {t.get('n', '?')} items scored on a context cut to the "
+                             f"model's max_length (`context_cut_tokens` in the items)")
+        if any(t.get("truncated") for t in tasks.values()):
+            lines.append("")
     rest = {k: v for k, v in scores.items() if k != "tasks"}
     for k, v in rest.items():
         if isinstance(v, (int, float, str)):

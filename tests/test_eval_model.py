@@ -112,6 +112,28 @@ def test_loglikelihood_left_truncation_equals_brute_force(dense_model):
     assert abs(got[0][0] - _brute(dense_model, [TOK.eos_id] + ctx, cont)[0]) > 1e-3
 
 
+def test_context_cut_is_reported_per_item_and_per_task(dense_model, tmp_path):
+    """Twelfth-session break test: 5-shot MMLU on a model with max_length=128 was scored on the last 128 tokens of
+    650-token prompts and reported as 5-shot with no notice. ``context_cut`` counts the tokens the left cut drops
+    (what test_loglikelihood_left_truncation_equals_brute_force scores), score_mc records them per item and counts
+    the items, and the bench entry, its log and the Markdown summary say so."""
+    from minicpm4_jax.eval.bench.mc import score_mc
+    from minicpm4_jax.eval.results import default_markdown
+
+    em = EvalModel(dense_model, TOK, batch_size=3, max_length=16, progress=False)
+    reqs = [("x" * 40, " y"), ("hello", " w"), ("q" * 14, " z"), ("q" * 15, " z")]
+    want = [max(0, len([TOK.eos_id] + TOK.encode(c + x)) - 17) for c, x in reqs]  # max_length + 1 tokens are kept
+    assert em.context_cut(reqs) == want and want[0] > 0 and want[1] == 0 and want[2] == 0 and want[3] == 1
+    items = [{"id": "long", "context": "x" * 40, "choices": [" A", " B"], "gold": 0},
+             {"id": "short", "context": "hi", "choices": [" A", " B"], "gold": 1}]
+    recs, agg = score_mc(em, items)
+    assert agg["truncated"] == 1 and recs[0]["context_cut_tokens"] == 40 + 1 + 2 - 1 - 16
+    assert "context_cut_tokens" not in recs[1]
+    md = default_markdown({"kind": "bench", "created": "now", "model": {}, "scores": {
+        "tasks": {"mmlu": {"metric": "acc", "score": 50.0, "n": 2, "truncated": 1}}}})
+    assert "- mmlu: 1 of 2 items scored on a context cut to the model's max_length" in md
+
+
 def test_generate_budget_counts_the_new_tokens(dense_model):
     """field_faults B20 for EvalModel.generate: the prompt alone fits max_length, prompt + max_new_tokens does
     not -> a one-line error naming both, never a silently shortened input or output; exactly at the limit runs."""

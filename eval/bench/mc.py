@@ -21,7 +21,10 @@ def _argmax(xs: Sequence[float]) -> int:
 def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[dict], dict]:
     """Score multiple-choice ``items`` (``context``, ``choices``, ``gold``) with ``model.loglikelihood``.
 
-    Returns per-item records and the aggregate ``{"acc", "acc_norm"?, "n"}`` (fractions in [0, 1]).
+    Returns per-item records and the aggregate ``{"acc", "acc_norm"?, "n"}`` (fractions in [0, 1]). A model with
+    ``context_cut`` (:meth:`~minicpm4_jax.eval.model.EvalModel.context_cut`: the context tokens dropped to fit its
+    ``max_length``, as lm-eval does) adds ``context_cut_tokens`` to each record whose context was cut and
+    ``truncated`` (how many items) to the aggregate.
     """
     reqs, spans = [], []
     for it in items:
@@ -30,6 +33,8 @@ def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[d
     res = model.loglikelihood(reqs) if reqs else []
     if len(res) != len(reqs):
         raise RuntimeError(f"model returned {len(res)} log-likelihoods for {len(reqs)} requests")
+    cut = model.context_cut(reqs) if reqs and callable(getattr(model, "context_cut", None)) else None
+    n_cut = 0
     out, hits, hits_n = [], 0, 0
     for it, (s, n) in zip(items, spans):
         lls = [float(r[0]) for r in res[s : s + n]]
@@ -46,9 +51,14 @@ def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[d
         if acc_norm:
             rec["pred_norm"] = pred_n
             rec["correct_norm"] = pred_n == it["gold"]
+        if cut is not None and max(cut[s : s + n]) > 0:
+            rec["context_cut_tokens"] = max(cut[s : s + n])
+            n_cut += 1
         out.append(rec)
     n = len(items)
     agg = {"acc": hits / n if n else 0.0, "n": n}
+    if cut is not None:
+        agg["truncated"] = n_cut
     if acc_norm:
         agg["acc_norm"] = hits_n / n if n else 0.0
     return out, agg
