@@ -363,6 +363,21 @@ def test_empty_tokenizer_folder_gets_an_export_hint(runs, tmp_path, capsys, no_p
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("key,value", [("attention_bias", True), ("mlp_bias", True), ("num_experts", 8)])
+def test_import_refuses_architecture_switches_it_would_drop(runs, tmp_path, capsys, key, value):
+    """Twelfth-session break test: attention_bias=true (and other switches of MiniCPMForCausalLM's config that
+    MiniCPM4 leaves off) imported silently without that part of the model. Off or absent still imports."""
+    src = tmp_path / "hf"
+    shutil.copytree(runs["hf"], src)
+    cfg = read_json(src / "config.json")
+    (src / "config.json").write_text(json.dumps({**cfg, key: value}))
+    err = _one_line_error(capsys, ["import", "hf", str(src), "--out", str(tmp_path / "o")])
+    assert f"{key}={value!r} asks for" in err and "does not implement" in err, err
+    assert not (tmp_path / "o").exists()
+    (src / "config.json").write_text(json.dumps({**cfg, key: False if key.endswith("bias") else 0}))
+    assert main(["import", "hf", str(src), "--out", str(tmp_path / "o")]) == 0
+
+
 def test_renamed_tensor_names_missing_and_unexpected(runs, tmp_path):
     from safetensors.numpy import save_file
 

@@ -103,6 +103,14 @@ def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if key not in raw:
             raise ConvertError(f"{p} has no {key!r}; it is not a complete MiniCPM config")
+    # architecture switches of MiniCPMForCausalLM's config class that MiniCPM4 leaves off and this model lacks:
+    # importing them would silently drop a part of the model (bias vectors, experts)
+    for key, what in (("attention_bias", "q/k/v/o projection biases"), ("mlp_bias", "MLP biases"),
+                      ("num_experts", "mixture-of-experts layers (MiniCPM-MoE)"),
+                      ("num_local_experts", "mixture-of-experts layers")):
+        if raw.get(key) not in (None, False, 0):
+            raise ConvertError(f"{p}: {key}={raw[key]!r} asks for {what}, which MiniCPM4 does not have and this "
+                               f"model does not implement; only MiniCPM4-style folders ({key} absent or off) import")
     try:
         cfg = ModelConfig.from_hf_config(raw, dtype="float32", param_dtype="float32")
         validate_model(cfg)
