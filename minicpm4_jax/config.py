@@ -989,6 +989,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"mtp_distill={cfg.mtp_distill} must be in [0, 1] (the KL share of the MTP loss)")
     # the default depth 1 is inactive without the MTP head (a seq_len of 1 then trains next-token prediction
     # alone); a value set on purpose is checked either way
+    if cfg.model.mtp and d.seq_len < 2:
+        raise ConfigError(f"data.seq_len={d.seq_len} must be >= 2 with the MTP head (model.mtp): it predicts the token "
+                          "after next")
     if cfg.mtp_train_depth < 1 or (cfg.mtp_train_depth >= d.seq_len and (cfg.model.mtp or cfg.mtp_train_depth > 1)):
         raise ConfigError(f"mtp_train_depth={cfg.mtp_train_depth} must be in [1, data.seq_len={d.seq_len}) "
                           "(1 = the paper's MTP; 2-3 train the chained drafts too)")
@@ -1042,6 +1045,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio} must be in (0, 1]")
     if o.warmup_steps < 0:
         raise ConfigError(f"optimizer.warmup_steps={o.warmup_steps} must be >= 0")
+    if o.decay_steps is not None and o.decay_steps < 0:
+        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} must be >= 0 (or null: decay_fraction x steps)")
     decay = o.decay_steps if o.decay_steps is not None else int(round(o.decay_fraction * cfg.steps))
     # a run that is QAT from its first step with its own qat.warmup_steps never uses optimizer.warmup_steps
     # (validate_qat checks that schedule)

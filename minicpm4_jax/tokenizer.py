@@ -520,10 +520,11 @@ def load_run_tokenizer(run: str | os.PathLike, ckpt_dir: str | os.PathLike) -> T
             :func:`check_tokenizer_vocab`.
     """
     ckpt = Path(ckpt_dir)
-    cands = [Path(run) / "tokenizer", ckpt.parent / "tokenizer", ckpt / "tokenizer"]
+    cands = list(dict.fromkeys(p.absolute() for p in (Path(run) / "tokenizer", ckpt.parent / "tokenizer",
+                                                       ckpt / "tokenizer")))  # distinct, in order
     tok_dir = next((c for c in cands if c.is_dir()), None)
     if tok_dir is None:
-        raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {[str(c) for c in cands]}); "
+        raise ConfigError(f"no tokenizer folder next to the checkpoint (looked in {', '.join(map(str, cands))}); "
                           f"copy the tokenizer folder of the run the model was trained in (or imported from) to {cands[0]}")
     fix = (f"restore {tok_dir} from the tokenizer the model was trained with (the run's tokenizer/ folder, or the "
            "Hugging Face folder it was imported from)")

@@ -112,8 +112,12 @@ def test_mtp_train_depth_is_checked_against_seq_len_only_with_mtp():
     # seq_len 1 trains next-token prediction; the draft's depth bound applies only when there is a draft
     cfg = load_config("cpu_tiny", ["data.seq_len=1", "model.mtp=false"])
     assert cfg.data.seq_len == 1
-    with pytest.raises(ConfigError, match=r"mtp_train_depth=1 must be in \[1, data.seq_len=1\)"):
-        load_config("cpu_tiny", ["data.seq_len=1", "model.mtp=true"])
+    with pytest.raises(ConfigError, match=r"data.seq_len=1 must be >= 2 with the MTP head \(model.mtp\)"):
+        load_config("cpu_tiny", ["data.seq_len=1", "model.mtp=true"])  # (it named mtp_train_depth, never set)
+    with pytest.raises(ConfigError, match=r"mtp_train_depth=2 must be in \[1, data.seq_len=2\)"):
+        load_config("cpu_tiny", ["data.seq_len=2", "model.mtp=true", "mtp_train_depth=2"])
+    with pytest.raises(ConfigError, match=r"optimizer.decay_steps=-1 must be >= 0"):
+        load_config("cpu_tiny", ["optimizer.decay_steps=-1"])
 
 
 def test_unknown_preset_lists_available():

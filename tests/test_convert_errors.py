@@ -308,6 +308,10 @@ def test_export_without_tokenizer_fails_before_loading(run_copy, tmp_path, capsy
                                    "--no-tokenizer", "--out", str(tmp_path / "e")])
     assert "--no-tokenizer" in err and "--tokenizer" in err
     assert not (tmp_path / "e").exists()
+    # generate names each folder it looked in once (it printed a Python list with the run's tokenizer/ twice)
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(run_copy), "--prompt", "x"])
+    assert (f"no tokenizer folder next to the checkpoint (looked in {run_copy / 'tokenizer'}, "
+            f"{run_copy / 'checkpoints' / 'tokenizer'}); copy the tokenizer folder") in err, err
 
 
 def test_a_tokenizer_the_run_does_not_record_is_refused(run_copy, tmp_path, capsys, no_param_loading):
