@@ -381,13 +381,14 @@ class Checkpointer:
         """All complete checkpoint steps, ascending."""
         return sorted(self.manager.all_steps())
 
-    def refresh(self) -> None:
-        """Re-read the complete steps from the folder: after a wait that an interrupt cut short, the manager's own
-        list can miss a save that completed since (a message would then name an older step)."""
+    def steps_on_disk(self) -> list[int]:
+        """The complete steps as the folder shows them now (orbax renames a step's temporary folder to its number
+        when the write is finalized), read from disk rather than the manager's cache: after an interrupt cut a
+        wait short the cache can miss a save that completed since."""
         try:
-            self.manager.reload()
-        except Exception:  # noqa: BLE001 - best effort: the cached list stays
-            pass
+            return sorted(int(c.name) for c in self.directory.iterdir() if is_checkpoint_step(c))
+        except OSError:
+            return []
 
     def last_complete_step(self) -> int | None:
         """The newest step whose write is known to have completed (for error messages)."""

@@ -987,15 +987,14 @@ def run_training(
         return summary
     except dist.SecondInterrupt as e:  # Ctrl-C twice, or a signal once the run was saved: stop now
         failed = True
-        try:
-            ckpt.wait()  # a save already under way completes: it is not lost
-        except CheckpointWriteError:
-            pass
-        ckpt.refresh()  # the interrupt may have cut a wait short: name the newest step on disk
+        # every save under way completes (it is not lost) before the message names the newest step on disk: an
+        # interrupt inside a wait can leave the manager's own list behind a save that finalizes later
+        ckpt.close(quiet=True)
+        on_disk = ckpt.steps_on_disk()
+        saved = on_disk[-1] if on_disk else None
         if isinstance(e, dist.FinishInterrupt):
-            raise dist.FinishInterrupt(finish_interrupted_message(e.signum, step, ckpt.latest_step(), ckpt_dir),
-                                       e.signum) from None
-        raise dist.SecondInterrupt(interrupted_message(step, ckpt.latest_step(), ckpt_dir)) from None
+            raise dist.FinishInterrupt(finish_interrupted_message(e.signum, step, saved, ckpt_dir), e.signum) from None
+        raise dist.SecondInterrupt(interrupted_message(step, saved, ckpt_dir)) from None
     except BaseException as e:
         failed, refused = True, isinstance(e, ConfigError)
         raise
