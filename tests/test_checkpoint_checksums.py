@@ -249,6 +249,19 @@ def test_damaged_array_data_is_refused_on_resume_and_load(corpus, cache_dir, tmp
     _flip_middle(step4)
     err = _train_error(ov, resume=True)
     assert "checkpoint step 4" in err and "incomplete or corrupt" in err and "saved steps: 2" in err, err
+    # read as another run's source (branch_from, qat.init_from: read-only): the fix is another step, not moving
+    # that run's folders (twelfth-session break test)
+    from minicpm4_jax.sharding import make_mesh
+    from minicpm4_jax.train.checkpoint import Checkpointer, sharded_abstract_state
+
+    cfg = load_config(None, ov)
+    src = Checkpointer(cfg, out / "checkpoints", read_only=True)
+    try:
+        with pytest.raises(ConfigError, match=r"is incomplete or corrupt \(.*; start from another of its saved steps "
+                                              r"\(2\)$"):
+            src.restore(sharded_abstract_state(cfg, make_mesh(cfg.mesh)), step=4, check=False)
+    finally:
+        src.close(quiet=True)
     restore_backup()
     # the same in a step holding only parameters (as `import hf` writes; the data files hold the optimizer
     # state too, in an order that varies, so a flip in a run's step need not hit a parameter)

@@ -469,8 +469,12 @@ class Checkpointer:
     # ---- restore ------------------------------------------------------------------------------
     def _corrupt(self, step: int, e: BaseException) -> ConfigError:
         others = [s for s in self.all_steps() if s != step]
-        fix = (f"move that step folder aside to resume from the previous saved step (saved steps: "
-               f"{', '.join(map(str, others))}), or re-save it" if others else "re-save it or start a new out_dir")
+        if self.read_only:  # another run's checkpoint this one starts from (branch_from, qat.init_from): left as is
+            fix = (f"start from another of its saved steps ({', '.join(map(str, others))})" if others else
+                   "start from another run")
+        else:
+            fix = (f"move that step folder aside to resume from the previous saved step (saved steps: "
+                   f"{', '.join(map(str, others))}), or re-save it" if others else "re-save it or start a new out_dir")
         return ConfigError(f"checkpoint step {step} in {self.directory} is incomplete or corrupt ({short_cause(e)}); "
                            f"{fix}")
 
