@@ -291,8 +291,9 @@ class VariableTracking(_Generator):
             if count_raw(text) <= budget:
                 break
             if n <= inc:
-                raise ConfigError(f"{self.spec.name}: the one-shot example does not fit 500 tokens with this "
-                                  "tokenizer")
+                raise ConfigError(f"{self.spec.name}: the one-shot example does not fit RULER's 500-token budget with "
+                                  "this tokenizer (it splits the example into too many tokens, e.g. a small vocabulary); "
+                                  f"leave {self.spec.name} out of --tasks or evaluate a model with a larger vocabulary")
             n -= inc
         self.icl_example = text + " " + " ".join(outs) + "\n"
         self.search_extra = count_raw(self.icl_example)
