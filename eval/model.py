@@ -347,18 +347,12 @@ class EvalModel:
             full.append((ctx, [int(t) for t in cont]))
         return self._loglikelihood(full, "loglikelihood")
 
-    def context_cut(self, requests: Sequence[tuple[str, str]]) -> list[int]:
-        """Context tokens :meth:`loglikelihood` drops from the left of each ``(context, continuation)`` pair to fit
-        ``max_length`` (0 when it fits), so a caller can report scores computed on cut contexts.
-
-        Raises:
-            ConfigError: as :meth:`loglikelihood`.
-        """
-        out = []
-        for ctx, cont in (self.encode_pair(c, x) for c, x in requests):
-            n_inputs = len(self.prefix_ids) + len(ctx) + len(cont) - 1  # the last token is only predicted
-            out.append(max(0, n_inputs - self.max_length))
-        return out
+    def context_cut(self, requests: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int]:
+        """Context tokens :meth:`loglikelihood_tokens` drops from the left of each ``(context ids, continuation
+        ids)`` pair (as :meth:`encode_pair` gives them) to fit ``max_length`` (0 when it fits), so a caller can
+        report scores computed on cut contexts."""
+        # the last continuation token is only predicted, never an input
+        return [max(0, len(self.prefix_ids) + len(ctx) + len(cont) - 1 - self.max_length) for ctx, cont in requests]
 
     def loglikelihood_rolling(self, texts: Sequence[str]) -> list[float]:
         """Log-likelihood of each whole text (every token predicted once; windows of ``max_length``).

@@ -123,11 +123,16 @@ def test_context_cut_is_reported_per_item_and_per_task(dense_model, tmp_path):
     em = EvalModel(dense_model, TOK, batch_size=3, max_length=16, progress=False)
     reqs = [("x" * 40, " y"), ("hello", " w"), ("q" * 14, " z"), ("q" * 15, " z")]
     want = [max(0, len([TOK.eos_id] + TOK.encode(c + x)) - 17) for c, x in reqs]  # max_length + 1 tokens are kept
-    assert em.context_cut(reqs) == want and want[0] > 0 and want[1] == 0 and want[2] == 0 and want[3] == 1
+    assert em.context_cut([em.encode_pair(c, x) for c, x in reqs]) == want
+    assert want[0] > 0 and want[1] == 0 and want[2] == 0 and want[3] == 1
     items = [{"id": "long", "context": "x" * 40, "choices": [" A", " B"], "gold": 0},
              {"id": "short", "context": "hi", "choices": [" A", " B"], "gold": 1}]
     recs, agg = score_mc(em, items)
     assert agg["truncated"] == 1 and recs[0]["context_cut_tokens"] == 40 + 1 + 2 - 1 - 16
+    # the same log-likelihoods as the string API (the requests are tokenized once, not twice)
+    assert [r["loglikelihoods"] for r in recs] == [[lp for lp, _ in em.loglikelihood([(it["context"], c)
+                                                                                   for c in it["choices"]])]
+                                                   for it in items]
     assert "context_cut_tokens" not in recs[1]
     md = default_markdown({"kind": "bench", "created": "now", "model": {}, "scores": {
         "tasks": {"mmlu": {"metric": "acc", "score": 50.0, "n": 2, "truncated": 1}}}})

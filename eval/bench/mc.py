@@ -22,18 +22,22 @@ def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[d
     """Score multiple-choice ``items`` (``context``, ``choices``, ``gold``) with ``model.loglikelihood``.
 
     Returns per-item records and the aggregate ``{"acc", "acc_norm"?, "n"}`` (fractions in [0, 1]). A model with
-    ``context_cut`` (:meth:`~minicpm4_jax.eval.model.EvalModel.context_cut`: the context tokens dropped to fit its
-    ``max_length``, as lm-eval does) adds ``context_cut_tokens`` to each record whose context was cut and
-    ``truncated`` (how many items) to the aggregate.
+    ``encode_pair``, ``loglikelihood_tokens`` and ``context_cut`` (:class:`~minicpm4_jax.eval.model.EvalModel`) is
+    fed the requests tokenized once, and each record whose context was cut to fit its ``max_length`` (lm-eval's left
+    cut) gets ``context_cut_tokens``, the aggregate ``truncated`` (how many items).
     """
     reqs, spans = [], []
     for it in items:
         spans.append((len(reqs), len(it["choices"])))
         reqs.extend((it["context"], c) for c in it["choices"])
-    res = model.loglikelihood(reqs) if reqs else []
+    cut = None
+    if reqs and all(callable(getattr(model, a, None)) for a in ("encode_pair", "loglikelihood_tokens", "context_cut")):
+        ids = [model.encode_pair(c, x) for c, x in reqs]
+        res, cut = model.loglikelihood_tokens(ids), model.context_cut(ids)
+    else:
+        res = model.loglikelihood(reqs) if reqs else []
     if len(res) != len(reqs):
         raise RuntimeError(f"model returned {len(res)} log-likelihoods for {len(reqs)} requests")
-    cut = model.context_cut(reqs) if reqs and callable(getattr(model, "context_cut", None)) else None
     n_cut = 0
     out, hits, hits_n = [], 0, 0
     for it, (s, n) in zip(items, spans):
