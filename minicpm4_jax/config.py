@@ -873,8 +873,11 @@ def validate_model(m: ModelConfig) -> None:
         for nm in ("short_factor", "long_factor"):
             lst = getattr(rs, nm)
             if len(lst) != half:
+                hd = (f"model.head_dim={m.head_dim}" if m.head_dim is not None else
+                      f"head_dim = model.hidden_size / model.num_attention_heads = {m.hidden_size}/{m.num_attention_heads}")
                 raise ConfigError(
-                    f"model.rope_scaling.{nm} has {len(lst)} values but head_dim/2={half}; give one factor per frequency"
+                    f"model.rope_scaling.{nm} has {len(lst)} values but {hd} needs head_dim/2={half}: give one "
+                    "factor per frequency, or restore the head layout the factors were made for"
                 )
             if any(not (f > 0) for f in lst):
                 raise ConfigError(f"model.rope_scaling.{nm} must be all positive")

@@ -62,6 +62,14 @@ def test_rope_factor_list_length_checked():
         load_config("cpu_tiny", ["model.rope_scaling.long_factor=[1.0, 2.0]"])
 
 
+def test_rope_factor_mismatch_after_a_head_layout_edit_names_the_layout():
+    # editing hidden_size changes the derived head_dim; the message says where head_dim came from
+    with pytest.raises(ConfigError, match=r"hidden_size / model.num_attention_heads = 512/4 needs head_dim/2=64"):
+        load_config("cpu_tiny", ["model.hidden_size=512"])
+    with pytest.raises(ConfigError, match=r"model.head_dim=32 needs head_dim/2=16"):
+        load_config("cpu_tiny", ["model.head_dim=32"])
+
+
 def test_bad_types_are_reported():
     with pytest.raises(ConfigError, match="model.num_hidden_layers='many' must be an integer"):
         load_config("cpu_tiny", ["model.num_hidden_layers=many"])

@@ -610,6 +610,12 @@ def test_cli_reused_out_is_refused_and_overwrite_replaces_the_run(tmp_path, trai
     with pytest.raises(ConfigError, match="already holds an earlier run's ruler_results.json, ruler_summary.md"):
         run(parser.parse_args(score))
     assert run(parser.parse_args([*score, "--overwrite"])) == 0
+    # a bad argument is named before the earlier run's outputs in --out (it was the other way round)
+    with pytest.raises(ConfigError, match="--num-samples=0 must be >= 1"):
+        run(parser.parse_args(["--generate-only", "--tokenizer", str(tok_dir), "--out", str(g), "--lengths", "2K",
+                               "--num-samples", "0", "--no-progress"]))
+    with pytest.raises(ConfigError, match="give a checkpoint to evaluate"):
+        run(parser.parse_args(["--out", str(g), "--lengths", "2K", "--no-progress"]))
 
     # a run over data that lies in the pred/ folder it replaces is refused before anything is removed
     o = tmp_path / "o"

@@ -645,22 +645,26 @@ def run(args: argparse.Namespace) -> int:
     """Run ``minicpm4 eval ruler``; returns the exit status (user errors raise ConfigError)."""
     progress = not args.no_progress
     lengths = args.lengths or []
+    # the arguments first, then the output folder: a bad argument is named before an earlier run's --out
+    _check_swallowed_checkpoint(args)
+    if not args.predictions:
+        if args.num_samples < 1:
+            raise ConfigError(f"--num-samples={args.num_samples} must be >= 1")
+        if args.tokenizer and args.checkpoint and not args.generate_only:  # (was ignored without a word)
+            raise ConfigError("--tokenizer is for --generate-only; a checkpoint is evaluated with the tokenizer "
+                              "saved beside it: drop --tokenizer")
+        if not args.generate_only and not args.checkpoint:
+            raise ConfigError("give a checkpoint to evaluate (or --predictions to score existing predictions)")
     try:
         check_out_dir(args.out, owned=_owned_outputs(args), overwrite=args.overwrite)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check_swallowed_checkpoint(args)
     check_ruler_folders(args.out, _owned_outputs(args))
     _check_out_outside_data(args)
     if args.predictions:
         r = score_predictions(args.predictions, out_dir=args.out, lengths=lengths, attention=args.attention)
         print(f"RULER score {r['scores']['score']:.2f}; wrote {r['results']} and {r['summary']}")
         return 0
-    if args.num_samples < 1:
-        raise ConfigError(f"--num-samples={args.num_samples} must be >= 1")
-    if args.tokenizer and args.checkpoint and not args.generate_only:  # (was ignored without a word)
-        raise ConfigError("--tokenizer is for --generate-only; a checkpoint is evaluated with the tokenizer saved "
-                          "beside it: drop --tokenizer")
     inputs = _inputs_from_args(args)
     common = dict(out_dir=args.out, lengths=lengths or ([] if args.data else STANDARD_LENGTHS), tasks=args.tasks,
                   num_samples=args.num_samples, seed=args.seed, inputs=inputs, chat_template=args.chat_template,
@@ -671,8 +675,6 @@ def run(args: argparse.Namespace) -> int:
                       **common)
         print(f"wrote {len(r['data_files'])} RULER data files under {Path(args.out) / 'data'}")
         return 0
-    if not args.checkpoint:
-        raise ConfigError("give a checkpoint to evaluate (or --predictions to score existing predictions)")
     from minicpm4_jax.eval.model import EvalModel
 
     model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
