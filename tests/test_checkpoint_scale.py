@@ -1,7 +1,7 @@
 """Checkpoints at scale (issue 5): restore onto another mesh / device count, and a save killed with SIGKILL.
 
-* A run on 8 devices (mesh ``(1, 4, 2)``) checkpoints at steps 4 and 8. Fresh processes with 4 devices
-  (mesh ``(1, 4, 1)``) and with 1 device restore step 4 into abstract targets carrying *their*
+* A run on 8 devices (mesh ``(1, 4, 2)``) checkpoints at steps 4 and 8. Fresh processes with 2 devices
+  (mesh ``(1, 2, 1)``: the FSDP axis resharded 4 -> 2, the tensor axis gone) and with 1 device restore step 4 into abstract targets carrying *their*
   shardings (field fault B21: the saved sharding is never replayed): every array equals the saved
   one bit for bit and has exactly the target sharding; ``--resume`` then trains steps 5-8 with the
   losses of the uninterrupted 8-device run (fp32, float summation order differs between meshes).
@@ -122,7 +122,8 @@ def test_restore_on_fewer_devices_bitwise_and_same_losses(corpus, tmp_path):
     saved4 = _params(_restore(ref_cfg, make_mesh(ref_cfg.mesh), 4))
 
     runs = {}
-    for name, devices, mesh in (("four", 4, {"mesh.fsdp": 4, "mesh.tensor": 1}),
+    # field_faults B21's minimal input: mesh (fsdp=4, tp=2) restored on 2 devices (fsdp=2, tp=1) and on 1
+    for name, devices, mesh in (("two", 2, {"mesh.fsdp": 2, "mesh.tensor": 1}),
                                 ("one", 1, {"mesh.fsdp": 1, "mesh.tensor": 1})):
         out = tmp_path / name
         shutil.copytree(tmp_path / "ref" / "checkpoints" / "4", out / "checkpoints" / "4")  # step 4 only
@@ -134,7 +135,7 @@ def test_restore_on_fewer_devices_bitwise_and_same_losses(corpus, tmp_path):
         assert p.returncode == 0, text[-3000:]
         got = json.loads((tmp_path / f"{name}.json").read_text())
         assert got["step"] == 4 and got["bad_shardings"] == [], got
-        assert got["devices"] == (4 if name == "four" else 1)
+        assert got["devices"] == (2 if name == "two" else 1)
         assert f"resumed from {out / 'checkpoints'}/4" in text
         assert "(checkpoint != current; allowed)" in text  # the mesh changed
         dumped = dict(np.load(tmp_path / f"{name}.npz"))
