@@ -301,7 +301,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         model = with_attention(model, "infllmv2" if args.sparse else "dense")
     engine = InferenceEngine(model, prefill_chunk=args.prefill_chunk)
-    speculative = _speculative_decoder(args, model, engine, ckpt_dir)
+    speculative = _speculative_decoder(args, model, engine, ckpt_dir, tokenizer)
     # This project's data pipeline separates documents with EOS: a new document follows an EOS.
     prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     stream = None
@@ -365,7 +365,7 @@ def _check_draft_options(args: argparse.Namespace) -> None:
                               "add --spec-decode")
 
 
-def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
+def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir, tokenizer=None):
     """The :class:`SpeculativeDecoder` asked for by ``--spec-decode`` (``None`` without it)."""
     from pathlib import Path
 
@@ -386,7 +386,10 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir):
         path = Path(args.fr_spec) if args.fr_spec else None
         if path is None:
             path = run_ranking_file(args.checkpoint, args.fr_spec_vocab)
-        ids = load_frequency_ranking(path, model.cfg.vocab_size)
+        # ids of the model's padded rows (at or above the tokenizer's size) are never produced: a file holding
+        # them was built for another tokenizer
+        limit = getattr(tokenizer, "vocab_size", None) or model.cfg.vocab_size
+        ids = load_frequency_ranking(path, min(limit, model.cfg.vocab_size))
         if args.fr_spec_vocab is not None:
             if not 1 <= args.fr_spec_vocab <= len(ids):
                 raise ConfigError(f"--fr-spec-vocab={args.fr_spec_vocab} must be in [1, {len(ids)}] for {path}")

@@ -478,3 +478,26 @@ def test_official_fr_spec_pt_written_by_torch_and_read_back(tmp_path):
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["equal"] and info["n"] == 5 and info["head"] == ids.tolist()
     assert load_frequency_ranking(tmp_path / "freq_5.pt", 12).tolist() == ids.tolist() == [3, 7, 1, 9, 2]
+
+
+def test_generate_refuses_an_fr_spec_file_with_ids_of_the_padded_vocabulary(tmp_path):
+    """Break-test nitpick: ``--fr-spec`` with ids between the tokenizer's size and the model's padded vocabulary was
+    accepted; those rows are never produced (``vocab_limit``), so the file was built for another tokenizer."""
+    import argparse
+    import types
+
+    from minicpm4_jax.cli import _speculative_decoder
+
+    cfg = dataclasses.replace(SMALL, mtp=True)
+    model = MiniCPM4(cfg, rngs=nnx.Rngs(0))
+    eng = InferenceEngine(model)
+    ranking = tmp_path / "freq_3.txt"
+    ranking.write_text(f"1 2 {cfg.vocab_size - 1}\n")
+    args = argparse.Namespace(spec_decode=True, fr_spec=str(ranking), fr_spec_vocab=None, checkpoint=str(tmp_path),
+                              num_draft=None, draft_window=None)
+    small_tok = types.SimpleNamespace(vocab_size=cfg.vocab_size - 2)
+    with pytest.raises(ConfigError, match=rf"has ids outside \[0, {cfg.vocab_size - 2}\); it was built for another "
+                                          "tokenizer"):
+        _speculative_decoder(args, model, eng, tmp_path, small_tok)
+    dec = _speculative_decoder(args, model, eng, tmp_path, types.SimpleNamespace(vocab_size=cfg.vocab_size))
+    assert np.asarray(dec.draft.ids).tolist() == [1, 2, cfg.vocab_size - 1]
