@@ -601,6 +601,16 @@ def inactive_draft_options(cfg: TrainConfig) -> list[str]:
     return [f"{k}={getattr(cfg, k)}" for k, off in MTP_DRAFT_FIELDS.items() if getattr(cfg, k) != off]
 
 
+def inactive_qat_options(cfg: TrainConfig) -> list[str]:
+    """``qat.name=value`` of the QAT settings away from their defaults in a run with ``qat.enabled=false`` (a QAT
+    preset trained in high precision, or a forgotten ``qat.enabled=true``): they have no effect."""
+    if cfg.qat.enabled:
+        return []
+    default = QATConfig()
+    return [f"qat.{f.name}={getattr(cfg.qat, f.name)}" for f in dataclasses.fields(QATConfig)
+            if f.name != "enabled" and getattr(cfg.qat, f.name) != getattr(default, f.name)]
+
+
 # ------------------------------------------------------------------------------------------------
 # dict <-> dataclass
 # ------------------------------------------------------------------------------------------------
@@ -670,6 +680,9 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
+        if not isinstance(key, str):  # YAML reads `1:`, `3.5:`, `off:` as a number / boolean
+            raise ConfigError(f"config key {path!r} ({type(key).__name__}) is not a field name; the keys of "
+                              f"{where or 'the config'} are names such as {names[0]!r}")
         if key not in names:
             raise ConfigError(f"unknown config key {path!r}{_suggest(key, names)}")
         kwargs[key] = _coerce(value, hints[key], path)
@@ -958,8 +971,8 @@ def check_mixture(d: DataConfig) -> None:
         if len(ws) != len(d.sources):
             raise ConfigError(f"data.{key} has {len(ws)} entries for {len(d.sources)} data.sources; give one weight "
                               "per source")
-        if not all(math.isfinite(w) and w >= 0 for w in ws) or sum(ws) <= 0:
-            raise ConfigError(f"data.{key}={list(ws)} must be finite numbers >= 0 with a positive sum (the mixture's "
+        if not all(math.isfinite(w) and w >= 0 for w in ws) or not 0 < sum(ws) < math.inf:
+            raise ConfigError(f"data.{key}={list(ws)} must be finite numbers >= 0 with a positive, finite sum (the mixture's "
                               "proportions)")
 
 
@@ -1015,6 +1028,9 @@ def validate(cfg: TrainConfig) -> None:
         if cfg.qat.enabled:
             raise ConfigError("branch_from with qat.enabled: a QAT run starts from another run with qat.init_from; "
                               "drop branch_from")
+    if cfg.model.param_dtype == "float16":  # (inference may hold float16 weights; training cannot)
+        raise ConfigError("model.param_dtype='float16' cannot be trained: the AdamW state in float16 underflows "
+                          "(eps 1e-8 rounds to 0; the loss turns NaN within steps); use float32 or bfloat16")
     if cfg.gradient_accumulation_steps < 1 or d.batch_size % cfg.gradient_accumulation_steps:
         raise ConfigError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} must be >= 1 and divide "
                           f"data.batch_size={d.batch_size} (the global batch of one update is split into that many "
@@ -1128,14 +1144,25 @@ def validate_qat(cfg: TrainConfig) -> None:
         raise ConfigError(f"qat.granularity={q.granularity!r}; use one of {list(QAT_GRANULARITIES)}")
     if q.ste not in QAT_STE_MODES:
         raise ConfigError(f"qat.ste={q.ste!r}; use 'identity' (gradient everywhere) or 'clipped' (zero where |W/s| > 1)")
+    # each value's own range first, whether QAT is on or not: a QAT preset run with qat.enabled=false keeps its
+    # (valid) settings, but a nonsense value is refused either way
+    if not 0.0 < q.token_share <= 1.0:
+        raise ConfigError(f"qat.token_share={q.token_share} must be in (0, 1]: the share of the run's steps trained "
+                          "ternary (1 = the whole run)")
+    if q.init_step is not None and q.init_step < 0:
+        raise ConfigError(f"qat.init_step={q.init_step} must be >= 0")
+    if q.learning_rate is not None and not (math.isfinite(q.learning_rate) and q.learning_rate > 0):
+        raise ConfigError(f"qat.learning_rate={q.learning_rate} must be a finite number > 0 (or null: "
+                          "optimizer.learning_rate)")
+    if q.warmup_steps is not None and q.warmup_steps < 0:
+        raise ConfigError(f"qat.warmup_steps={q.warmup_steps} must be >= 0 (or null: optimizer.warmup_steps)")
+    if q.group_size <= 0:
+        raise ConfigError(f"qat.group_size={q.group_size} must be positive")
     if not q.enabled:
         if q.init_from is not None:
             raise ConfigError(f"qat.init_from={q.init_from!r} is set but qat.enabled is false; set qat.enabled=true "
                               "(or remove qat.init_from)")
         return
-    if not 0.0 < q.token_share <= 1.0:
-        raise ConfigError(f"qat.token_share={q.token_share} must be in (0, 1]: the share of the run's steps trained "
-                          "ternary (1 = the whole run)")
     if cfg.qat_steps < 1:
         raise ConfigError(f"qat.token_share={q.token_share} x steps={cfg.steps} rounds to 0 QAT steps; raise "
                           "qat.token_share or steps")
@@ -1144,12 +1171,6 @@ def validate_qat(cfg: TrainConfig) -> None:
                           "all QAT; set qat.token_share=1 (or drop qat.init_from to switch to QAT inside the run)")
     if q.init_step is not None and q.init_from is None:
         raise ConfigError(f"qat.init_step={q.init_step} needs qat.init_from (the checkpoint to start from)")
-    if q.init_step is not None and q.init_step < 0:
-        raise ConfigError(f"qat.init_step={q.init_step} must be >= 0")
-    if q.learning_rate is not None and not q.learning_rate > 0:
-        raise ConfigError(f"qat.learning_rate={q.learning_rate} must be > 0 (or null: optimizer.learning_rate)")
-    if q.warmup_steps is not None and q.warmup_steps < 0:
-        raise ConfigError(f"qat.warmup_steps={q.warmup_steps} must be >= 0 (or null: optimizer.warmup_steps)")
     n_qat = cfg.qat_steps
     warm = o.warmup_steps if q.warmup_steps is None else q.warmup_steps
     decay = _decay_len(o, n_qat)
@@ -1164,8 +1185,6 @@ def validate_qat(cfg: TrainConfig) -> None:
             "(model.tie_word_embeddings=true), so both are one table: set qat.quantize_embeddings to the same value"
         )
     if q.granularity == "per_group":
-        if q.group_size <= 0:
-            raise ConfigError(f"qat.group_size={q.group_size} must be positive")
         ins = {"q/k/v_proj, gate/up_proj (hidden_size)": m.hidden_size,
                "o_proj (num_attention_heads*head_dim)": m.num_attention_heads * m.resolved_head_dim,
                "down_proj (intermediate_size)": m.intermediate_size}

@@ -74,7 +74,7 @@ SPM_TRAINER_SETTINGS: dict[str, Any] = dict(
     shuffle_input_sentence=False,
 )
 
-_TRAIN_FORMAT = 1  # bump when the training recipe changes (invalidates cached tokenizers)
+_TRAIN_FORMAT = 2  # bump when the training recipe changes (invalidates cached tokenizers); 2: long lines in pieces
 
 
 def _sha256(data: bytes) -> str:
@@ -617,10 +617,50 @@ def _iter_texts(corpus: Iterable[str | os.PathLike]) -> Iterable[str]:
             raise TypeError(f"train_tokenizer corpus items must be str texts or paths, got {type(item).__name__}")
 
 
+def special_id_mismatches(tok: Any, model_cfg: Any) -> list[str]:
+    """How the tokenizer's bos / eos ids disagree with ``model.bos_token_id`` / ``model.eos_token_id`` (empty when
+    they agree or the tokenizer has none): the data pipeline ends documents with the tokenizer's eos, while an
+    export writes the model's ids into ``config.json`` / ``generation_config.json`` (a runtime then stops on
+    another token)."""
+    out = []
+    if getattr(tok, "bos_id", None) is not None and tok.bos_id != model_cfg.bos_token_id:
+        out.append(f"tokenizer bos id {tok.bos_id} != model.bos_token_id {model_cfg.bos_token_id}")
+    if getattr(tok, "eos_id", None) is not None and tok.eos_id not in tuple(model_cfg.eos_token_id):
+        out.append(f"tokenizer eos id {tok.eos_id} is not in model.eos_token_id {list(model_cfg.eos_token_id)}")
+    return out
+
+
+def _split_long(line: str, limit: int) -> list[str]:
+    """``line`` in pieces of at most ``limit`` UTF-8 bytes, each cut before a space where one lies in the piece's
+    second half (else inside a word, on a character boundary)."""
+    out: list[str] = []
+    while len(line) * 4 > limit and len(line.encode("utf-8", "surrogatepass")) > limit:
+        lo, hi = 0, min(len(line), limit)  # the longest prefix within the limit (bytes >= chars)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(line[:mid].encode("utf-8", "surrogatepass")) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        space = line.rfind(" ", lo // 2, lo)
+        cut = space if space > 0 else lo
+        out.append(line[:cut])
+        line = line[cut:]
+    if line:
+        out.append(line)
+    return out
+
+
 def _sentences(texts: Iterable[str]) -> list[str]:
+    """The trainer's sentences: every non-empty line, a line longer than the trainer's ``max_sentence_length``
+    bytes in pieces (SentencePiece skips such a sentence without a word: a corpus of long lines, e.g. JSON
+    records or minified code, trained its tokenizer on its short lines only)."""
+    limit = SPM_TRAINER_SETTINGS["max_sentence_length"]
     out: list[str] = []
     for t in texts:
-        out.extend(line for line in t.split("\n") if line)
+        for line in t.split("\n"):
+            if line:
+                out.extend(_split_long(line, limit))
     return out
 
 
@@ -638,8 +678,9 @@ def train_tokenizer(
 
     ``corpus``: texts (``str``, one document each) or file paths (``os.PathLike``, read as UTF-8;
     files that are not UTF-8 are skipped). Documents are split into lines (the trainer's sentences;
-    ``"\\n"`` itself is a user-defined piece); if there are more than ``max_sentences`` lines, a
-    seeded sample of them (kept in corpus order) is used. Settings are :data:`SPM_TRAINER_SETTINGS`.
+    ``"\\n"`` itself is a user-defined piece; a line over the trainer's 16,384 bytes in pieces); if there
+    are more than ``max_sentences`` lines, a seeded sample of them (kept in corpus order) is used. Settings
+    are :data:`SPM_TRAINER_SETTINGS`.
 
     The model is cached in ``out_dir/spm-<key>/`` where ``key`` hashes the corpus (``corpus_hash``
     when the caller already has a content hash, else the sentences themselves), ``vocab_size``,

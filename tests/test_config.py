@@ -174,3 +174,24 @@ def test_hf_defaults_when_keys_missing():
     assert m.rope_theta == 10000.0
     assert m.num_key_value_heads == 4
     assert m.rms_norm_eps == 1e-6
+
+
+def test_float16_parameters_are_refused_for_training():
+    """Sixth break test: model.param_dtype=float16 passed and the loss turned NaN at step 2 (AdamW's state in
+    float16 underflows); bfloat16 trains."""
+    with pytest.raises(ConfigError, match=r"model.param_dtype='float16' cannot be trained.*use float32 or bfloat16"):
+        load_config("cpu_tiny", ["model.param_dtype=float16"])
+    assert load_config("cpu_tiny", ["model.param_dtype=bfloat16"]).model.param_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("1: 2\n", r"config key 1 \(int\) is not a field name; the keys of the config are names such as 'model'"),
+    ("model:\n  3: 4\n", r"config key 'model.3' \(int\) is not a field name; the keys of model are names"),
+    ("off: 2\n", r"config key False \(bool\) is not a field name"),
+])
+def test_yaml_keys_that_are_not_strings_are_one_line(tmp_path, text, match):
+    """Sixth break test: a YAML key read as a number or boolean crashed in the did-you-mean helper (difflib)."""
+    p = tmp_path / "preset.yaml"
+    p.write_text("base: cpu_tiny\n" + text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(str(p))

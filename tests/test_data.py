@@ -242,6 +242,9 @@ def test_cache_reused_when_unchanged_and_rebuilt_when_a_byte_changes(tmp_path):
     # a different tokenizer (vocab size) also rebuilds
     d = prepare_data(dataclasses.replace(cfg, tokenizer_vocab_size=420), log=logs.append)
     assert d.manifest["tokenizer_hash"] != c.manifest["tokenizer_hash"] and d.cache_dir != c.cache_dir
+    # sixth break test: a size below byte fallback's was reported as "tokenizer vocab_size=0", not by its key
+    with pytest.raises(ConfigError, match=r"^data.tokenizer_vocab_size=0 is too small for the trained tokenizer"):
+        prepare_data(dataclasses.replace(cfg, tokenizer_vocab_size=0), log=logs.append)
 
 
 def test_incomplete_cache_is_rebuilt_not_reused(tmp_path, prepared):
@@ -465,6 +468,7 @@ def test_no_decodable_text(tmp_path):
     with pytest.raises(ConfigError, match="no decodable text .*2 not UTF-8") as e:
         prepare_data(_cfg(tmp_path, [d]), log=_quiet)
     _one_line(e)
+    assert str(e.value).endswith("give UTF-8 text files")  # text files have no field to name (sixth break test)
     j = tmp_path / "c.jsonl"
     j.write_text(json.dumps({"body": "hello"}) + "\n")
     with pytest.raises(ConfigError, match="no string field 'text'.*'body'.*data.text_field") as e:

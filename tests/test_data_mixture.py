@@ -150,9 +150,10 @@ def test_state_restores_across_the_switch_and_process_rows_are_disjoint(corpora)
 
 @pytest.mark.parametrize("kw,match", [
     (dict(weights=(1.0,)), r"data.weights has 1 entries for 2 data.sources; give one weight per source"),
-    (dict(weights=(1.0, -1.0)), r"data.weights=\[1.0, -1.0\] must be finite numbers >= 0 with a positive sum"),
+    (dict(weights=(1.0, -1.0)), r"data.weights=\[1.0, -1.0\] must be finite numbers >= 0 with a positive, finite sum"),
     (dict(weights=(0.0, 0.0)), r"data.weights=\[0.0, 0.0\] must be finite"),
     (dict(weights=(1.0, float("nan"))), r"data.weights=\[1.0, nan\] must be finite"),
+    (dict(weights=(1e308, 1e308)), r"data.weights=\[1e\+308, 1e\+308\] must be .* finite sum"),  # overflowed
     (dict(weights=None, decay_weights=(1.0, 1.0)), r"data.decay_weights=\[1.0, 1.0\] needs data.weights"),
     (dict(decay_weights=(1.0, 1.0, 1.0)), r"data.decay_weights has 3 entries for 2 data.sources"),
 ])

@@ -283,6 +283,8 @@ def test_qat_run_lowers_the_loss_and_logs_ternary_stats(qat_runs):
     assert hist[9]["lr"] == pytest.approx(0.01, rel=1e-6) and hist[10]["lr"] == pytest.approx(0.02, rel=1e-6)
     text = "\n".join(qat_runs["logs"])
     assert "ternary zeros" in text and "layer  1 zeros/scale" in text and "ternary model at step 16" in text
+    # the announced QAT steps are numbered as in the log: the first ternary update is step 9 (it said 8..16)
+    assert "STE identity) for steps 9..16 (8 of 16 steps" in text and "re-warmed at step 9" in text, text[:2000]
     per_layer = s["qat"]["per_layer"]["layers/q_proj"]
     assert len(per_layer["zero_fraction"]) == 2 and len(per_layer["scale_mean"]) == 2
     assert list((qat_runs["root"] / "two" / "tensorboard").glob("events.out.tfevents.*"))
@@ -413,13 +415,29 @@ def test_two_stage_schedule_rewarms_then_wsd():
     (["qat.enabled=true", "qat.ste=round"], r"qat.ste='round'; use 'identity'"),
     (["qat.enabled=true", "qat.token_share=0.05"],
      r"the QAT stage has 18 steps but its re-warmup \(30\) \+ decay \(4\) steps exceed them"),
-    (["qat.enabled=true", "qat.learning_rate=0"], r"qat.learning_rate=0.0 must be > 0"),
+    (["qat.enabled=true", "qat.learning_rate=0"], r"qat.learning_rate=0.0 must be a finite number > 0"),
+    # sixth break test: inf was accepted (the run diverged half-way), and with QAT off nonsense values passed
+    (["qat.enabled=true", "qat.learning_rate=inf"], r"qat.learning_rate=inf must be a finite number > 0"),
+    (["qat.learning_rate=-1"], r"qat.learning_rate=-1.0 must be a finite number > 0"),
+    (["qat.warmup_steps=-5"], r"qat.warmup_steps=-5 must be >= 0"),
+    (["qat.token_share=2"], r"qat.token_share=2.0 must be in \(0, 1\]"),
     (["qat.enabled=true", "qat.token_sharee=0.5"], r"unknown config key 'qat.token_sharee'.*did you mean 'token_share'"),
 ])
 def test_bad_qat_config_is_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as e:
         load_config("cpu_tiny", overrides)
     _one_line(e.value)
+
+
+def test_qat_settings_of_a_run_without_qat_are_named_as_inactive():
+    """A QAT preset trained in high precision (``qat.enabled=false``, as scripts/qat_token_share.py's baseline) is
+    accepted; the training log names its QAT settings as having no effect."""
+    from minicpm4_jax.config import inactive_qat_options
+
+    assert inactive_qat_options(load_config("cpu_tiny_qat", ["qat.enabled=false"])) == [
+        "qat.token_share=0.4", "qat.warmup_steps=6"]
+    assert inactive_qat_options(load_config("cpu_tiny_qat")) == []
+    assert inactive_qat_options(load_config("cpu_tiny")) == []
 
 
 # ------------------------------------------------------------------------------------------------

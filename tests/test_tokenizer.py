@@ -106,6 +106,20 @@ def test_train_tokenizer_recipe_roundtrip_and_ids(tmp_path):
     assert len(tok.encode("4242")) == 4
 
 
+def test_train_tokenizer_learns_from_lines_longer_than_the_trainers_limit(tmp_path):
+    """Sixth break test: SentencePiece skips a sentence over max_sentence_length (16,384 bytes) without a word, so a
+    corpus of long lines (JSON records, minified code) trained on its short lines only, or failed as "too small"
+    when every line was long. Such lines are now given to the trainer in pieces."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa"]
+    long_line = " ".join(words[(i * 7) % len(words)] + str(i % 10) for i in range(12000))  # ~90 KB, one line
+    assert len(long_line.encode()) > 4 * 16384
+    logs: list[str] = []
+    tok = train_tokenizer([long_line], 300, tmp_path, seed=0, log=logs.append)
+    assert any("on 6 lines" in m for m in logs), logs  # the line, in pieces of <= 16,384 bytes
+    assert len(tok.encode("epsilon")) < 7  # merges learned from the long line (one piece per letter without)
+    assert tok.decode(tok.encode(long_line)) == long_line
+
+
 def test_train_tokenizer_deterministic_and_cached(tmp_path):
     corpus = _code_corpus()
     logs: list[str] = []

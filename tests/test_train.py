@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -131,7 +132,7 @@ def test_trains_and_loss_decreases(corpus, cache_dir, tmp_path):
 
 def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
     full = tiny_cfg(corpus, cache_dir, tmp_path / "full")
-    run_training(full, log=lambda _m: None, progress=False)
+    s_full = run_training(full, log=lambda _m: None, progress=False)
     _, ref = _restore(full)
 
     half = tiny_cfg(corpus, cache_dir, tmp_path / "half")
@@ -147,10 +148,30 @@ def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
     s1 = run_training(first, log=lambda _m: None, progress=False, step_hook=StopAt())
     assert s1["stop_reason"] == "signal" and s1["step"] == 4
     assert Checkpointer(half).all_steps() == [4]
+    # what a kill after the checkpoint leaves in the history file: a row past it and a line cut short
+    with open(tmp_path / "half" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "train", "step": 6, "loss": 99.0}) + "\n" + '{"kind": "val", "st')
     # fresh objects, resume to the end
+    said: list[str] = []
     s2 = run_training(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "half")), resume=True,
-                      log=lambda _m: None, progress=False)
+                      log=said.append, progress=False)
     assert s2["step"] == 8
+    assert any("1 unreadable line(s) of" in m for m in said), said
+    # fifth break test: summary.json held only the steps since the resume (history 6, 8; val_history 8)
+    for s_ in (s2, json.loads((tmp_path / "half" / "summary.json").read_text())):
+        assert [(h["step"], h["loss"]) for h in s_["history"]] == [(h["step"], h["loss"]) for h in s_full["history"]]
+        assert [tuple(v) for v in s_["val_history"]] == [tuple(v) for v in s_full["val_history"]] != []
+        assert [h["step"] for h in s_["history"]] == [2, 4, 6, 8]
+    # resuming the finished run trains nothing and redoes the final evaluation: the same history, each step once
+    said.clear()
+    s3 = run_training(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "half")), resume=True,
+                      log=said.append, progress=False)
+    assert any("nothing to train" in m for m in said), said
+    assert s3["history"] == s2["history"] and s3["val_history"] == s2["val_history"]
+    assert np.isfinite(s3["tokens_per_second"]) and s3["train_loss"] == s2["history"][-1]["loss"]
+    lines = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in lines] == [("train", 2), ("train", 4), ("val", 4), ("train", 6),
+                                                       ("train", 8), ("val", 8)]
     _, got = _restore(half)
     a, b = _params(ref), _params(got)
     assert a.keys() == b.keys()
@@ -904,6 +925,31 @@ def _train_error(ov, resume: bool = False) -> str:
     msg = str(e.value)
     assert "\n" not in msg, msg
     return msg
+
+
+def test_special_ids_that_are_not_the_tokenizers_are_refused_before_writing(corpus, cache_dir, tmp_path):
+    """Sixth break test: model.eos_token_id=[5] / bos_token_id=7 trained silently beside a tokenizer with bos 1 and
+    eos 2, and `export hf` then wrote 5 / 7 into config.json (a runtime would stop on token 5)."""
+    out = tmp_path / "run"
+    err = _train_error(tiny_overrides(corpus, cache_dir, out, **{"model.eos_token_id": "[5]", "model.bos_token_id": 7}))
+    assert err == ("tokenizer bos id 1 != model.bos_token_id 7; tokenizer eos id 2 is not in model.eos_token_id [5]: "
+                   "the model's special ids must be the tokenizer's (exports write them for runtimes); set "
+                   "model.bos_token_id=1 model.eos_token_id=[2]"), err
+    assert not out.exists()
+    # a list that holds the tokenizer's eos (the official [2, 73440] style) is fine
+    from minicpm4_jax.tokenizer import special_id_mismatches
+
+    tok = types.SimpleNamespace(bos_id=1, eos_id=2)
+    assert special_id_mismatches(tok, load_config(None, ["model.eos_token_id=[7, 2]"]).model) == []
+
+
+def test_a_shared_checkpoint_directory_names_that_key(corpus, cache_dir, tmp_path):
+    """Sixth break test: a second run with its own out_dir but the first run's checkpoint.directory was told to
+    "choose another out_dir", which changes nothing."""
+    kw = {"steps": 4, "checkpoint.save_every": 4, "checkpoint.directory": str(tmp_path / "ck"), "sample_tokens": 0}
+    run_training(tiny_cfg(corpus, cache_dir, tmp_path / "a", **kw), log=lambda _m: None, progress=False)
+    err = _train_error(tiny_overrides(corpus, cache_dir, tmp_path / "b", **kw))
+    assert err.endswith("pass --resume to continue, or choose another checkpoint.directory"), err
 
 
 def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_path, capsys):

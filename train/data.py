@@ -360,10 +360,11 @@ def _decode_files(files: list[_File], cfg: DataConfig, corpus: Corpus) -> None:
             corpus.empty_files.append(str(f.path))
         docs.extend(got)
     if not docs:
+        records = any(f.kind not in ("py", "txt") for f in files)  # text_field names a record's field
         raise ConfigError(
             f"data.sources {list(cfg.sources)} hold no decodable text ({len(files)} files, "
-            f"{len(corpus.skipped_files)} not UTF-8, {len(corpus.empty_files)} empty); give UTF-8 text files "
-            f"or set data.text_field (now {cfg.text_field!r})"
+            f"{len(corpus.skipped_files)} not UTF-8, {len(corpus.empty_files)} empty); give UTF-8 text files"
+            + (f" or set data.text_field (now {cfg.text_field!r})" if records else "")
         )
     corpus.documents = docs
 
@@ -699,6 +700,9 @@ def _tokenizer(cfg: DataConfig, root: Path, corpus_hash: str, train_docs: Callab
         def __iter__(self):
             return iter(train_docs())
 
+    if cfg.tokenizer_vocab_size < 260:  # named by its key (train_tokenizer cannot know it)
+        raise ConfigError(f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size} is too small for the trained "
+                          "tokenizer: byte fallback needs >= 260 (256 bytes + specials)")
     t0 = time.perf_counter()
     tok = train_tokenizer(_LazyDocs(), cfg.tokenizer_vocab_size, root / "tokenizers", cfg.seed, corpus_hash=train_key,
                           log=log)

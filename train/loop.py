@@ -76,7 +76,8 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from minicpm4_jax.config import ConfigError, TrainConfig, config_to_dict, inactive_draft_options
+from minicpm4_jax.config import (ConfigError, TrainConfig, config_to_dict, inactive_draft_options,
+                                 inactive_qat_options)
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
@@ -285,7 +286,8 @@ def _refuse_over_source(path: Path, what: str, sources: Sequence[tuple[str, str 
 
 #: what a run writes into its ``out_dir`` (a folder holding only these, e.g. a run stopped before its first
 #: checkpoint, may start a run)
-RUN_FOLDER_ENTRIES = ("config.json", "data.json", "summary.json", "tokenizer", "checkpoints", "tensorboard", "profile")
+RUN_FOLDER_ENTRIES = ("config.json", "data.json", "summary.json", "metrics.jsonl", "tokenizer", "checkpoints",
+                      "tensorboard", "profile")
 
 
 def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, *,
@@ -568,9 +570,10 @@ def run_training(
             for d in ckpt.check_compatible(latest):
                 say(f"resume: {d} (checkpoint != current; allowed)")
         elif latest is not None:
+            other = "checkpoint.directory" if cfg.checkpoint.directory else "out_dir"  # the one that names it
             raise ConfigError(
                 f"{ckpt_dir} already holds checkpoints (latest step {latest}); pass --resume to continue, "
-                "or choose another out_dir"
+                f"or choose another {other}"
             )
         branch_src = None
         if cfg.branch_from is not None and not resume:
@@ -587,6 +590,10 @@ def run_training(
         if inactive:
             say(f"model.mtp=false: {', '.join(inactive)} shape the MTP draft head, which this run does not have; "
                 "they have no effect")
+        inactive = inactive_qat_options(cfg)
+        if inactive:
+            say(f"qat.enabled=false: {', '.join(inactive)} have no effect (the run trains in high precision; "
+                "qat.enabled=true turns QAT on)")
         data_api = _data_api()
         data = data_api.prepare_data(cfg.data, log=say)
         tok = data.tokenizer
@@ -595,6 +602,14 @@ def run_training(
                 f"tokenizer has {tok.vocab_size} tokens but model.vocab_size={cfg.model.vocab_size}; "
                 "raise model.vocab_size"
             )
+        from minicpm4_jax.tokenizer import special_id_mismatches
+
+        mismatch = special_id_mismatches(tok, cfg.model)
+        if mismatch:  # an export would write the model's ids: a runtime would start / stop on other tokens
+            fix = ([f"model.bos_token_id={tok.bos_id}"] if tok.bos_id is not None else []) + \
+                  ([f"model.eos_token_id=[{tok.eos_id}]"] if tok.eos_id is not None else [])
+            raise ConfigError(f"{'; '.join(mismatch)}: the model's special ids must be the tokenizer's (exports "
+                              f"write them for runtimes); set {' '.join(fix)}")
         check_run_data(out_dir, data.manifest, resume=resume, say=say)
         if branch_src is not None:  # the corpus and tokenizer the source run started with (its data.json)
             check_run_data(branch_src.directory.parent, data.manifest, resume=True, say=say, label="branch_from")
@@ -665,8 +680,9 @@ def run_training(
         if qat_start is not None:
             q = cfg.qat
             say(f"qat: ternary weights ({q.granularity}{f', group {q.group_size}' if q.granularity == 'per_group' else ''}"
-                f", STE {q.ste}) for steps {qat_start}..{cfg.steps} ({cfg.qat_steps} of {cfg.steps} steps)"
-                + (f", high precision before, learning rate re-warmed at step {qat_start}" if qat_start else ""))
+                f", STE {q.ste}) for steps {qat_start + 1}..{cfg.steps} ({cfg.qat_steps} of {cfg.steps} steps, numbered "
+                "as in the log)"
+                + (f", high precision before, learning rate re-warmed at step {qat_start + 1}" if qat_start else ""))
 
         def is_ternary(step_no: int) -> bool:
             return checkpoint_is_ternary(cfg, step_no)
@@ -765,11 +781,20 @@ def run_training(
         stop_reason = "steps"
         pending: tuple[int, dict] | None = None
         last_vals: dict[str, float] = {}
-        history: list[dict[str, float]] = []
-        val_history: list[tuple[int, float]] = []
+        from minicpm4_jax.train.metrics import METRICS_FILE, RunHistory
+
+        # the whole run's logged rows and evaluations, carried across resumes (metrics.jsonl); a branch starts with
+        # its source's up to the branch point, which it shares
+        seed = (RunHistory.read(branch_src.directory.parent / METRICS_FILE, upto=start)
+                if branch_src is not None else None)
+        hist = RunHistory(out_dir / METRICS_FILE, start=start, write=is_main, seed=seed)
+        if hist.skipped:
+            say(f"warning: {hist.skipped} unreadable line(s) of {hist.path} skipped (cut by a kill?)")
+        if resume and start >= cfg.steps:
+            say(f"resume: step {start} is the run's last step (steps={cfg.steps}); nothing to train: the final "
+                "evaluation, sample and summary.json again")
         meter = _Throughput(global_batch * t)
         window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
-        tps_all: list[float] = []
         multi = jax.process_count() > 1
         tracer = _StepTracer(cfg, out_dir, say, start)
         while step < cfg.steps:
@@ -808,7 +833,6 @@ def run_training(
                 pending = None
             if do_log:
                 tps = meter.take()
-                tps_all.append(tps)
                 util = mfu(cfg.model, t, tps, peak)
                 mean_loss = float(np.mean(window_losses)) if window_losses else last_vals["loss"]
                 window_losses.clear()
@@ -822,7 +846,7 @@ def run_training(
                     row["ternary_zero_fraction"], row["ternary_scale"] = qs["zero_fraction"], qs["scale"]
                     if writer is not None:
                         writer.scalars(step, qs, prefix="qat")
-                history.append({"step": step, **row})
+                hist.log({"step": step, **row})
                 if writer is not None:
                     writer.scalars(step, row, prefix="train")
                 msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
@@ -848,7 +872,7 @@ def run_training(
             if do_eval:
                 with meter.paused():  # do not charge evaluation to tokens/s
                     vl, vparts = evaluate(model_params(state.params, step))
-                    val_history.append((step, vl))
+                    hist.evaluation(step, vl)
                     if writer is not None:
                         writer.scalars(step, val_scalars(vl, vparts), prefix="val")
                     (pbar.write if pbar is not None else say)(f"step {step:>6d}  {val_text(vl, vparts)}"
@@ -881,13 +905,13 @@ def run_training(
                 save(step)
             wait_ckpt()
             summary = {"step": step, "stop_reason": "signal", "signal": name, "checkpoint_dir": str(ckpt_dir),
-                       "checkpoint_step": ckpt.latest_step(), "history": history}
+                       "checkpoint_step": ckpt.latest_step(), "history": hist.history}
             return summary
         if stop_reason == "time":
             say(f"max_train_minutes={cfg.max_train_minutes} reached at step {step}; finishing")
 
         final_val, final_parts = evaluate(model_params(state.params, step))
-        val_history.append((step, final_val))
+        hist.evaluation(step, final_val)
         if writer is not None:
             writer.scalars(step, val_scalars(final_val, final_parts), prefix="val")
         if final_parts:
@@ -950,26 +974,28 @@ def run_training(
                 if writer is not None:
                     writer.text(step, "sample", cfg.sample_prompt + sample)
         wait_ckpt()
-        tokens_per_second = float(np.median(tps_all)) if tps_all else float("nan")
+        # the whole run's median (a resumed run's rows before the resume included)
+        tokens_per_second = hist.median_rate()
+        last = last_vals or (hist.history[-1] if hist.history else {})  # a resume with nothing to train
         summary = {
             "step": step,
             "stop_reason": stop_reason,
             "val_loss": final_val,
             **({"val_loss_components": final_parts} if final_parts else {}),
             **({"branch_from": str(branch_src.directory), "branch_step": branch_src.step} if branch_src else {}),
-            "val_history": val_history,
-            "train_loss": last_vals.get("loss"),
-            "attended_fraction": last_vals.get("attended_fraction"),
-            "mtp_loss": last_vals.get("mtp_loss"),
-            **{k_: v_ for k_, v_ in last_vals.items()
+            "val_history": hist.val_history,
+            "train_loss": last.get("loss"),
+            "attended_fraction": last.get("attended_fraction"),
+            "mtp_loss": last.get("mtp_loss"),
+            **{k_: v_ for k_, v_ in last.items()
                if k_ in ("mtp_kl", "mtp_feature_loss") or k_.startswith("mtp_loss_depth")},
             "unigram_entropy": ent["unigram"],
             "bigram_entropy": ent["bigram"],
             "unigram_heldout_xent": held["unigram"],
             "bigram_heldout_xent": held["bigram"],
             "tokens_per_second": tokens_per_second,
-            "step_time_s": global_batch * t / tokens_per_second if tps_all else float("nan"),
-            "mfu": mfu(cfg.model, t, tokens_per_second, peak) if tps_all else float("nan"),
+            "step_time_s": global_batch * t / tokens_per_second,
+            "mfu": mfu(cfg.model, t, tokens_per_second, peak),
             "peak_flops": peak,
             "num_params": n_params,
             "sample_prompt": cfg.sample_prompt,
@@ -977,7 +1003,7 @@ def run_training(
             "wall_seconds": time.perf_counter() - t_start,
             "checkpoint_dir": str(ckpt_dir),
             "checkpoint_step": ckpt.latest_step(),
-            "history": history,
+            "history": hist.history,
         }
         if qat_summary is not None:
             summary["qat"] = qat_summary

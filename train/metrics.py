@@ -1,10 +1,14 @@
-"""Training metrics: TensorBoard logging (tensorboardX, process 0 only), measured matmul peak, MFU.
+"""Training metrics: TensorBoard logging (tensorboardX, process 0 only), the run's history file
+(``metrics.jsonl``, carried across resumes), measured matmul peak, MFU.
 
 tensorboardX is imported lazily (the GPU image has none; logging is then skipped with a note).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -14,7 +18,118 @@ import jax.numpy as jnp
 
 from minicpm4_jax.config import ModelConfig
 
-__all__ = ["MetricsWriter", "measure_matmul_peak_flops", "mfu", "model_flops_per_second", "ternary_scalars"]
+__all__ = ["METRICS_FILE", "MetricsWriter", "RunHistory", "measure_matmul_peak_flops", "mfu", "model_flops_per_second", "ternary_scalars"]
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunHistory:
+    """The run's logged rows and evaluations, kept in ``out_dir/metrics.jsonl`` so that a resumed run's
+    ``summary.json`` holds the whole run, not only the steps since the resume.
+
+    One JSON object per line, appended and flushed as it happens (a kill loses at most the line being written):
+    ``{"kind": "train", "step": N, <the logged row>}`` or ``{"kind": "val", "step": N, "loss": L}``. Process 0
+    writes; the others keep the lists only.
+
+    Args:
+        path: the file (``out_dir/metrics.jsonl``).
+        start: the step the run starts from: 0 for a new run (the file is started afresh), the checkpoint's step
+            for a resume (rows after it were logged by the run that did not reach its next checkpoint: they are
+            dropped from the file and the lists, the steps are trained again).
+        write: whether this process writes the file (process 0).
+        seed: rows that came before this run (a branch: the source run's history up to the branch step).
+
+    Attributes:
+        history: the logged training rows, ``[{"step": N, "loss": ..., ...}]`` in step order.
+        val_history: ``[(step, loss)]`` of every evaluation.
+        skipped: lines of the file that could not be read (a line cut by a kill, another program's text).
+    """
+
+    def __init__(self, path: str | Path, *, start: int, write: bool, seed: "RunHistory | None" = None):
+        self.path = Path(path)
+        self._write = write
+        self.history: list[dict[str, float]] = []
+        self.val_history: list[tuple[int, float]] = []
+        self.skipped = 0
+        if seed is not None:
+            self.history = [dict(h) for h in seed.history if h["step"] <= start]
+            self.val_history = [v for v in seed.val_history if v[0] <= start]
+        elif start > 0:
+            self._read(start)
+        if write:
+            tmp = self.path.with_name("." + self.path.name + ".tmp")  # a dotfile: never taken for a run entry
+            with open(tmp, "w") as f:
+                for line in self._lines():
+                    f.write(line + "\n")
+            os.replace(tmp, self.path)  # rows past `start` (never checkpointed) are gone, atomically
+
+    @classmethod
+    def read(cls, path: str | Path, upto: int) -> "RunHistory":
+        """The rows of the history file at ``path`` up to step ``upto`` (a branch's source run), read only."""
+        h = cls.__new__(cls)
+        h.path, h._write, h.history, h.val_history, h.skipped = Path(path), False, [], [], 0
+        h._read(upto)
+        return h
+
+    def _read(self, upto: int) -> None:
+        try:
+            text = self.path.read_text()
+        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+            return  # a run from before this file existed: its history starts at the resume
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+                kind, step = rec.pop("kind"), int(rec["step"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                self.skipped += line.strip() != ""
+                continue
+            if step > upto:
+                continue
+            if kind == "train":
+                self.history.append(rec)
+            elif kind == "val" and isinstance(rec.get("loss"), (int, float)):
+                self.val_history.append((step, float(rec["loss"])))
+            else:
+                self.skipped += 1
+
+    def _lines(self) -> list[str]:
+        rows = [(h["step"], 0, {"kind": "train", **h}) for h in self.history]
+        rows += [(s, 1, {"kind": "val", "step": s, "loss": v}) for s, v in self.val_history]
+        return [json.dumps(r) for _, _, r in sorted(rows, key=lambda x: (x[0], x[1]))]
+
+    def _append(self, rec: dict) -> None:
+        if self._write:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def log(self, row: dict[str, float]) -> None:
+        """Record a logged training row (it holds ``step``)."""
+        self.history.append(row)
+        self._append({"kind": "train", **row})
+
+    def evaluation(self, step: int, loss: float) -> None:
+        """Record an evaluation; a second one at the same step (the final evaluation of a resumed run that had
+        finished) replaces the first."""
+        if self.val_history and self.val_history[-1][0] == step:
+            self.val_history[-1] = (step, loss)
+            if self._write:  # rewrite: the file holds each evaluation once
+                tmp = self.path.with_name("." + self.path.name + ".tmp")  # a dotfile: never taken for a run entry
+                tmp.write_text("".join(line + "\n" for line in self._lines()))
+                os.replace(tmp, self.path)
+            return
+        self.val_history.append((step, loss))
+        self._append({"kind": "val", "step": step, "loss": loss})
+
+    def median_rate(self) -> float:
+        """Median logged tokens/s over the whole run (NaN when nothing was logged)."""
+        rates = [h["tokens_per_second"] for h in self.history
+                 if isinstance(h.get("tokens_per_second"), (int, float)) and math.isfinite(h["tokens_per_second"])]
+        if not rates:
+            return float("nan")
+        rates.sort()
+        m = len(rates) // 2
+        return rates[m] if len(rates) % 2 else 0.5 * (rates[m - 1] + rates[m])
 
 
 class MetricsWriter:

@@ -348,10 +348,9 @@ def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
             f"tokenizer {tokenizer_dir} has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}; "
             "the tokenizer does not belong to this checkpoint: pass the right --tokenizer"
         )
-    warns = []
-    if tok.bos_id is not None and tok.bos_id != cfg.bos_token_id:
-        warns.append(f"tokenizer bos id {tok.bos_id} != model bos_token_id {cfg.bos_token_id}")
-    return tok, warns
+    from minicpm4_jax.tokenizer import special_id_mismatches
+
+    return tok, special_id_mismatches(tok, cfg)
 
 
 def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> list[str]:
