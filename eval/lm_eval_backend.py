@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from minicpm4_jax.config import ConfigError
-from minicpm4_jax.eval.bench.gen import cut_at_stop
+from minicpm4_jax.eval.bench.gen import can_cut_prompts, cut_at_stop
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -176,8 +176,19 @@ class MiniCPM4LM(TemplateLM):
             groups.setdefault(key, []).append(i)
         for key, idx in groups.items():
             s = settings[key]
-            texts = self.model.generate([requests[i].args[0] for i in idx], max_new_tokens=s["max_new_tokens"],
-                                        stop=s["until"], temperature=s["temperature"], seed=self.seed)
+            # a context longer than max_length - max_gen_toks keeps its last tokens, as lm-eval's HF backend does
+            prompts = [requests[i].args[0] for i in idx]
+            kw = dict(max_new_tokens=s["max_new_tokens"], stop=s["until"], temperature=s["temperature"],
+                      seed=self.seed)
+            if can_cut_prompts(self.model):
+                texts, cuts = self.model.generate(prompts, truncate=True, return_cuts=True, **kw)
+            else:
+                texts, cuts = self.model.generate(prompts, **kw), [0]
+            n_cut = sum(1 for c in cuts if c)
+            if n_cut:
+                print(f"minicpm4-jax: warning: generate_until cut {n_cut} of {len(idx)} contexts from the left to "
+                      f"max_length={self.model.max_length} - max_gen_toks={s['max_new_tokens']} tokens (up to "
+                      f"{max(cuts)} tokens each)", file=sys.stderr)
             if len(texts) != len(idx):
                 raise RuntimeError(f"eval model returned {len(texts)} generations for {len(idx)} prompts")
             for i, t in zip(idx, texts):

@@ -262,28 +262,43 @@ class EvalModel:
         return tqdm(total=total, desc=desc, disable=not self.progress, leave=False)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0) -> list[str]:
+                 temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
+                 truncate: bool = False, return_cuts: bool = False) -> list[str] | tuple[list[str], list[int]]:
         """Continue each prompt; returns the continuation texts (cut before the first stop string, no EOS).
 
         Prompts are batched longest first (``batch_size`` per batch); prompt ``i`` uses seed ``seed + i``, so
         its text depends only on the prompt and the seed, never on the batching.
 
+        Args:
+            truncate: a prompt longer than ``max_length - max_new_tokens`` tokens keeps its last tokens (after
+                the prefix token), as lm-eval's Hugging Face backend cuts ``generate_until`` contexts; without it
+                such a prompt is refused (RULER: a needle is never cut away silently).
+            return_cuts: also return the prompt tokens cut from each prompt (0 when it fit).
+
         Raises:
-            ConfigError: an empty prompt, a prompt + ``max_new_tokens`` longer than ``max_length``, or bad
-                sampling values (one line naming the prompt index).
+            ConfigError: an empty prompt, a prompt + ``max_new_tokens`` longer than ``max_length`` (without
+                ``truncate``, or when ``max_new_tokens`` alone leaves no room), or bad sampling values (one line
+                naming the prompt index).
         """
         from minicpm4_jax.infer.sampling import SamplingParams
 
         stop = tuple(s for s in stop if s)
-        encoded = []
+        encoded, cuts = [], []
+        room = self.max_length - max_new_tokens - len(self.prefix_ids)  # prompt tokens that fit
         for i, p in enumerate(prompts):
-            ids = self.prefix_ids + list(self.tokenizer.encode(p))
+            body = list(self.tokenizer.encode(p))
+            ids = self.prefix_ids + body
             if not ids:
                 raise ConfigError(f"prompt {i} is empty and there is no prefix token; give some text")
+            cut = 0
             if len(ids) + max_new_tokens > self.max_length:
-                raise ConfigError(f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} > "
-                                  f"max_length={self.max_length}; shorten it or lower max_new_tokens")
+                if not truncate or room < 1:
+                    raise ConfigError(f"prompt {i} has {len(ids)} tokens + max_new_tokens={max_new_tokens} > "
+                                      f"max_length={self.max_length}; shorten it or lower max_new_tokens")
+                cut = len(body) - room
+                ids = self.prefix_ids + body[cut:]
             encoded.append(ids)
+            cuts.append(cut)
         eos = getattr(self.tokenizer, "eos_id", None)
         stop_ids = (eos,) if eos is not None and eos >= 0 else ()
         sampling = SamplingParams(temperature, top_k, top_p)
@@ -300,10 +315,10 @@ class EvalModel:
                     if toks and toks[-1] in stop_ids:
                         toks = toks[:-1]
                     text = self.tokenizer.decode(toks)
-                    cuts = [text.index(s) for s in stop if s in text]
-                    texts[r] = text[:min(cuts)] if cuts else text
+                    at = [text.index(s) for s in stop if s in text]
+                    texts[r] = text[:min(at)] if at else text
                 bar.update(len(rows))
-        return texts
+        return (texts, cuts) if return_cuts else texts
 
     # -- log-likelihoods ---------------------------------------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -27,6 +27,15 @@ every key, its type and default: minicpm4_jax/config.py (one dataclass per secti
 """
 
 
+class _Once(argparse.Action):
+    """A value option that may be given once: argparse keeps the last of repeated ones without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice; generate continues one prompt per run")
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``minicpm4`` command (``train``, ``generate``, ``import``, ``export``, ``eval``)."""
     p = argparse.ArgumentParser(
@@ -66,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a training run's out_dir or its checkpoints folder (the latest step unless --step); the "
                         "tokenizer is read from <out_dir>/tokenizer")
     g.add_argument("--step", type=int, default=None, metavar="N", help="the saved step to load (default: the latest)")
-    g.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue (must not be empty)")
+    g.add_argument("--prompt", required=True, metavar="TEXT", action=_Once,
+                   help="the text to continue (must not be empty; one prompt per run)")
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="how many tokens to add (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature; 0 = greedy, deterministic (default 0)")
@@ -79,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop when the continuation contains TEXT (repeatable; the text is cut before it; taken "
                         "literally: in bash write a newline as $'\\n')")
     g.add_argument("--sparse", action=argparse.BooleanOptionalAction, default=None,
-                   help="force InfLLM v2 sparse attention (the model's sparse_config, else the MiniCPM4.1 defaults) "
-                        "or, with --no-sparse, dense attention (default: as the model was trained)")
+                   help="run with InfLLM v2 attention (the model's sparse_config, else the MiniCPM4.1 defaults; "
+                        "a sequence shorter than its dense_len, 8192 for those defaults, stays dense) or, with "
+                        "--no-sparse, dense attention (default: as the model was trained)")
     g.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill step (a multiple of 16; default 512)")
     g.add_argument("--no-stream", action="store_true", help="print the text only when generation ends")

@@ -601,6 +601,27 @@ def inactive_draft_options(cfg: TrainConfig) -> list[str]:
     return [f"{k}={getattr(cfg, k)}" for k, off in MTP_DRAFT_FIELDS.items() if getattr(cfg, k) != off]
 
 
+def check_training_selection(cfg: TrainConfig) -> None:
+    """Refuse an InfLLM v2 ``topk`` / ``init_blocks`` above the number of blocks in ``max_position_embeddings``
+    for training (one-line ConfigError naming the count).
+
+    The selection keeps ``topk`` (+ window) columns per query whatever the length (field fault B04's shape), so a
+    huge ``topk`` meant as "all blocks" ran out of memory (35 GiB at ``topk=1e6``) instead of selecting every
+    block. Training only: inference and imports may run a model with more top-k than blocks (the MiniCPM4.1
+    defaults, topk 64, on a short-context model) at no such cost.
+    """
+    s = cfg.model.sparse_config
+    if cfg.model.attention != "infllmv2" or s is None:
+        return
+    n_blocks = -(-cfg.model.max_position_embeddings // s.block_size)
+    for nm in ("topk", "init_blocks"):
+        if getattr(s, nm) > n_blocks:
+            raise ConfigError(
+                f"model.sparse_config.{nm}={getattr(s, nm)} exceeds the {n_blocks} blocks of "
+                f"max_position_embeddings={cfg.model.max_position_embeddings} (block_size={s.block_size}); "
+                f"{nm}={n_blocks} already covers every block")
+
+
 def inactive_qat_options(cfg: TrainConfig) -> list[str]:
     """``qat.name=value`` of the QAT settings away from their defaults in a run with ``qat.enabled=false`` (a QAT
     preset trained in high precision, or a forgotten ``qat.enabled=true``): they have no effect."""
@@ -936,6 +957,7 @@ def validate_model(m: ModelConfig) -> None:
             )
         if s.dense_len < -1:
             raise ConfigError(f"model.sparse_config.dense_len={s.dense_len}; use -1 (always sparse) or a length >= 0")
+
         if m.attention_impl == "pallas" and (s.block_size < 16 or s.block_size & (s.block_size - 1)):
             raise ConfigError(f"model.sparse_config.block_size={s.block_size}: the Pallas kernels need a power of two "
                               ">= 16 (MiniCPM4: 64); change it or use model.attention_impl='xla'")

@@ -179,3 +179,12 @@ def test_eval_keeps_its_empty_optional_checkpoint(capsys, tmp_path, monkeypatch)
     except SystemExit:
         pass
     assert "is an empty path" not in capsys.readouterr().err
+
+
+def test_a_repeated_prompt_is_refused(tmp_path, capsys):
+    """Thirteenth-session break test: ``--prompt a --prompt b`` continued only "b" (argparse keeps the last)."""
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "a", "--prompt", "b"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "--prompt given twice; generate continues one prompt per run")

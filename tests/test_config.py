@@ -195,3 +195,16 @@ def test_yaml_keys_that_are_not_strings_are_one_line(tmp_path, text, match):
     p.write_text("base: cpu_tiny\n" + text)
     with pytest.raises(ConfigError, match=match):
         load_config(str(p))
+
+
+@pytest.mark.parametrize("key", ["topk", "init_blocks"])
+def test_sparse_topk_beyond_every_block_is_refused(key):
+    """Thirteenth-session break test: ``topk=1e9`` (meant as "all blocks") passed and the selection's topk columns
+    per query ran out of memory; training refuses more blocks than max_position_embeddings holds, naming the count
+    (run_training calls the check before anything is written; inference keeps any topk)."""
+    from minicpm4_jax.config import check_training_selection
+
+    with pytest.raises(ConfigError, match=rf"model.sparse_config.{key}=257 exceeds the 256 blocks of "
+                                          rf"max_position_embeddings=8192 \(block_size=32\); {key}=256 already"):
+        check_training_selection(load_config("cpu_tiny_sparse", [f"model.sparse_config.{key}=257"]))
+    check_training_selection(load_config("cpu_tiny_sparse", [f"model.sparse_config.{key}=256"]))

@@ -151,6 +151,31 @@ def test_generate_budget_counts_the_new_tokens(dense_model):
         em.generate([prompt], max_new_tokens=14)
 
 
+def test_generation_prompts_are_cut_from_the_left_when_asked_and_counted(dense_model, capsys):
+    """Thirteenth-session break test: a generation task whose prompt did not fit max_length - budget stopped the
+    whole `eval bench` run (losing the tasks already scored) with a fix it cannot apply, and the lm-eval backend
+    refused where lm-eval's HF backend cuts. Now the prompt keeps its last tokens after the prefix, the cut is
+    counted per item and task, and RULER (no ``truncate``) still refuses."""
+    from minicpm4_jax.eval.bench.gen import score_gen
+
+    em = EvalModel(dense_model, TOK, max_length=32, progress=False)
+    long, short = "y = " + "9" * 30 + " + 1", "x = 5"  # 38 and 5 tokens (+ the EOS prefix)
+    assert len(TOK.encode(long)) == 38
+    texts, cuts = em.generate([long, short], max_new_tokens=6, truncate=True, return_cuts=True)
+    assert cuts == [38 - (32 - 6 - 1), 0]
+    kept = TOK.decode(TOK.encode(long)[cuts[0]:])
+    assert texts[0] == em.generate([kept], max_new_tokens=6)[0]  # the same text as the cut prompt given whole
+    assert texts[1] == em.generate([short], max_new_tokens=6)[0]
+    with pytest.raises(ConfigError, match=r"prompt 0 has 39 tokens \+ max_new_tokens=6 > max_length=32"):
+        em.generate([long], max_new_tokens=6)
+    with pytest.raises(ConfigError, match=r"max_new_tokens=31 > max_length=32"):  # no room left for any prompt
+        em.generate([long], max_new_tokens=31, truncate=True)
+    items = [{"id": "a", "prompt": long, "until": ["\n"], "max_new_tokens": 6, "extract": "gsm8k", "gold": "1"},
+             {"id": "b", "prompt": short, "until": ["\n"], "max_new_tokens": 6, "extract": "gsm8k", "gold": "5"}]
+    recs, agg = score_gen(em, items)
+    assert agg["truncated"] == 1 and recs[0]["context_cut_tokens"] == cuts[0] and "context_cut_tokens" not in recs[1]
+
+
 def test_loglikelihood_sparse_model_dispatches_per_row():
     model = MiniCPM4(SPARSE, rngs=nnx.Rngs(1))
     em = EvalModel(model, TOK, batch_size=2, progress=False)

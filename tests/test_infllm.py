@@ -501,6 +501,19 @@ def test_b03_causal_mask_before_topk(variant):
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])
 @pytest.mark.parametrize("t_len", [1, 31, 32, 63, 64, 65, 100, 129])
 def test_b04_topk_larger_than_block_count(variant, t_len, impl):
+    _b04(variant, t_len, impl)
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+@pytest.mark.parametrize("t_len", [1, 64, 65, 129])
+def test_b04_pallas_block_lists_are_checkify_clean(variant, t_len):
+    """Thirteenth-session break test: the Pallas path's block lists scattered dropped entries out of bounds
+    (``mode="drop"``), so B04's index check failed there although the output was right; the spare slot is now a
+    real column."""
+    _b04(variant, t_len, "pallas")
+
+
+def _b04(variant, t_len, impl):
     cfg = dataclasses.replace(TINY, variant=variant, topk=16, dense_len=0)
     p = select_params(cfg)
     q, k, v = _qkv(80 + t_len, 1, t_len, 8, 2, 32)
@@ -711,3 +724,13 @@ def test_select_blocks_with_causal_stage1_equals_untiled_selection():
     got = select_blocks(q, k, q_positions=pos, params=p, q_tile=128).topk_idx
     want = selection_scores(q, k, q_positions=pos, params=p)["topk_idx"]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_a_zero_window_is_refused_by_the_api_as_by_the_config(variant):
+    """Thirteenth-session break test: ``window_size=0`` (refused by the YAML validation) passed the Python API; with
+    gen-1 the block-0 queries selected nothing (their own block is invalidated) while stage 2 still forced the init
+    block, so the output did not follow the selection."""
+    with pytest.raises(ValueError, match=r"window_size=0 must be a positive multiple of block_size=64"):
+        select_params(SparseConfig(window_size=0, topk=2, variant=variant, dense_len=0))
+    assert select_params(SparseConfig(window_size=64, topk=2, variant=variant, dense_len=0)).local_blocks == 1

@@ -186,6 +186,32 @@ def test_rolling_and_generate_until():
     assert ("generate", 5, ("\n\n",), 0.0) in gens and ("generate", 17, ("apples",), 0.0) in gens
 
 
+class CuttingEvalModel(ScriptedEvalModel):
+    """The protocol with EvalModel's left cut of generation prompts: every prompt over 4 characters is cut."""
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), temperature=0.0, seed=0, truncate=False,
+                 return_cuts=False):
+        self.calls.append(("generate", max_new_tokens, truncate))
+        texts = [f" {len(p) % 7} apples." for p in prompts]
+        cuts = [max(0, len(p) - 4) for p in prompts]
+        return (texts, cuts) if return_cuts else texts
+
+
+@needs_lm_eval
+def test_generate_until_cuts_long_contexts_like_the_hf_backend_and_says_so(capsys):
+    """Thirteenth-session break test: generate_until refused a context longer than max_length - max_gen_toks
+    (lm-eval's HF backend keeps its last tokens); the backend now asks the model to cut and reports it."""
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = CuttingEvalModel(max_length=64)
+    lm = MiniCPM4LM(model=m, max_gen_toks=9)
+    outs = lm.generate_until([_inst("generate_until", ("Q1", {"until": ["\n\n"]}), 0),
+                              _inst("generate_until", ("Question 22", {"until": ["\n\n"]}), 1)])
+    assert outs == [" 2 apples.", " 4 apples."] and ("generate", 9, True) in m.calls
+    err = capsys.readouterr().err
+    assert "generate_until cut 1 of 2 contexts from the left to max_length=64 - max_gen_toks=9 tokens (up to 7" in err
+
+
 def _local_tasks(tmp_path):
     bench = shared_path("data", "benchmarks")
     out = tmp_path / "tasks"

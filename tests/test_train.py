@@ -943,6 +943,15 @@ def test_special_ids_that_are_not_the_tokenizers_are_refused_before_writing(corp
     assert special_id_mismatches(tok, load_config(None, ["model.eos_token_id=[7, 2]"]).model) == []
 
 
+def test_training_refuses_a_topk_beyond_every_block(corpus, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    err = _train_error(tiny_overrides(corpus, cache_dir, out, **{
+        "model.attention": "infllmv2", "model.sparse_config.block_size": 32, "model.sparse_config.window_size": 32,
+        "model.sparse_config.topk": 5}))
+    assert err.startswith("model.sparse_config.topk=5 exceeds the 4 blocks of max_position_embeddings=128"), err
+    assert not out.exists()
+
+
 def test_a_shared_checkpoint_directory_names_that_key(corpus, cache_dir, tmp_path):
     """Sixth break test: a second run with its own out_dir but the first run's checkpoint.directory was told to
     "choose another out_dir", which changes nothing."""

@@ -76,8 +76,8 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 
-from minicpm4_jax.config import (ConfigError, TrainConfig, config_to_dict, inactive_draft_options,
-                                 inactive_qat_options)
+from minicpm4_jax.config import (ConfigError, TrainConfig, check_training_selection, config_to_dict,
+                                 inactive_draft_options, inactive_qat_options)
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
@@ -560,6 +560,7 @@ def run_training(
     step: int | None = None  # completed updates (set once the training loop starts)
     try:
         # acceptance checks: all before data preparation and before any write into out_dir
+        check_training_selection(cfg)
         mesh = make_mesh(cfg.mesh)
         check_batch_size(cfg.data.batch_size, mesh, cfg.gradient_accumulation_steps)
         check_vocab_size(cfg.model.padded_vocab_size, mesh)

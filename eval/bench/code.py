@@ -37,7 +37,8 @@ def score_code(model, items: list[dict], *, n_samples: int = 1, ks: Sequence[int
     check_isolation()  # refuse (one line) before spending time on generation
     if temperature is None:
         temperature = 0.0 if n_samples == 1 else 0.8
-    gens = generate_all(model, items, temperature=temperature, seed=seed, n_samples=n_samples)
+    cuts: list[int] = []
+    gens = generate_all(model, items, temperature=temperature, seed=seed, n_samples=n_samples, cuts=cuts)
     programs = [build_program(it, g) for it, gs in zip(items, gens) for g in gs]
     results = run_programs(programs, limits or SandboxLimits(), workers=workers, progress=len(programs) > 20,
                            check_end=True)  # a program that exits before its tests finish fails
@@ -53,9 +54,12 @@ def score_code(model, items: list[dict], *, n_samples: int = 1, ks: Sequence[int
         for k in per_k:
             rec[f"pass@{k}"] = pass_at_k(len(gs), c, k)
             per_k[k].append(rec[f"pass@{k}"])
+        if cuts[len(out)]:
+            rec["context_cut_tokens"] = cuts[len(out)]
         out.append(rec)
     agg = {f"pass@{k}": (float(np.mean(v)) if v else 0.0) for k, v in per_k.items()}
     agg["n"] = len(items)
     agg["samples_per_problem"] = n_samples
     agg["temperature"] = temperature
+    agg["truncated"] = sum(1 for c in cuts if c)
     return out, agg

@@ -140,12 +140,6 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
             entry = {"metric": "acc", "score": 100.0 * agg["acc"], "n": agg["n"], "acc": 100.0 * agg["acc"]}
             if "acc_norm" in agg:
                 entry["acc_norm"] = 100.0 * agg["acc_norm"]
-            if agg.get("truncated"):  # lm-eval's left cut to max_length: say so, the score is not full-context
-                entry["truncated"] = agg["truncated"]
-                if log:
-                    log(f"warning: {task.name}: {agg['truncated']} of {agg['n']} items had their context cut from "
-                        f"the left to max_length={getattr(model, 'max_length', '?')} tokens ({task.k_shot}-shot); "
-                        "their scores are not full-context scores (fewer --k-shot, or a longer max_length)")
         elif task.kind == "gen":
             recs, agg = score_gen(model, task.items, seed=seed, math_timeout=math_timeout)
             entry = {"metric": "exact_match", "score": 100.0 * agg["exact_match"], "n": agg["n"]}
@@ -161,6 +155,13 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
             for k in pass_ks:
                 if f"pass@{k}" in agg:
                     entry[f"pass@{k}"] = 100.0 * agg[f"pass@{k}"]
+        if agg.get("truncated"):  # lm-eval's left cut to max_length: say so, the score is not full-context
+            entry["truncated"] = agg["truncated"]
+            if log:
+                budget = " minus the generation budget" if task.kind != "mc" else ""
+                log(f"warning: {task.name}: {agg['truncated']} of {agg['n']} items had their context cut from "
+                    f"the left to max_length={getattr(model, 'max_length', '?')} tokens{budget} ({task.k_shot}-shot); "
+                    "their scores are not full-context scores (fewer --k-shot, or a longer max_length)")
         if task.kind != "code":
             subs = _subtask_scores(recs)
             if len(subs) > 1:

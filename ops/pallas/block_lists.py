@@ -146,13 +146,14 @@ def build_block_lists(topk_idx: jax.Array, q_positions: jax.Array, *, block_size
     ent_t = ent.reshape(rows, tq, e)
     slots = jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left"))(lst_r, ent_t.reshape(rows, tq * e))
     slots = slots.reshape(rows, tq, e).astype(jnp.int32)
-    slots = jnp.where(ent_t < _BIG, slots, m)  # invalid entries (and any beyond max_blocks) -> dropped
+    slots = jnp.where(ent_t < _BIG, slots, m)  # invalid entries (and any beyond max_blocks) -> the spare slot m
     r_idx = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], (rows, e))
-    words = jnp.zeros((rows, m), jnp.uint32)
+    # every index in bounds (slot m is a spare column, dropped below), so checkify's index checks stay quiet
+    words = jnp.zeros((rows, m + 1), jnp.uint32)
     for tok in range(tq):  # the same bit may be set twice (window and top-k overlap): max is idempotent
         bit = jnp.uint32(1 << tok)
-        words = words | jnp.zeros((rows, m), jnp.uint32).at[r_idx, slots[:, tok]].max(bit, mode="drop")
-    words = jax.lax.bitcast_convert_type(words, jnp.int32).reshape(b, nkv, nt, m)
+        words = words | jnp.zeros((rows, m + 1), jnp.uint32).at[r_idx, slots[:, tok]].max(bit)
+    words = jax.lax.bitcast_convert_type(words[:, :m], jnp.int32).reshape(b, nkv, nt, m)
 
     # --- inverse lists (CSR by block)
     slot_ok = jnp.arange(m, dtype=jnp.int32) < counts[..., None]  # [b, h, n, m]
