@@ -1226,3 +1226,29 @@ def test_step_tracer_window_resume_and_early_stop(tmp_path):
     (tmp_path / "d" / "profile").write_text("a file")
     with pytest.raises(ConfigError, match="profile folder .* cannot be created"):
         _StepTracer(cfg, tmp_path / "d", said.append)
+
+
+def test_run_history_file_rows_up_to_the_resume_and_write_failures(tmp_path):
+    """metrics.jsonl: a resume keeps the rows up to its checkpoint step (later ones are trained again) and skips
+    lines it cannot read; a file it cannot write (a folder in its place) is one warning, never a failed run."""
+    from minicpm4_jax.train.metrics import RunHistory
+
+    path = tmp_path / "metrics.jsonl"
+    h = RunHistory(path, start=0, write=True, log=pytest.fail)
+    for step in (2, 4, 6):
+        h.log({"step": step, "loss": 10.0 - step, "tokens_per_second": 100.0 * step})
+    h.evaluation(4, 5.5)
+    with open(path, "a") as f:
+        f.write("not json\n")
+    said: list[str] = []
+    r = RunHistory(path, start=4, write=True, log=said.append)
+    assert [x["step"] for x in r.history] == [2, 4] and r.val_history == [(4, 5.5)] and r.skipped == 1
+    assert r.median_rate() == 300.0 and not said
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [2, 4, 4]  # rewritten, row 6 gone
+    r.evaluation(4, 5.0)  # the final evaluation of a resumed finished run replaces the one at its step
+    assert r.val_history == [(4, 5.0)] and path.read_text().count('"val"') == 1
+    blocked = tmp_path / "b" / "metrics.jsonl"
+    blocked.mkdir(parents=True)
+    b = RunHistory(blocked, start=0, write=True, log=said.append)
+    b.log({"step": 2, "loss": 1.0})
+    assert len(said) == 1 and f"cannot write {blocked}" in said[0] and b.history == [{"step": 2, "loss": 1.0}]

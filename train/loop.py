@@ -788,7 +788,7 @@ def run_training(
         # its source's up to the branch point, which it shares
         seed = (RunHistory.read(branch_src.directory.parent / METRICS_FILE, upto=start)
                 if branch_src is not None else None)
-        hist = RunHistory(out_dir / METRICS_FILE, start=start, write=is_main, seed=seed)
+        hist = RunHistory(out_dir / METRICS_FILE, start=start, write=is_main, seed=seed, log=say)
         if hist.skipped:
             say(f"warning: {hist.skipped} unreadable line(s) of {hist.path} skipped (cut by a kill?)")
         if resume and start >= cfg.steps:

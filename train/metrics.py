@@ -39,6 +39,7 @@ class RunHistory:
             dropped from the file and the lists, the steps are trained again).
         write: whether this process writes the file (process 0).
         seed: rows that came before this run (a branch: the source run's history up to the branch step).
+        log: where a write failure is reported (once; the run goes on without the file, as without TensorBoard).
 
     Attributes:
         history: the logged training rows, ``[{"step": N, "loss": ..., ...}]`` in step order.
@@ -46,9 +47,11 @@ class RunHistory:
         skipped: lines of the file that could not be read (a line cut by a kill, another program's text).
     """
 
-    def __init__(self, path: str | Path, *, start: int, write: bool, seed: "RunHistory | None" = None):
+    def __init__(self, path: str | Path, *, start: int, write: bool, seed: "RunHistory | None" = None,
+                 log: Callable[[str], None] = print):
         self.path = Path(path)
         self._write = write
+        self._log = log
         self.history: list[dict[str, float]] = []
         self.val_history: list[tuple[int, float]] = []
         self.skipped = 0
@@ -57,26 +60,37 @@ class RunHistory:
             self.val_history = [v for v in seed.val_history if v[0] <= start]
         elif start > 0:
             self._read(start)
-        if write:
-            tmp = self.path.with_name("." + self.path.name + ".tmp")  # a dotfile: never taken for a run entry
+        self._rewrite()  # rows past `start` (never checkpointed) are gone
+
+    def _failed(self, e: OSError) -> None:
+        self._write = False
+        self._log(f"warning: cannot write {self.path} ({e.strerror or e}); the run goes on without its history "
+                  "file (summary.json still gets this run's rows)")
+
+    def _rewrite(self) -> None:
+        if not self._write:
+            return
+        tmp = self.path.with_name("." + self.path.name + ".tmp")  # a dotfile: never taken for a run entry
+        try:
             with open(tmp, "w") as f:
-                for line in self._lines():
-                    f.write(line + "\n")
-            os.replace(tmp, self.path)  # rows past `start` (never checkpointed) are gone, atomically
+                f.writelines(line + "\n" for line in self._lines())
+            os.replace(tmp, self.path)  # atomically
+        except OSError as e:
+            self._failed(e)
 
     @classmethod
     def read(cls, path: str | Path, upto: int) -> "RunHistory":
         """The rows of the history file at ``path`` up to step ``upto`` (a branch's source run), read only."""
         h = cls.__new__(cls)
-        h.path, h._write, h.history, h.val_history, h.skipped = Path(path), False, [], [], 0
+        h.path, h._write, h._log, h.history, h.val_history, h.skipped = Path(path), False, print, [], [], 0
         h._read(upto)
         return h
 
     def _read(self, upto: int) -> None:
         try:
             text = self.path.read_text()
-        except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
-            return  # a run from before this file existed: its history starts at the resume
+        except (OSError, UnicodeDecodeError):
+            return  # a run from before this file existed (or an unreadable one): its history starts at the resume
         for line in text.splitlines():
             try:
                 rec = json.loads(line)
@@ -100,8 +114,11 @@ class RunHistory:
 
     def _append(self, rec: dict) -> None:
         if self._write:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            except OSError as e:
+                self._failed(e)
 
     def log(self, row: dict[str, float]) -> None:
         """Record a logged training row (it holds ``step``)."""
@@ -113,10 +130,7 @@ class RunHistory:
         finished) replaces the first."""
         if self.val_history and self.val_history[-1][0] == step:
             self.val_history[-1] = (step, loss)
-            if self._write:  # rewrite: the file holds each evaluation once
-                tmp = self.path.with_name("." + self.path.name + ".tmp")  # a dotfile: never taken for a run entry
-                tmp.write_text("".join(line + "\n" for line in self._lines()))
-                os.replace(tmp, self.path)
+            self._rewrite()  # the file holds each evaluation once
             return
         self.val_history.append((step, loss))
         self._append({"kind": "val", "step": step, "loss": loss})
