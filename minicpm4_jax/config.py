@@ -702,7 +702,8 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
         if not isinstance(key, str):  # YAML reads `1:`, `3.5:`, `off:` as a number / boolean
-            raise ConfigError(f"config key {path!r} ({type(key).__name__}) is not a field name; the keys of "
+            hint = " (YAML reads on/off/yes/no as booleans)" if isinstance(key, bool) else ""
+            raise ConfigError(f"config key {path!r} ({type(key).__name__}{hint}) is not a field name; the keys of "
                               f"{where or 'the config'} are names such as {names[0]!r}")
         if key not in names:
             raise ConfigError(f"unknown config key {path!r}{_suggest(key, names)}")

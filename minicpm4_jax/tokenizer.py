@@ -632,22 +632,30 @@ def special_id_mismatches(tok: Any, model_cfg: Any) -> list[str]:
 
 def _split_long(line: str, limit: int) -> list[str]:
     """``line`` in pieces of at most ``limit`` UTF-8 bytes, each cut before a space where one lies in the piece's
-    second half (else inside a word, on a character boundary)."""
+    second half (else inside a word, on a character boundary). Linear in the line's length."""
+    def nbytes(a: int, b: int) -> int:
+        return len(line[a:b].encode("utf-8", "surrogatepass"))
+
+    n = len(line)
+    if n * 4 <= limit or nbytes(0, n) <= limit:
+        return [line]
     out: list[str] = []
-    while len(line) * 4 > limit and len(line.encode("utf-8", "surrogatepass")) > limit:
-        lo, hi = 0, min(len(line), limit)  # the longest prefix within the limit (bytes >= chars)
+    pos = 0
+    while pos < n:
+        lo, hi = 1, min(n - pos, limit)  # the longest piece within the limit (bytes >= characters)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if len(line[:mid].encode("utf-8", "surrogatepass")) <= limit:
+            if nbytes(pos, pos + mid) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
-        space = line.rfind(" ", lo // 2, lo)
-        cut = space if space > 0 else lo
-        out.append(line[:cut])
-        line = line[cut:]
-    if line:
-        out.append(line)
+        if pos + lo >= n:
+            out.append(line[pos:])
+            break
+        space = line.rfind(" ", pos + lo // 2, pos + lo)
+        cut = space if space > pos else pos + lo
+        out.append(line[pos:cut])
+        pos = cut
     return out
 
 
@@ -746,6 +754,12 @@ def train_tokenizer(
         )
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if need:  # every distinct character needs a piece: the vocabulary is too small, not too large
+            raise ConfigError(
+                f"tokenizer training with vocab_size={vocab_size} failed: the corpus has characters for "
+                f"{need.group(1)} pieces (with the special ones); raise data.tokenizer_vocab_size to >= "
+                f"{need.group(1)}") from None
         raise ConfigError(
             f"tokenizer training with vocab_size={vocab_size} failed ({msg}); lower data.tokenizer_vocab_size "
             "or give a larger corpus"

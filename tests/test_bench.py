@@ -482,3 +482,21 @@ def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch)
     assert run(args) == 0
     res = json.loads((tmp_path / "out" / "bench_results.json").read_text())
     assert set(res["scores"]["tasks"]) == {"mmlu"} and (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+def test_a_generation_budget_without_room_for_a_prompt_is_refused_before_any_task():
+    """Thirteenth-session break test: with gsm8k's 256-token budget (math500: 512) on a model whose max_length
+    left no room for a prompt, `eval bench` scored the tasks before it, then stopped with "prompt 0 has N tokens"
+    and wrote nothing. Now one line names the task before anything runs."""
+    from minicpm4_jax.eval.bench.readers import DataError
+    from minicpm4_jax.eval.bench.run import evaluate
+
+    class Short(RandomModel):
+        max_length, prefix_ids = 256, [2]
+
+        def loglikelihood(self, reqs):
+            raise AssertionError("mmlu ran before the refusal")
+
+    with pytest.raises(DataError, match=r"^gsm8k generates up to 256 tokens but the model's max_length is 256 "
+                                         r"\(prefix included\), so no prompt token fits: leave gsm8k out"):
+        evaluate(Short(), ["mmlu", "gsm8k"], _bench_dir(), limit=2, log=None)

@@ -187,7 +187,7 @@ def test_float16_parameters_are_refused_for_training():
 @pytest.mark.parametrize("text, match", [
     ("1: 2\n", r"config key 1 \(int\) is not a field name; the keys of the config are names such as 'model'"),
     ("model:\n  3: 4\n", r"config key 'model.3' \(int\) is not a field name; the keys of model are names"),
-    ("off: 2\n", r"config key False \(bool\) is not a field name"),
+    ("off: 2\n", r"config key False \(bool \(YAML reads on/off/yes/no as booleans\)\) is not a field name"),
 ])
 def test_yaml_keys_that_are_not_strings_are_one_line(tmp_path, text, match):
     """Sixth break test: a YAML key read as a number or boolean crashed in the did-you-mean helper (difflib)."""

@@ -120,6 +120,13 @@ def test_train_tokenizer_learns_from_lines_longer_than_the_trainers_limit(tmp_pa
     assert tok.decode(tok.encode(long_line)) == long_line
 
 
+def test_a_vocabulary_smaller_than_the_corpus_characters_says_raise_it(tmp_path):
+    """Break test: SentencePiece's "smaller than required_chars" was followed by "lower data.tokenizer_vocab_size"."""
+    text = "".join(chr(0x4E00 + i) for i in range(120)) * 50  # 120 distinct characters
+    with pytest.raises(ConfigError, match=r"raise data.tokenizer_vocab_size to >= \d+$"):
+        train_tokenizer([text], 300, tmp_path, log=lambda m: None)
+
+
 def test_train_tokenizer_deterministic_and_cached(tmp_path):
     corpus = _code_corpus()
     logs: list[str] = []

@@ -153,8 +153,12 @@ def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
         f.write(json.dumps({"kind": "train", "step": 6, "loss": 99.0}) + "\n" + '{"kind": "val", "st')
     # fresh objects, resume to the end
     said: list[str] = []
+    (tmp_path / "half" / "summary.json").write_text('{"step": 2, "stale": true}')  # an earlier segment's
+    seen: list[bool] = []
     s2 = run_training(load_config(None, tiny_overrides(corpus, cache_dir, tmp_path / "half")), resume=True,
-                      log=said.append, progress=False)
+                      log=said.append, progress=False,
+                      step_hook=lambda step, st: seen.append((tmp_path / "half" / "summary.json").exists()) or st)
+    assert seen and not any(seen)  # removed at the start: a signal stop now would leave none, not a stale one
     assert s2["step"] == 8
     assert any("1 unreadable line(s) of" in m for m in said), said
     # fifth break test: summary.json held only the steps since the resume (history 6, 8; val_history 8)
@@ -168,7 +172,7 @@ def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
                       log=said.append, progress=False)
     assert any("nothing to train" in m for m in said), said
     assert s3["history"] == s2["history"] and s3["val_history"] == s2["val_history"]
-    assert np.isfinite(s3["tokens_per_second"]) and s3["train_loss"] == s2["history"][-1]["loss"]
+    assert np.isfinite(s3["tokens_per_second"]) and s3["train_loss"] == s2["train_loss"]  # the last step's own loss
     lines = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in lines] == [("train", 2), ("train", 4), ("val", 4), ("train", 6),
                                                        ("train", 8), ("val", 8)]
@@ -1247,6 +1251,13 @@ def test_run_history_file_rows_up_to_the_resume_and_write_failures(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [2, 4, 4]  # rewritten, row 6 gone
     r.evaluation(4, 5.0)  # the final evaluation of a resumed finished run replaces the one at its step
     assert r.val_history == [(4, 5.0)] and path.read_text().count('"val"') == 1
+    # break test: one non-UTF-8 byte dropped the whole file (every row lost on the rewrite); a string or infinite
+    # step crashed the sort; a rate of 0 divided by zero in summary.json's step time
+    with open(path, "ab") as f:
+        f.write(b'\xff\n{"kind": "train", "step": "5", "loss": 1.0}\n{"kind": "train", "step": Infinity}\n'
+                b'{"kind": "train", "step": 5, "loss": 1.0, "tokens_per_second": 0}\n')
+    r2 = RunHistory(path, start=6, write=True, log=said.append)
+    assert [x["step"] for x in r2.history] == [2, 4, 5] and r2.skipped == 3 and r2.median_rate() == 300.0
     blocked = tmp_path / "b" / "metrics.jsonl"
     blocked.mkdir(parents=True)
     b = RunHistory(blocked, start=0, write=True, log=said.append)

@@ -593,7 +593,7 @@ def run_training(
                 "they have no effect")
         inactive = inactive_qat_options(cfg)
         if inactive:
-            say(f"qat.enabled=false: {', '.join(inactive)} have no effect (the run trains in high precision; "
+            say(f"qat.enabled=false, so without effect: {', '.join(inactive)} (the run trains in high precision; "
                 "qat.enabled=true turns QAT on)")
         data_api = _data_api()
         data = data_api.prepare_data(cfg.data, log=say)
@@ -621,6 +621,9 @@ def run_training(
         if is_main:
             tok.save(out_dir / "tokenizer")
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+            # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one is
+            # stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
+            (out_dir / "summary.json").unlink(missing_ok=True)
             if not resume:  # the record of what the run started with: never rewritten on a resume
                 write_run_data(out_dir, data.manifest)
 
@@ -847,7 +850,8 @@ def run_training(
                     row["ternary_zero_fraction"], row["ternary_scale"] = qs["zero_fraction"], qs["scale"]
                     if writer is not None:
                         writer.scalars(step, qs, prefix="qat")
-                hist.log({"step": step, **row})
+                # (the file also keeps the last step's own loss: a resume with nothing left to train reports it)
+                hist.log({"step": step, **row, "last_step_loss": last_vals["loss"]})
                 if writer is not None:
                     writer.scalars(step, row, prefix="train")
                 msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
@@ -977,7 +981,10 @@ def run_training(
         wait_ckpt()
         # the whole run's median (a resumed run's rows before the resume included)
         tokens_per_second = hist.median_rate()
-        last = last_vals or (hist.history[-1] if hist.history else {})  # a resume with nothing to train
+        last = last_vals
+        if not last and hist.history:  # a resume with nothing to train: the last logged row, with its step's loss
+            last = {**hist.history[-1]}
+            last["loss"] = last.get("last_step_loss", last.get("loss"))
         summary = {
             "step": step,
             "stop_reason": stop_reason,
@@ -995,7 +1002,7 @@ def run_training(
             "unigram_heldout_xent": held["unigram"],
             "bigram_heldout_xent": held["bigram"],
             "tokens_per_second": tokens_per_second,
-            "step_time_s": global_batch * t / tokens_per_second,
+            "step_time_s": global_batch * t / tokens_per_second if tokens_per_second > 0 else float("nan"),
             "mfu": mfu(cfg.model, t, tokens_per_second, peak),
             "peak_flops": peak,
             "num_params": n_params,

@@ -88,13 +88,15 @@ class RunHistory:
 
     def _read(self, upto: int) -> None:
         try:
-            text = self.path.read_text()
-        except (OSError, UnicodeDecodeError):
+            raw = self.path.read_bytes()
+        except OSError:
             return  # a run from before this file existed (or an unreadable one): its history starts at the resume
-        for line in text.splitlines():
+        for line in raw.decode("utf-8", "replace").splitlines():  # a damaged line fails alone, below
             try:
                 rec = json.loads(line)
-                kind, step = rec.pop("kind"), int(rec["step"])
+                kind, step = rec.pop("kind"), rec["step"]
+                if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                    raise TypeError(step)
             except (ValueError, KeyError, TypeError, AttributeError):
                 self.skipped += line.strip() != ""
                 continue
@@ -138,7 +140,8 @@ class RunHistory:
     def median_rate(self) -> float:
         """Median logged tokens/s over the whole run (NaN when nothing was logged)."""
         rates = [h["tokens_per_second"] for h in self.history
-                 if isinstance(h.get("tokens_per_second"), (int, float)) and math.isfinite(h["tokens_per_second"])]
+                 if isinstance(h.get("tokens_per_second"), (int, float)) and math.isfinite(h["tokens_per_second"])
+                 and h["tokens_per_second"] > 0]
         if not rates:
             return float("nan")
         rates.sort()

@@ -129,6 +129,15 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
         check_isolation()
     shots = parse_k_shot(k_shot, names)
     loaded: list[Task] = [load_task(t, data_dir, k_shot=shots.get(t), limit=limit, seed=seed) for t in names]
+    max_length = getattr(model, "max_length", None)
+    if isinstance(max_length, int):  # before any task runs: a budget with no room for a prompt would stop the run
+        room = max_length - len(getattr(model, "prefix_ids", []) or [])
+        for task in loaded:
+            budget = max((int(it.get("max_new_tokens", 0)) for it in task.items if task.kind != "mc"), default=0)
+            if budget >= room:
+                raise DataError(f"{task.name} generates up to {budget} tokens but the model's max_length is "
+                                f"{max_length} (prefix included), so no prompt token fits: leave {task.name} out, "
+                                "or evaluate a model with more positions")
     base = Path(data_dir)
     datasets: dict[str, str] = {}
     scores: dict = {"tasks": {}}
@@ -159,9 +168,10 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
             entry["truncated"] = agg["truncated"]
             if log:
                 budget = " minus the generation budget" if task.kind != "mc" else ""
+                fix = "fewer --k-shot, or a longer max_length" if task.k_shot else "a model with a longer max_length"
                 log(f"warning: {task.name}: {agg['truncated']} of {agg['n']} items had their context cut from "
                     f"the left to max_length={getattr(model, 'max_length', '?')} tokens{budget} ({task.k_shot}-shot); "
-                    "their scores are not full-context scores (fewer --k-shot, or a longer max_length)")
+                    f"their scores are not full-context scores ({fix})")
         if task.kind != "code":
             subs = _subtask_scores(recs)
             if len(subs) > 1:
