@@ -119,8 +119,8 @@ def select_params(cfg: SparseConfig, *, kernel_offby1_quirk: bool = False,
 
     Raises:
         ValueError: unknown ``variant`` / ``score_dtype``, or a geometry the algorithm cannot express
-            (block_size or kernel_size not a multiple of kernel_stride, window not a positive multiple of
-            block_size, non-positive sizes).
+            (block_size or kernel_size not a multiple of kernel_stride, window not a multiple of
+            block_size, no window with gen-1, non-positive sizes).
     """
     if cfg.variant not in ("gen1", "gen2"):
         raise ValueError(f"sparse_config.variant={cfg.variant!r}; use 'gen1' or 'gen2'")
@@ -132,11 +132,14 @@ def select_params(cfg: SparseConfig, *, kernel_offby1_quirk: bool = False,
     if cfg.block_size % cfg.kernel_stride or cfg.kernel_size % cfg.kernel_stride:
         raise ValueError(f"block_size={cfg.block_size} and kernel_size={cfg.kernel_size} must be multiples "
                          f"of kernel_stride={cfg.kernel_stride}")
-    if cfg.window_size <= 0 or cfg.window_size % cfg.block_size:
-        # (0: gen-1 invalidates a query's own block, so block-0 queries would select nothing while stage 2 still
-        # forces the init block; both official variants have a local window)
-        raise ValueError(f"window_size={cfg.window_size} must be a positive multiple of "
+    if cfg.window_size < 0 or cfg.window_size % cfg.block_size:
+        raise ValueError(f"window_size={cfg.window_size} must be a non-negative multiple of "
                          f"block_size={cfg.block_size}")
+    if cfg.window_size == 0 and cfg.variant == "gen1":
+        # gen-1 invalidates a query's own block, so block-0 queries would select nothing while stage 2 still
+        # forces the init block (gen-2 without a window is consistent)
+        raise ValueError(f"window_size=0 with variant='gen1': gen-1 needs a local window of at least "
+                         f"block_size={cfg.block_size} (its own block)")
     local = cfg.window_size // cfg.block_size
     k_cfg = cfg.topk + local if cfg.variant == "gen2" else cfg.topk
     cks, cst = coarse_geometry(cfg.kernel_size, cfg.kernel_stride)
