@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -142,11 +143,7 @@ class RunHistory:
         rates = [h["tokens_per_second"] for h in self.history
                  if isinstance(h.get("tokens_per_second"), (int, float)) and math.isfinite(h["tokens_per_second"])
                  and h["tokens_per_second"] > 0]
-        if not rates:
-            return float("nan")
-        rates.sort()
-        m = len(rates) // 2
-        return rates[m] if len(rates) % 2 else 0.5 * (rates[m - 1] + rates[m])
+        return float(statistics.median(rates)) if rates else float("nan")
 
 
 class MetricsWriter:
