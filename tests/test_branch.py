@@ -178,6 +178,8 @@ def test_a_branch_resumes_its_own_checkpoints(corpus, cache_dir, tmp_path, sourc
     fresh = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "f", **kw), **QUIET)
     assert s["step"] == 14 and s["val_loss"] == fresh["val_loss"]
     assert json.loads((out / "summary.json").read_text())["step"] == 14
+    # the resumed segment no longer resolves the source, but its summary still names it (data.json's origin)
+    assert (s["branch_from"], s["branch_step"]) == (str(source / "checkpoints"), 8)
 
 
 def test_a_source_whose_corpus_changed_is_refused(corpus, cache_dir, tmp_path):  # noqa: F811

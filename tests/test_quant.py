@@ -324,6 +324,18 @@ def test_init_from_equals_the_in_run_switch(qat_runs):
     assert s["init_step"] == 8 and s["token_share"] == pytest.approx(0.5) and s["start_step"] == 0
 
 
+def test_a_resumed_init_from_run_still_reports_its_source(qat_runs):
+    """A ``--resume`` does not resolve ``qat.init_from`` again; the summary takes the source from the run's
+    data.json (it reported a token share of 1.0 and no source before)."""
+    root = qat_runs["root"]
+    init = load_config(None, _overrides(root, "init", steps=8, **{
+        "qat.enabled": True, "qat.init_from": str(root / "two"), "qat.init_step": 8}))
+    s = run_training(init, resume=True, log=lambda m: None, progress=False)
+    first = qat_runs["init"]["qat"]
+    assert s["step"] == 8 and s["qat"]["init_from"] == first["init_from"] and s["qat"]["init_step"] == 8
+    assert s["qat"]["init_tokens"] == first["init_tokens"] > 0 and s["qat"]["token_share"] == pytest.approx(0.5)
+
+
 def test_init_from_checks(qat_runs, tmp_path):
     root = qat_runs["root"]
     from minicpm4_jax.train.qat import resolve_init

@@ -185,6 +185,28 @@ def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
                                            abs=0.0)
 
 
+def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
+    """A signal at step 3 with log_every=4: steps 1..3 get a row at step 3 (they were never logged, and a resume
+    from the step-3 checkpoint does not train them again); the resumed run's next row covers step 4 alone."""
+    out = tmp_path / "run"
+
+    def stop_at_3(step, state):
+        if step == 2:  # flag set during update 3; the loop saves step 3 and stops
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state
+
+    kw = {"log_every": 4, "eval_every": 8}
+    s1 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), log=lambda _m: None, progress=False,
+                      step_hook=stop_at_3)
+    assert s1["stop_reason"] == "signal" and s1["step"] == 3
+    assert [h["step"] for h in s1["history"]] == [3]
+    s2 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume=True, log=lambda _m: None, progress=False)
+    rows = {h["step"]: h for h in s2["history"]}
+    assert sorted(rows) == [3, 4, 8]
+    assert rows[4]["loss"] == rows[4]["last_step_loss"]  # a window of one step: 1..3 are not counted again
+    assert rows[8]["loss"] != rows[8]["last_step_loss"]  # steps 5..8
+
+
 def test_resume_same_data_order(corpus, cache_dir, tmp_path):
     """The iterator restored from a checkpoint continues with exactly the batches an uninterrupted one yields."""
     from minicpm4_jax.train import data as data_api

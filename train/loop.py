@@ -477,13 +477,28 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
                 + f"; {fix}")
 
 
-def write_run_data(out_dir: Path, manifest: dict) -> None:
-    """Record the corpus and tokenizer hashes of a fresh run (``out_dir/data.json``)."""
+def write_run_data(out_dir: Path, manifest: dict, origin: dict | None = None) -> None:
+    """Record the corpus and tokenizer hashes of a fresh run (``out_dir/data.json``), and ``origin``: the checkpoint
+    a branch or a QAT-from-checkpoint run started from (``branch_from`` / ``branch_step``, ``init_from`` /
+    ``init_step`` / ``init_tokens``), which a ``--resume`` no longer resolves but its summary reports."""
     keep = ("corpus_hash", "tokenizer_hash", "key", "num_train_tokens", "num_val_tokens", "sources")
     rec = {k: manifest[k] for k in keep if k in manifest}
+    if origin:
+        rec["origin"] = origin
     tmp = out_dir / f".{_DATA_RECORD}.tmp"
     tmp.write_text(json.dumps(rec, indent=1))
     os.replace(tmp, out_dir / _DATA_RECORD)
+
+
+def read_run_origin(out_dir: Path) -> dict:
+    """The ``origin`` :func:`write_run_data` recorded for a run (``{}`` when it has none, or the record is missing
+    or unreadable: the summary then leaves those fields out, as it did before the record existed)."""
+    try:
+        saved = json.loads((out_dir / _DATA_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    origin = saved.get("origin") if isinstance(saved, dict) else None
+    return origin if isinstance(origin, dict) else {}
 
 
 def _fmt_rate(x: float) -> str:
@@ -587,6 +602,17 @@ def run_training(
 
             init_src = resolve_init(cfg)
 
+        # where the weights came from: resolved now, or (on --resume, which no longer resolves the sources) read
+        # back from the record the run's first segment wrote, so that every segment's summary names them
+        if resume:
+            origin = read_run_origin(out_dir)
+        else:
+            origin = {}
+            if branch_src is not None:
+                origin.update(branch_from=str(branch_src.directory), branch_step=branch_src.step)
+            if init_src is not None:
+                origin.update(init_from=str(init_src.directory), init_step=init_src.step,
+                              init_tokens=init_src.step * init_src.cfg.data.batch_size * init_src.cfg.data.seq_len)
         inactive = inactive_draft_options(cfg)
         if inactive:
             say(f"model.mtp=false: {', '.join(inactive)} shape the MTP draft head, which this run does not have; "
@@ -625,7 +651,7 @@ def run_training(
             # stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
             (out_dir / "summary.json").unlink(missing_ok=True)
             if not resume:  # the record of what the run started with: never rewritten on a resume
-                write_run_data(out_dir, data.manifest)
+                write_run_data(out_dir, data.manifest, origin)
 
         if mesh.size > 1:
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
@@ -801,6 +827,48 @@ def run_training(
         window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
         multi = jax.process_count() > 1
         tracer = _StepTracer(cfg, out_dir, say, start)
+
+        def log_row(step: int) -> None:
+            """One logged row: the mean loss of the steps since the previous row, this window's tokens/s."""
+            tps = meter.take()
+            util = mfu(cfg.model, t, tps, peak)
+            mean_loss = float(np.mean(window_losses)) if window_losses else last_vals["loss"]
+            window_losses.clear()
+            row = {**last_vals, "loss": mean_loss, "tokens_per_second": tps, "mfu": util,
+                   "step_time_s": global_batch * t / tps}
+            qstats = None
+            if is_ternary(step):
+                with meter.paused():
+                    qstats = ternary_stats(state.params, cfg.model, qat_spec)
+                qs = ternary_scalars(qstats)
+                row["ternary_zero_fraction"], row["ternary_scale"] = qs["zero_fraction"], qs["scale"]
+                if writer is not None:
+                    writer.scalars(step, qs, prefix="qat")
+            # (the file also keeps the last step's own loss: a resume with nothing left to train reports it)
+            hist.log({"step": step, **row, "last_step_loss": last_vals["loss"]})
+            if writer is not None:
+                writer.scalars(step, row, prefix="train")
+            msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
+                   f"lr {last_vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
+                   f"MFU {100 * util:.1f}%")
+            if "attended_fraction" in last_vals:
+                msg += f"  attended {last_vals['attended_fraction']:.3f}"
+            if "mtp_loss" in last_vals:
+                msg += f"  mtp {last_vals['mtp_loss']:.4f}"
+            for k_ in sorted(k_ for k_ in last_vals if k_.startswith("mtp_loss_depth")):
+                msg += f"  mtp@{k_[len('mtp_loss_depth'):]} {last_vals[k_]:.4f}"
+            if "mtp_kl" in last_vals:
+                msg += f"  mtp_kl {last_vals['mtp_kl']:.4f}"
+            if "mtp_feature_loss" in last_vals:
+                msg += f"  mtp_feat {last_vals['mtp_feature_loss']:.4f}"
+            if qstats is not None:
+                msg += f"  ternary zeros {100 * row['ternary_zero_fraction']:.1f}% scale {row['ternary_scale']:.2e}"
+            if pbar is not None:
+                pbar.write(msg)
+                pbar.set_postfix(loss=f"{mean_loss:.3f}")
+            else:
+                say(msg)
+
         while step < cfg.steps:
             if stop.should_stop(step):  # every process, every step: the same answer everywhere
                 stop_reason = "signal"
@@ -836,44 +904,7 @@ def run_training(
                 window_losses.append(last_vals["loss"])
                 pending = None
             if do_log:
-                tps = meter.take()
-                util = mfu(cfg.model, t, tps, peak)
-                mean_loss = float(np.mean(window_losses)) if window_losses else last_vals["loss"]
-                window_losses.clear()
-                row = {**last_vals, "loss": mean_loss, "tokens_per_second": tps, "mfu": util,
-                       "step_time_s": global_batch * t / tps}
-                qstats = None
-                if is_ternary(step):
-                    with meter.paused():
-                        qstats = ternary_stats(state.params, cfg.model, qat_spec)
-                    qs = ternary_scalars(qstats)
-                    row["ternary_zero_fraction"], row["ternary_scale"] = qs["zero_fraction"], qs["scale"]
-                    if writer is not None:
-                        writer.scalars(step, qs, prefix="qat")
-                # (the file also keeps the last step's own loss: a resume with nothing left to train reports it)
-                hist.log({"step": step, **row, "last_step_loss": last_vals["loss"]})
-                if writer is not None:
-                    writer.scalars(step, row, prefix="train")
-                msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
-                       f"lr {last_vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
-                       f"MFU {100 * util:.1f}%")
-                if "attended_fraction" in last_vals:
-                    msg += f"  attended {last_vals['attended_fraction']:.3f}"
-                if "mtp_loss" in last_vals:
-                    msg += f"  mtp {last_vals['mtp_loss']:.4f}"
-                for k_ in sorted(k_ for k_ in last_vals if k_.startswith("mtp_loss_depth")):
-                    msg += f"  mtp@{k_[len('mtp_loss_depth'):]} {last_vals[k_]:.4f}"
-                if "mtp_kl" in last_vals:
-                    msg += f"  mtp_kl {last_vals['mtp_kl']:.4f}"
-                if "mtp_feature_loss" in last_vals:
-                    msg += f"  mtp_feat {last_vals['mtp_feature_loss']:.4f}"
-                if qstats is not None:
-                    msg += f"  ternary zeros {100 * row['ternary_zero_fraction']:.1f}% scale {row['ternary_scale']:.2e}"
-                if pbar is not None:
-                    pbar.write(msg)
-                    pbar.set_postfix(loss=f"{mean_loss:.3f}")
-                else:
-                    say(msg)
+                log_row(step)
             if do_eval:
                 with meter.paused():  # do not charge evaluation to tokens/s
                     vl, vparts = evaluate(model_params(state.params, step))
@@ -892,6 +923,9 @@ def run_training(
                     save(step)
         if pending is not None:
             last_vals = check(*pending)
+            window_losses.append(last_vals["loss"])
+        if window_losses and step > start:  # stopped (signal, time) inside a log window: its steps get their row
+            log_row(step)
         tracer.finish(step, metrics if step > start else None)  # before the final save, eval and sample
         if pbar is not None:
             pbar.close()
@@ -934,10 +968,10 @@ def run_training(
                            "qat_steps": cfg.qat_steps, "ternary_at_end": is_ternary(step),
                            "zero_fraction": zf, "scale_mean": sm,
                            "per_layer": {k: {n: np.asarray(v).tolist() for n, v in d.items()} for k, d in qstats.items()}}
-            if init_src is not None:
-                src_tokens = init_src.step * init_src.cfg.data.batch_size * init_src.cfg.data.seq_len
+            if "init_from" in origin:
+                src_tokens = int(origin.get("init_tokens", 0))
                 qat_tokens = cfg.qat_steps * global_batch * t
-                qat_summary.update(init_from=str(init_src.directory), init_step=init_src.step,
+                qat_summary.update(init_from=origin["init_from"], init_step=origin.get("init_step"),
                                    init_tokens=src_tokens, qat_tokens=qat_tokens,
                                    token_share=qat_tokens / max(1, qat_tokens + src_tokens))
             else:
@@ -990,7 +1024,7 @@ def run_training(
             "stop_reason": stop_reason,
             "val_loss": final_val,
             **({"val_loss_components": final_parts} if final_parts else {}),
-            **({"branch_from": str(branch_src.directory), "branch_step": branch_src.step} if branch_src else {}),
+            **({k_: origin[k_] for k_ in ("branch_from", "branch_step") if k_ in origin}),
             "val_history": hist.val_history,
             "train_loss": last.get("loss"),
             "attended_fraction": last.get("attended_fraction"),
