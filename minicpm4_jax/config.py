@@ -12,6 +12,7 @@ is missing: ``tie_word_embeddings`` True, ``rope_theta`` 10000).
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import difflib
 import math
 import numbers
@@ -676,6 +677,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}={value!r} must be true or false")
     if base is int:
+        if isinstance(value, str):  # YAML 1.1 reads '1e3' as a string; a whole number in E notation is one
+            try:
+                exact = decimal.Decimal(value.strip())
+            except decimal.InvalidOperation:
+                exact = None
+            if exact is not None and exact.is_finite() and exact == exact.to_integral_value():
+                return int(exact)
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
             raise ConfigError(f"{where}={value!r} must be an integer")
         return int(value)
@@ -852,12 +860,14 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"preset {path} cannot be read ({e.strerror or e}); check the path and its permissions") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"preset {path} is not valid YAML{where}: {what}; fix the file") from None
+    if data is None or data == {}:  # an empty file (or one of comments): a wrong file, or one not saved yet
+        raise ConfigError(f"preset {path} is empty (no sections); fill it in, or leave out --config for the defaults")
     if not isinstance(data, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping of sections")
     base = data.pop("base", None)

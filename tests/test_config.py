@@ -75,6 +75,29 @@ def test_bad_types_are_reported():
         load_config("cpu_tiny", ["model.num_hidden_layers=many"])
 
 
+def test_whole_numbers_in_e_notation_are_integers():
+    # YAML 1.1 reads 1e3 as a string: integer keys take any whole number written so, exactly (not via a float)
+    cfg = load_config("cpu_tiny", ["steps=2e3", "seed=4.294967295e9"])
+    assert (cfg.steps, cfg.seed) == (2000, 4294967295)
+    with pytest.raises(ConfigError, match=r"^steps='2.55e1' must be an integer$"):
+        load_config("cpu_tiny", ["steps=2.55e1"])
+    with pytest.raises(ConfigError, match=r"^seed=10{30} must be in \[0, 4294967295\]$"):
+        load_config("cpu_tiny", ["seed=1e30"])
+
+
+@pytest.mark.parametrize("text", ["", "# nothing here yet\n", "---\n"])
+def test_an_empty_preset_is_refused(tmp_path, text):
+    p = tmp_path / "mine.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=r"^preset .*mine.yaml is empty \(no sections\); fill it in, or leave out "
+                                          r"--config for the defaults$"):
+        load_config(str(p))
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {p.name}\nsteps: 10\n")
+    with pytest.raises(ConfigError, match=r"mine.yaml is empty"):
+        load_config(str(child))
+
+
 def test_wsd_lengths_checked():
     with pytest.raises(ConfigError, match="exceed steps"):
         load_config("cpu_tiny", ["steps=10", "optimizer.warmup_steps=50"])
