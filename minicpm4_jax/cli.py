@@ -54,10 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--config", "-c", metavar="PRESET_OR_PATH", default="cpu_tiny",
                    help="a preset name from configs/ (e.g. cpu_tiny) or a path to a YAML file (default: cpu_tiny)")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint of the run (train state and data order), bitwise "
-                        "identical to an uninterrupted run; the config must match the checkpoint's except logging, "
-                        "eval, sampling, checkpoint frequency/location, max_train_minutes and out_dir")
+    when = t.add_mutually_exclusive_group()
+    when.add_argument("--resume", action="store_true",
+                      help="continue from the latest checkpoint of the run (train state and data order), bitwise "
+                           "identical to an uninterrupted run; the config must match the checkpoint's except logging, "
+                           "eval, sampling, checkpoint frequency/location, max_train_minutes and out_dir")
+    when.add_argument("--auto-resume", action="store_true",
+                      help="--resume when the run's checkpoint folder holds a complete step, else start the run: one "
+                           "command for a job that is requeued after preemption (SLURM --requeue, GKE, Cloud TPU)")
     t.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override (repeatable); same as a positional override")
     t.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
@@ -270,7 +274,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, list(args.overrides) + list(args.set_overrides))
     _drop_orbax_tracebacks()
     try:
-        summary = run_training(cfg, resume=args.resume, progress=not args.no_progress)
+        summary = run_training(cfg, resume="auto" if args.auto_resume else args.resume,
+                               progress=not args.no_progress)
     except (TrainingDiverged, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -187,7 +187,8 @@ def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
 
 def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
     """A signal at step 3 with log_every=4: steps 1..3 get a row at step 3 (they were never logged, and a resume
-    from the step-3 checkpoint does not train them again); the resumed run's next row covers step 4 alone."""
+    from the step-3 checkpoint does not train them again); the resumed run's next row covers step 4 alone.
+    Both segments run with ``resume="auto"`` (``--auto-resume``)."""
     out = tmp_path / "run"
 
     def stop_at_3(step, state):
@@ -196,11 +197,16 @@ def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
         return state
 
     kw = {"log_every": 4, "eval_every": 8}
-    s1 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), log=lambda _m: None, progress=False,
+    said: list[str] = []
+    # --auto-resume both times, as a requeued job runs it: a fresh start, then a resume of its checkpoint
+    s1 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume="auto", log=said.append, progress=False,
                       step_hook=stop_at_3)
     assert s1["stop_reason"] == "signal" and s1["step"] == 3
     assert [h["step"] for h in s1["history"]] == [3]
-    s2 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume=True, log=lambda _m: None, progress=False)
+    s2 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume="auto", log=said.append, progress=False)
+    assert any(m.startswith("--auto-resume: no checkpoint yet in ") for m in said)
+    assert any(m == f"--auto-resume: resuming from {out / 'checkpoints'}" for m in said), said
+    assert s2["step"] == 8 and s2["stop_reason"] == "steps"
     rows = {h["step"]: h for h in s2["history"]}
     assert sorted(rows) == [3, 4, 8]
     assert rows[4]["loss"] == rows[4]["last_step_loss"]  # a window of one step: 1..3 are not counted again
@@ -1285,3 +1291,13 @@ def test_run_history_file_rows_up_to_the_resume_and_write_failures(tmp_path):
     b = RunHistory(blocked, start=0, write=True, log=said.append)
     b.log({"step": 2, "loss": 1.0})
     assert len(said) == 1 and f"cannot write {blocked}" in said[0] and b.history == [{"step": 2, "loss": 1.0}]
+
+
+def test_resume_and_auto_resume_are_exclusive(capsys):
+    from minicpm4_jax.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--auto-resume", "steps=4"])
+    assert args.auto_resume and not args.resume and args.overrides == ["steps=4"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--resume", "--auto-resume"])
+    assert "argument --auto-resume: not allowed with argument --resume" in capsys.readouterr().err

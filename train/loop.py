@@ -508,7 +508,7 @@ def _fmt_rate(x: float) -> str:
 def run_training(
     cfg: TrainConfig,
     *,
-    resume: bool = False,
+    resume: bool | str = False,
     log: Callable[[str], None] = print,
     step_hook: Callable[[int, TrainState], TrainState] | None = None,
     handle_signals: bool = True,
@@ -520,7 +520,8 @@ def run_training(
         cfg: a validated :class:`TrainConfig`.
         resume: continue from the latest checkpoint in the checkpoint directory (train state and
             data iterator); without it, an existing checkpoint there is an error (nothing is
-            overwritten).
+            overwritten). ``"auto"`` (``--auto-resume``): resume when the checkpoint directory holds a
+            complete step, else start the run (a requeued job runs the same command every time).
         log: line printer (process 0 prints; others are silent).
         step_hook: ``(step, state) -> state`` called before each update (research / fault
             injection in tests).
@@ -552,6 +553,14 @@ def run_training(
     say = log if is_main else (lambda _m: None)
     out_dir = Path(cfg.out_dir).expanduser().resolve()
     ckpt_dir = checkpoint_dir_of(cfg)
+    if resume == "auto":  # every process reads the same (shared) checkpoint folder: the same answer everywhere
+        from minicpm4_jax.train.checkpoint import holds_checkpoint_steps
+
+        resume = holds_checkpoint_steps(ckpt_dir)
+        say(f"--auto-resume: {'resuming from' if resume else 'no checkpoint yet in'} {ckpt_dir}"
+            + ("" if resume else "; starting the run"))
+    elif not isinstance(resume, bool):
+        raise ValueError(f"resume={resume!r}; use True, False or 'auto'")
     need = required_free_bytes(cfg)
     created = _missing_folders(out_dir, ckpt_dir)  # made by the checks below; removed again if the run is refused
     try:
