@@ -511,7 +511,22 @@ def test_force_replaces_only_an_earlier_output(runs, tmp_path, capsys, no_param_
         err = _one_line_error(capsys, ["export", fmt, "--checkpoint", str(runs["run"]), "--out", str(imported),
                                        "--force"])
         assert "holds an imported model run (import hf-minicpm)" in err, err
-    assert _tree(tmp_path) == before
+    # break test 61: a manifest without a files list (hand-made, damaged) vouched for everything: --force deleted
+    # a thesis and a data folder; a manifest that is JSON but not an object crashed
+    bare = tmp_path / "bare"
+    (bare / "data").mkdir(parents=True)
+    (bare / "thesis.tex").write_text("x")
+    (bare / "data" / "results.csv").write_text("y")
+    for manifest in ('{"format": "gguf"}', "{}", '{"format": "gguf", "files": "all"}'):
+        (bare / "minicpm4_manifest.json").write_text(manifest)
+        before = _tree(tmp_path)
+        err = _one_line_error(capsys, ["export", "gguf", "--checkpoint", str(runs["run"]), "--out", str(bare),
+                                       "--force", "--outtype", "f32"])
+        assert "2 file(s) its manifest does not list (e.g. data/results.csv)" in err, err
+        assert _tree(tmp_path) == before
+    (bare / "minicpm4_manifest.json").write_text("[1, 2]")
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(runs["run"]), "--out", str(bare), "--force"])
+    assert "has an unreadable minicpm4_manifest.json" in err, err
 
 
 def test_spec_decode_on_a_checkpoint_without_a_draft_head(run_copy, capsys):

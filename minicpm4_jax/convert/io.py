@@ -75,6 +75,8 @@ def _replace_check(out: Path, importing: bool) -> None:
     try:
         earlier = json.loads((out / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
+        earlier = None
+    if not isinstance(earlier, dict):
         raise ConvertError(f"output folder {out} has an unreadable {MANIFEST_NAME}; pick another --out, or empty "
                            "it yourself") from None
     was_import = str(earlier.get("format", "")).startswith("import")
@@ -98,13 +100,14 @@ def _replace_check(out: Path, importing: bool) -> None:
                                f"did not write (e.g. {extra[0]}: trained on since?); --force would delete them: "
                                "move them away or pick another --out")
         return
-    listed = earlier.get("files") or {}
-    if listed:
-        extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
-                       if p.is_file() and p.name != MANIFEST_NAME and str(p.relative_to(out)) not in listed)
-        if extra:
-            raise ConvertError(f"output folder {out} holds {len(extra)} file(s) its manifest does not list (e.g. "
-                               f"{extra[0]}); --force would delete them: move them away or pick another --out")
+    # every export lists its files; a manifest without the list (hand-made, damaged) vouches for none of them
+    listed = earlier.get("files")
+    listed = listed if isinstance(listed, (dict, list)) else {}
+    extra = sorted(str(p.relative_to(out)) for p in out.rglob("*")
+                   if p.is_file() and p.name != MANIFEST_NAME and str(p.relative_to(out)) not in listed)
+    if extra:
+        raise ConvertError(f"output folder {out} holds {len(extra)} file(s) its manifest does not list (e.g. "
+                           f"{extra[0]}); --force would delete them: move them away or pick another --out")
 
 
 def folder_write_error(folder: Path) -> str | None:
