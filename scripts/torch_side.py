@@ -200,7 +200,7 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     model, info = AutoModelForCausalLM.from_pretrained(
         args.model_dir, dtype=torch.float32, attn_implementation="eager", output_loading_info=True,
-        local_files_only=True, trust_remote_code=False,
+        local_files_only=True, trust_remote_code=args.trust_remote_code,
     )
     problems = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if problems:
@@ -218,6 +218,18 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                  eos_token_id=None, pad_token_id=0)
             out["greedy"] = gen[0, ids.shape[1]:].numpy()
+            # a left-padded batch (the prompt, and its last tokens after 3 pads) equals each row generated alone
+            short = ids[:, 3:]
+            alone = model.generate(short, attention_mask=torch.ones_like(short), do_sample=False,
+                                   max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                   eos_token_id=None, pad_token_id=0)[0, short.shape[1]:]
+            batch = torch.cat([ids, torch.cat([torch.zeros_like(ids[:, :3]), short], 1)])
+            mask = torch.ones_like(batch)
+            mask[1, :3] = 0
+            both = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
+                                  min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
+            out["padded_batch_ok"] = np.asarray(bool(torch.equal(both[0], gen[0, ids.shape[1]:])
+                                                     and torch.equal(both[1], alone)))
     np.savez(args.out, **out)
     print(json.dumps({"class": type(model).__name__, "torch": torch.__version__,
                       "transformers": transformers.__version__}))
@@ -369,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     tk.add_argument("--texts", required=True, help="JSON file with a list of strings")
     tk.set_defaults(func=cmd_tokenize)
     hc = sub.add_parser("hf-check", help="AutoModelForCausalLM logits and greedy tokens of an HF folder")
-    hc.add_argument("model_dir", help="a Hugging Face model folder loadable without remote code")
+    hc.add_argument("model_dir", help="a Hugging Face model folder")
+    hc.add_argument("--trust-remote-code", action="store_true",
+                    help="load the folder's own code (auto_map; an official-layout export's modeling_minicpm.py)")
     hc.add_argument("--inputs", required=True, help="npz of int token arrays [batch, seq] (+ 'prompt' [1, T])")
     hc.add_argument("--out", required=True, help="npz to write")
     hc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated after 'prompt'")

@@ -38,6 +38,9 @@ CASES = {
     "llama_tied_mqa": (dict(tied=True, max_pos=128, heads=4, kv=1), "llama", 32),
     "official_tied_folded_in_test": (dict(tied=True, max_pos=128, scale_emb=12.0, scale_depth=1.4), "minicpm", 33),
     "official_untied_mha_max4x_folded_in_test": (dict(tied=False, max_pos=256, kv=4), "minicpm", 34),
+    # the export itself, through its own configuration_minicpm.py / modeling_minicpm.py (auto_map)
+    "official_tied_max2x_remote_code": (dict(tied=True, max_pos=128, scale_emb=12.0, scale_depth=1.4), "remote", 35),
+    "official_untied_gqa_remote_code": (dict(tied=False, max_pos=64, layers=3), "remote", 36),
 }
 
 
@@ -48,7 +51,8 @@ def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
     cfg = tiny_cfg(**kwargs)
     params = random_params(cfg, seed=seed)
     export = root / name / "export"
-    write_hf(params, cfg, export, layout=layout, tokenizer_dir=tok_dir, max_shard_size="32KB")
+    write_hf(params, cfg, export, layout="minicpm" if layout == "remote" else layout, tokenizer_dir=tok_dir,
+             max_shard_size="32KB")
     model_dir = export
     if layout == "minicpm":
         from safetensors.numpy import save_file
@@ -63,7 +67,8 @@ def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
     inputs["prompt"] = r.integers(3, cfg.vocab_size, (1, 9)).astype(np.int64)
     np.savez(root / name / "inputs.npz", **inputs)
     proc = run_torch_side("hf-check", str(model_dir), "--inputs", str(root / name / "inputs.npz"), "--out",
-                          str(root / name / "torch.npz"), "--new-tokens", str(NEW_TOKENS), timeout=600)
+                          str(root / name / "torch.npz"), "--new-tokens", str(NEW_TOKENS),
+                          *(["--trust-remote-code"] if layout == "remote" else []), timeout=600)
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     torch_out = dict(np.load(root / name / "torch.npz"))
     errs = {}
@@ -75,7 +80,7 @@ def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
         errs[key] = float(np.max(np.abs(torch_out[f"logits_{key}"] - ref)))
     ours = greedy(cfg, params, [int(x) for x in inputs["prompt"][0]], NEW_TOKENS)
     return {"errs": errs, "greedy_torch": [int(x) for x in torch_out["greedy"]], "greedy_jax": ours,
-            "class": info["class"], "cfg": cfg}
+            "class": info["class"], "cfg": cfg, "padded_batch_ok": bool(torch_out["padded_batch_ok"])}
 
 
 @pytest.mark.torch
@@ -83,8 +88,9 @@ def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
 def test_export_loads_in_stock_transformers(tmp_path, tiny_tokenizer_dir, name):
     res = _run_case(tmp_path, name, tiny_tokenizer_dir)
     print(f"{name}: {res['class']}, max|dlogit| per length {res['errs']}, greedy {res['greedy_jax']}")
-    assert res["class"] == "LlamaForCausalLM"
+    assert res["class"] == ("MiniCPMForCausalLM" if CASES[name][1] == "remote" else "LlamaForCausalLM")
     bad = {k: e for k, e in res["errs"].items() if not e <= TOL}
     assert not bad, f"{name}: transformers vs JAX logits above {TOL}: {bad}"
     assert len(res["greedy_jax"]) == NEW_TOKENS
     assert res["greedy_torch"] == res["greedy_jax"], "greedy continuations differ"
+    assert res["padded_batch_ok"], "a left-padded batch generated other tokens than each row alone"

@@ -58,10 +58,13 @@ from minicpm4_jax.convert.io import (
 from minicpm4_jax.convert.llama_fold import flat_params, fold_to_llama
 from minicpm4_jax.nn.rope import dynamic_runtime_factor_lists
 from minicpm4_jax.convert.official import (
+    REMOTE_CODE_AUTO_MAP,
+    REMOTE_CODE_FILES,
     iter_official_tensors,
     official_config,
     official_param_shapes,
     official_tensor_names,
+    remote_code_dir,
     sparse_runtime_warnings,
 )
 
@@ -492,6 +495,12 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
             log(f"warning: {w}")
     with staged_output(out, force=force, needed_bytes=needed) as stage:
         files = [p.name for p in write_safetensors_shards(stage, tensors_iter, plan)]
+        if layout == "minicpm":  # AutoConfig (CPM.cu) / AutoModelForCausalLM need code for model_type minicpm
+            hf_cfg = {**hf_cfg, "auto_map": dict(REMOTE_CODE_AUTO_MAP)}
+            for name in REMOTE_CODE_FILES:
+                shutil.copyfile(remote_code_dir() / name, stage / name)
+                os.chmod(stage / name, 0o644)
+            files += list(REMOTE_CODE_FILES)
         (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         (stage / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")
         files += ["config.json", "generation_config.json"]

@@ -15,6 +15,7 @@ values is too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -220,9 +221,10 @@ def official_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, 
     ``original_max_position_embeddings`` and never a ``factor`` key (export.md §1.3: an added
     ``"factor": 1.0`` changes transformers' attention scaling), ``sparse_config`` when the model
     was trained sparse (the official keys plus this project's ``variant`` / ``kernel_offby1_quirk``,
-    which official readers ignore and ``import hf`` reads back). ``torch_dtype`` names the stored dtype. No ``auto_map``: no remote code is
-    shipped, so loaders that need one (transformers without native MiniCPM4) must use the Llama
-    layout; llama.cpp's converter and CPM.cu read the keys directly.
+    which official readers ignore and ``import hf`` reads back). ``torch_dtype`` names the stored dtype. No
+    ``auto_map`` here: :func:`~minicpm4_jax.convert.hf_export.write_hf` adds it (:data:`REMOTE_CODE_AUTO_MAP`) with
+    the project's own ``configuration_minicpm.py`` / ``modeling_minicpm.py``, which ``AutoConfig`` (CPM.cu) and
+    ``AutoModelForCausalLM`` need with ``trust_remote_code=True``; llama.cpp's converter reads the keys directly.
     """
     out = cfg.to_hf_config()
     out["torch_dtype"] = dtype_name
@@ -230,6 +232,22 @@ def official_config(cfg: ModelConfig, dtype_name: str = "float32") -> dict[str, 
     if rs is not None:
         rs.pop("factor", None)
     return out
+
+
+#: ``config.json``'s ``auto_map`` of an official-layout export: the classes of the files in ``remote_code/``
+#: (the release's class names, so loaders that name them keep working)
+REMOTE_CODE_AUTO_MAP = {
+    "AutoConfig": "configuration_minicpm.MiniCPMConfig",
+    "AutoModel": "modeling_minicpm.MiniCPMModel",
+    "AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM",
+}
+#: the project's own remote-code files shipped with an official-layout export (package data)
+REMOTE_CODE_FILES = ("configuration_minicpm.py", "modeling_minicpm.py")
+
+
+def remote_code_dir() -> Path:
+    """The folder holding :data:`REMOTE_CODE_FILES` (``minicpm4_jax/convert/remote_code``)."""
+    return Path(__file__).resolve().parent / "remote_code"
 
 
 def sparse_runtime_warnings(cfg: ModelConfig) -> list[str]:
