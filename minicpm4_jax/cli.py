@@ -266,6 +266,19 @@ def _drop_orbax_tracebacks() -> None:
         logger.addFilter(_NoOrbaxTracebacks())
 
 
+def _quiet_abandoned_writes() -> None:
+    """After a failed checkpoint write (one ``error:`` line naming the step): orbax's other write tasks of that save
+    fail the same way, and asyncio logs each one with a traceback when it is collected at exit ("Task exception was
+    never retrieved"; a full disk gave hundreds of lines after the error line). Drop those records."""
+    import logging
+
+    class _Abandoned(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Task exception was never retrieved")
+
+    logging.getLogger("asyncio").addFilter(_Abandoned())
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from minicpm4_jax.config import load_config
     from minicpm4_jax.train.distributed import SecondInterrupt
@@ -278,6 +291,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                                progress=not args.no_progress)
     except (TrainingDiverged, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, CheckpointWriteError):
+            _quiet_abandoned_writes()
         return 1
     except SecondInterrupt as e:  # Ctrl-C twice, or a signal after the final save: the message names what was saved
         print(f"error: {e}", file=sys.stderr)

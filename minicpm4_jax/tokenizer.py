@@ -769,6 +769,9 @@ def train_tokenizer(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-spm-{key}-", dir=root))
     try:
+        from minicpm4_jax.convert.io import default_dir_mode
+
+        os.chmod(tmp, default_dir_mode())  # mkdtemp's 0700 would shut other users out of a shared cache
         tok.save(tmp)
         (tmp / "train_info.json").write_text(
             json.dumps({"corpus_hash": corpus_hash, "num_sentences": len(sentences), "train_seconds": round(dt, 3), **settings}, indent=2)
@@ -792,6 +795,9 @@ def _atomic_write(path: Path, data: bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        from minicpm4_jax.convert.io import default_file_mode
+
+        os.chmod(tmp, default_file_mode())  # mkstemp's 0600: another user could not load the run's tokenizer
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -203,7 +203,17 @@ def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
                       step_hook=stop_at_3)
     assert s1["stop_reason"] == "signal" and s1["step"] == 3
     assert [h["step"] for h in s1["history"]] == [3]
+    # break test 62: files of a run (and of the shared data cache) follow the umask, not mkstemp's 0600 / 0700
+    from minicpm4_jax.convert.io import default_dir_mode, default_file_mode
+
+    for f in [*(out / "tokenizer").iterdir(), out / "config.json", out / "data.json"]:
+        assert f.stat().st_mode & 0o777 == default_file_mode(), f
+    cached = [d for sub in ("tokens", "tokenizers") for d in (cache_dir / sub).iterdir() if not d.name.startswith(".")]
+    assert cached and all(d.stat().st_mode & 0o777 == default_dir_mode() for d in cached), cached
+    # a config.json cut short (it was written in place; a kill or a full disk) no longer makes the run unresumable
+    (out / "config.json").write_text('{"model": {"vocab')
     s2 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume="auto", log=said.append, progress=False)
+    assert json.loads((out / "config.json").read_text())["steps"] == 8
     assert any(m.startswith("--auto-resume: no checkpoint yet in ") for m in said)
     assert any(m == f"--auto-resume: resuming from {out / 'checkpoints'}" for m in said), said
     assert s2["step"] == 8 and s2["stop_reason"] == "steps"
@@ -1301,3 +1311,51 @@ def test_resume_and_auto_resume_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--resume", "--auto-resume"])
     assert "argument --auto-resume: not allowed with argument --resume" in capsys.readouterr().err
+
+
+def _read_events(folder: Path) -> list:
+    """The events of the one event file in ``folder`` (the TFRecord framing: length, crc, data, crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    (path,) = folder.glob("events.out.tfevents.*")
+    data, out, i = path.read_bytes(), [], 0
+    while i < len(data):
+        (n,) = struct.unpack("Q", data[i:i + 8])
+        out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+        i += 12 + n + 4
+    return out
+
+
+def test_tensorboard_events_are_written_and_a_full_disk_turns_them_off(tmp_path):
+    """Break test 62: with tensorboardX's threaded SummaryWriter a full disk killed its thread with a traceback and
+    writer.close() raised over the run's own error line. The synchronous writer warns once and carries on."""
+    import errno
+
+    from minicpm4_jax.train.metrics import MetricsWriter
+
+    said: list[str] = []
+    w = MetricsWriter(tmp_path / "tb", log=said.append)
+    w.scalars(3, {"loss": 2.5, "lr": 0.01}, prefix="train")
+    w.text(3, "sample", "hello")
+    w.close()
+    events = _read_events(tmp_path / "tb")
+    assert events[0].file_version == "brain.Event:2"
+    got = [(e.step, v.tag, v.simple_value) for e in events[1:] for v in e.summary.value if v.HasField("simple_value")]
+    assert got == [(3, "train/loss", 2.5), (3, "train/lr", pytest.approx(0.01))]
+    assert any(v.tag.startswith("sample") for e in events for v in e.summary.value) and said == []
+
+    class Full:
+        def write(self, *_a):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        flush = close = write
+
+    w = MetricsWriter(tmp_path / "tb2", log=said.append)
+    w._writer._py_recordio_writer._writer = Full()
+    w.scalars(1, {"loss": 1.0})
+    w.scalars(2, {"loss": 1.0})
+    w.close()  # does not raise
+    assert not w.enabled and len(said) == 1 and "No space left on device" in said[0], said
+    assert "TensorBoard logging is off for the rest of the run" in said[0]

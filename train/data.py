@@ -735,6 +735,9 @@ def _token_cache(cfg: DataConfig, root: Path, corpus: Corpus, tok: Tokenizer,
         dtype = _token_dtype(tok.vocab_size)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=tokens_root))
         try:
+            from minicpm4_jax.convert.io import default_dir_mode
+
+            os.chmod(tmp, default_dir_mode())  # mkdtemp's 0700 would shut other users out of a shared cache
             t0 = time.perf_counter()
             n_train = _write_tokens(tmp / "train.bin", tok, train_docs, dtype)
             n_val = _write_tokens(tmp / "val.bin", tok, val_docs, dtype)

@@ -218,6 +218,29 @@ def _is_training_config(path: Path) -> bool:
     return isinstance(raw, dict) and {"model", "optimizer", "data"} <= raw.keys()
 
 
+def _damaged_run_config(folder: Path) -> bool:
+    """Whether ``folder/config.json`` is not JSON (empty or cut short: written before writes were atomic, or
+    damaged since) while ``folder/checkpoints`` holds checkpoint steps: the run's own file, which the run rewrites
+    (each step stores its own config), not another program's."""
+    try:
+        json.loads((folder / "config.json").read_text())
+        return False
+    except (OSError, ValueError):
+        return holds_checkpoint_steps(folder / "checkpoints")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a dotfile beside it and ``os.replace``: a kill or a full disk during
+    the write leaves the earlier file (or none), never a file cut short."""
+    tmp = path.parent / f".{path.name}.tmp"
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _run_part(folder: Path) -> str | None:
     """What ``folder`` is to a training run, or ``None``: ``"run folder"`` (``config.json``, a training config or
     one beside ``checkpoints/``), ``"checkpoints folder"`` (it holds orbax step folders) or ``"checkpoint step
@@ -332,7 +355,7 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
         raise ConfigError(f"out_dir {str(out_dir)!r} holds an export (minicpm4_manifest.json); a run would write "
                           "its config.json and tokenizer/ into it: choose another out_dir")
     cfg_file = out_dir / "config.json"
-    if cfg_file.is_file() and not _is_training_config(cfg_file):
+    if cfg_file.is_file() and not _is_training_config(cfg_file) and not _damaged_run_config(out_dir):
         raise ConfigError(f"out_dir {str(out_dir)!r} holds a config.json that is not a training config (a "
                           "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
     if not resume and _run_part(out_dir) is None:
@@ -485,9 +508,7 @@ def write_run_data(out_dir: Path, manifest: dict, origin: dict | None = None) ->
     rec = {k: manifest[k] for k in keep if k in manifest}
     if origin:
         rec["origin"] = origin
-    tmp = out_dir / f".{_DATA_RECORD}.tmp"
-    tmp.write_text(json.dumps(rec, indent=1))
-    os.replace(tmp, out_dir / _DATA_RECORD)
+    write_json_atomic(out_dir / _DATA_RECORD, rec)
 
 
 def read_run_origin(out_dir: Path) -> dict:
@@ -655,7 +676,7 @@ def run_training(
             check_init_tokenizer(init_src, tok, say)
         if is_main:
             tok.save(out_dir / "tokenizer")
-            (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+            write_json_atomic(out_dir / "config.json", config_to_dict(cfg))
             # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one is
             # stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
             (out_dir / "summary.json").unlink(missing_ok=True)
@@ -1059,7 +1080,7 @@ def run_training(
         if qat_summary is not None:
             summary["qat"] = qat_summary
         if is_main:
-            (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_json_atomic(out_dir / "summary.json", summary)
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
         return summary
     except dist.SecondInterrupt as e:  # Ctrl-C twice, or a signal once the run was saved: stop now

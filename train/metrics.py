@@ -147,50 +147,98 @@ class RunHistory:
 
 
 class MetricsWriter:
-    """Scalars to TensorBoard event files under ``log_dir`` (process 0 only; no-op elsewhere).
+    """Scalars to a TensorBoard event file under ``log_dir`` (process 0 only; no-op elsewhere).
+
+    Written synchronously with tensorboardX's ``EventsWriter`` (the writer its ``SummaryWriter`` runs in a background
+    thread): a write that fails (disk full, folder removed) surfaces here, gives one warning through ``log`` and turns
+    TensorBoard logging off for the rest of the run, which goes on (``metrics.jsonl`` keeps the rows). With
+    ``SummaryWriter`` the thread died with a traceback, a later ``close`` raised over the error in flight and a full
+    queue could block the run. Flushed at most every ``flush_secs`` seconds and on :meth:`close`.
 
     ``enabled=False`` or a missing tensorboardX makes every call a no-op.
     """
 
-    def __init__(self, log_dir: str | Path, *, enabled: bool = True, log: Callable[[str], None] = print):
+    def __init__(self, log_dir: str | Path, *, enabled: bool = True, log: Callable[[str], None] = print,
+                 flush_secs: float = 10.0):
         self._writer = None
         self.log_dir = Path(log_dir)
+        self._log = log
+        self._flush_secs = flush_secs
+        self._last_flush = time.monotonic()
         if not enabled or jax.process_index() != 0:
             return
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import summary as tb_summary
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto import event_pb2
         except ImportError:
             log("tensorboardX is not installed; TensorBoard logging is off")
             return
-        self._writer = SummaryWriter(str(self.log_dir))
+        self._summary, self._event = tb_summary, event_pb2.Event
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = EventsWriter(str(self.log_dir / "events"))
+        except OSError as e:
+            self._failed(e)
 
     @property
     def enabled(self) -> bool:
         """Whether scalars are actually written."""
         return self._writer is not None
 
-    def scalars(self, step: int, values: dict[str, float], prefix: str = "") -> None:
-        """Write ``{name: value}`` at ``step`` (tag ``prefix/name``)."""
+    def _failed(self, e: BaseException) -> None:
+        self._log(f"warning: TensorBoard events cannot be written to {self.log_dir} ({e}); TensorBoard logging is "
+                  "off for the rest of the run (metrics.jsonl keeps every row)")
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except (OSError, ValueError):
+                pass
+
+    def _write(self, step: int, summaries: list[Any]) -> None:
         if self._writer is None:
             return
-        for k, v in values.items():
-            self._writer.add_scalar(f"{prefix}/{k}" if prefix else k, float(v), step)
+        try:
+            for s in summaries:
+                self._writer.write_event(self._event(wall_time=time.time(), step=int(step), summary=s))
+            if time.monotonic() - self._last_flush >= self._flush_secs:
+                self.flush()
+        except (OSError, ValueError) as e:
+            self._failed(e)
+
+    def scalars(self, step: int, values: dict[str, float], prefix: str = "") -> None:
+        """Write ``{name: value}`` at ``step`` (tag ``prefix/name``)."""
+        if self._writer is not None:
+            self._write(step, [self._summary.scalar(f"{prefix}/{k}" if prefix else k, float(v))
+                               for k, v in values.items()])
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Write a text blob (e.g. the generated sample)."""
         if self._writer is not None:
-            self._writer.add_text(tag, text, step)
+            self._write(step, [self._summary.text(tag, text)])
 
     def flush(self) -> None:
-        """Flush pending events to disk."""
-        if self._writer is not None:
+        """Flush pending events to disk (a failure is the one warning of :meth:`_failed`)."""
+        if self._writer is None:
+            return
+        try:
             self._writer.flush()
+            self._last_flush = time.monotonic()
+        except (OSError, ValueError) as e:
+            self._failed(e)
 
     def close(self) -> None:
-        """Flush and close the event file."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Flush and close the event file; never raises (it runs while another error may be in flight)."""
+        if self._writer is None:
+            return
+        self.flush()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except (OSError, ValueError) as e:
+                self._log(f"warning: closing the TensorBoard event file in {self.log_dir} failed ({e})")
 
 
 def measure_matmul_peak_flops(n: int | None = None, repeats: int = 5, dtype: Any = jnp.float32) -> float:

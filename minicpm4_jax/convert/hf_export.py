@@ -499,7 +499,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
             hf_cfg = {**hf_cfg, "auto_map": dict(REMOTE_CODE_AUTO_MAP)}
             for name in REMOTE_CODE_FILES:
                 shutil.copyfile(remote_code_dir() / name, stage / name)
-                os.chmod(stage / name, 0o644)
+                os.chmod(stage / name, default_file_mode())
             files += list(REMOTE_CODE_FILES)
         (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         (stage / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")

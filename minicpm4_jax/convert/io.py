@@ -35,6 +35,7 @@ __all__ = [
     "staged_output",
     "check_disk_space",
     "check_output_target",
+    "default_dir_mode",
     "default_file_mode",
     "refuse_output_over_source",
     "params_sha256",
@@ -573,21 +574,32 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
     return shards
 
 
-def default_file_mode() -> int:
-    """The mode ``open(path, "w")`` gives a new file here: ``0o666`` minus the process umask.
-
-    ``safetensors`` creates its files ``0o600``; the writers chmod them to this so every file of an
-    export has the same mode as the ``config.json`` beside it.
-    """
-    try:  # Linux: read the umask without changing it (os.umask would, for every thread)
+def _umask() -> int:
+    """The process umask, read without changing it where possible (``os.umask`` sets it, for every thread)."""
+    try:  # Linux
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
+                return int(line.split()[1], 8)
     except (OSError, ValueError):
         pass
     mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
+
+
+def default_file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file here: ``0o666`` minus the process umask.
+
+    ``safetensors`` and ``tempfile.mkstemp`` create their files ``0o600``; the writers chmod them to this so every
+    file of an export or a run has the same mode as the ``config.json`` beside it.
+    """
+    return 0o666 & ~_umask()
+
+
+def default_dir_mode() -> int:
+    """The mode ``os.mkdir(path)`` gives a new folder here: ``0o777`` minus the process umask (``tempfile.mkdtemp``
+    makes ``0o700`` folders: one renamed into place would shut other users out of a shared run or cache)."""
+    return 0o777 & ~_umask()
 
 
 def write_safetensors_shards(folder: Path, tensors: Iterable[tuple[str, np.ndarray]],
