@@ -155,6 +155,11 @@ def test_records_without_the_text_field_are_counted_and_reported(tmp_path):
     (tmp_path / "none.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
     with pytest.raises(ConfigError, match="has no string field 'text' in any record"):
         read_corpus(_cfg(tmp_path, [tmp_path / "none.jsonl"]))
+    # break test 62: the field exists but holds numbers; the message said it was missing and to rename it
+    (tmp_path / "num.jsonl").write_text(json.dumps({"text": 7}) + "\n" + json.dumps({"text": None}) + "\n")
+    with pytest.raises(ConfigError, match=r"num.jsonl: field 'text' holds no string in any record \(e.g. "
+                                          r".*num.jsonl:1\); give records whose text is a JSON string"):
+        read_corpus(_cfg(tmp_path, [tmp_path / "num.jsonl"]))
     pq.write_table(pa.table({"text": pa.array([None, None], pa.string())}), tmp_path / "none.parquet")
     with pytest.raises(ConfigError, match="has no string value in column 'text' \\(2 rows\\)"):
         read_corpus(_cfg(tmp_path, [tmp_path / "none.parquet"]))
@@ -561,3 +566,17 @@ def test_stdlib_corpus(tmp_path):
     assert all("site-packages" not in f["path"] for f in man["files"])
     b = next(train_iterator(data, cfg))
     assert b["input_ids"].shape == (cfg.batch_size, cfg.seq_len + 1)
+
+
+def test_a_pipe_or_device_as_a_corpus_file_is_refused(tmp_path):
+    """Break test 62: a FIFO named .txt blocked the run forever (no output); a link to /dev/zero never ends."""
+    import os
+
+    fifo = tmp_path / "stream.txt"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.txt"
+    zero.symlink_to("/dev/zero")
+    for src in (fifo, zero):
+        with pytest.raises(ConfigError, match=rf"^corpus file {src} is not a regular file \(a pipe, device or "
+                                              r"socket\); give a file of text, or copy the stream into one$"):
+            read_corpus(_cfg(tmp_path, [src]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -196,7 +197,7 @@ def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
         return state
 
-    kw = {"log_every": 4, "eval_every": 8}
+    kw = {"log_every": 4, "eval_every": 8, "eval_batches": 100000}
     said: list[str] = []
     # --auto-resume both times, as a requeued job runs it: a fresh start, then a resume of its checkpoint
     s1 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume="auto", log=said.append, progress=False,
@@ -215,6 +216,9 @@ def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
     s2 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume="auto", log=said.append, progress=False)
     assert json.loads((out / "config.json").read_text())["steps"] == 8
     assert any(m.startswith("--auto-resume: no checkpoint yet in ") for m in said)
+    # break test 62: eval_batches above what the split holds was capped silently
+    assert any(re.match(r"eval_batches=100000: the validation split holds \d+ batch\(es\) of 4 x 32 tokens; "
+                        r"evaluating on those$", m) for m in said), said
     assert any(m == f"--auto-resume: resuming from {out / 'checkpoints'}" for m in said), said
     assert s2["step"] == 8 and s2["stop_reason"] == "steps"
     rows = {h["step"]: h for h in s2["history"]}

@@ -58,6 +58,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -262,6 +263,9 @@ def _read_files(cfg: DataConfig) -> list[_File]:
             continue
         seen.add(rp)
         try:
+            if not stat.S_ISREG(rp.stat().st_mode):  # a FIFO would block forever, /dev/zero never end
+                raise ConfigError(f"corpus file {path} is not a regular file (a pipe, device or socket); give a file "
+                                  "of text, or copy the stream into one")
             data = path.read_bytes()
         except OSError as e:
             raise ConfigError(f"corpus file {path} cannot be read ({e.strerror}); fix its permissions or remove it") from None
@@ -325,6 +329,9 @@ def _documents(f: _File, field: str, skipped: list[str]) -> list[str] | None:
             else:
                 missing.append(f"{f.path}:{lineno}")
         if n_records and not docs:
+            if field in keys:  # the field is there, but holds numbers / lists / null, not text
+                raise ConfigError(f"{f.path}: field {field!r} holds no string in any record (e.g. {missing[0]}); "
+                                  "give records whose text is a JSON string, or set data.text_field to the text field")
             raise ConfigError(
                 f"{f.path} has no string field {field!r} in any record (fields: {sorted(keys)[:10]}); "
                 "set data.text_field to the text field"

@@ -756,6 +756,10 @@ def run_training(
         # a mixture: every component's own validation batches, its loss reported on its own
         val_sets = ([(m.name, data_api.val_batches(m.data, cfg.data, cfg.eval_batches)) for m in data.components]
                     if data.components else [(None, data_api.val_batches(data, cfg.data, cfg.eval_batches))])
+        for name, vbs in val_sets:
+            if len(vbs) < cfg.eval_batches:  # the split is shorter than asked: say what each evaluation covers
+                say(f"eval_batches={cfg.eval_batches}: the validation split{f' of {name}' if name else ''} holds "
+                    f"{len(vbs)} batch(es) of {cfg.data.batch_size} x {cfg.data.seq_len} tokens; evaluating on those")
         val_names = [name for name, vbs in val_sets for _ in vbs]
         val = [make_global_batch(vb, batch_sh if vb.shape[0] % n_split == 0 else replicated(mesh), vb.shape)
                for _, vbs in val_sets for vb in vbs]
