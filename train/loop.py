@@ -643,6 +643,12 @@ def run_training(
             if init_src is not None:
                 origin.update(init_from=str(init_src.directory), init_step=init_src.step,
                               init_tokens=init_src.step * init_src.cfg.data.batch_size * init_src.cfg.data.seq_len)
+        from minicpm4_jax.train.optim import decay_steps_of
+
+        if decay_steps_of(cfg.optimizer, cfg.steps) == 1:
+            say("warning: a decay of 1 step changes nothing: its one update runs at the peak learning rate (the "
+                "schedule reaches min_lr_ratio x peak after the last update, spec B12); use 2 or more decay steps "
+                "(optimizer.decay_steps / decay_fraction), or 0 for none")
         inactive = inactive_draft_options(cfg)
         if inactive:
             say(f"model.mtp=false: {', '.join(inactive)} shape the MTP draft head, which this run does not have; "

@@ -91,6 +91,9 @@ def wsd_schedule(opt_cfg: OptimizerConfig, total_steps: int) -> Callable[[jax.Ar
       ``P * (1 - (1 - r) * progress)`` (``linear``); ``lr(N - D) = P`` and ``lr(N) = r * P`` exactly.
     * after ``N``: constant ``r * P`` (no roll-over back to the peak).
 
+    The ``D`` decay updates use ``s = N - D .. N - 1``: the last one runs at ``P * r ** ((D - 1) / D)``
+    (exponential), and ``D = 1`` decays nothing (``run_training`` warns).
+
     The value depends on ``s`` only, so a resumed run gets exactly the uninterrupted values.
     """
     peak = float(opt_cfg.learning_rate)
