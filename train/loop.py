@@ -822,7 +822,8 @@ def run_training(
                 raise TrainingDiverged(f"non-finite parameters after step {step_no}; not saved; "
                                        f"last good checkpoint: step {ckpt.latest_step()} in {ckpt_dir}")
             try:
-                ckpt.save(step_no, state, it)
+                with stop.starting_save():
+                    ckpt.save(step_no, state, it)
             except CheckpointWriteError:
                 raise
             except Exception as e:  # e.g. a replaced/wrapped checkpointer raising the raw OSError
