@@ -534,3 +534,18 @@ def test_spec_decode_on_a_checkpoint_without_a_draft_head(run_copy, capsys):
     assert read_json(run_copy / "config.json")["model"]["mtp"] is False
     err = _one_line_error(capsys, ["generate", "--checkpoint", str(run_copy), "--prompt", "x", "--spec-decode"])
     assert "--spec-decode needs a model trained with its MTP draft head" in err, err
+
+
+def test_export_size_and_allow_dense_arguments_are_named(runs, capsys):
+    """Break test 61: --max-shard-size 0 said "size '0' must be positive" without the option (nan / inf crashed),
+    and --allow-dense with --layout minicpm was accepted and did nothing."""
+    base = ["export", "hf", "--checkpoint", str(runs["run"]), "--out", str(runs["run"].parent / "never")]
+    for bad in ("0", "nan", "inf", "-5MB", "0.1B"):
+        err = _one_line_error(capsys, [*base, f"--max-shard-size={bad}"])
+        assert err == (f"error: --max-shard-size {bad!r} must be a positive, finite size; write e.g. 5GB, 500MB or "
+                       "2GiB"), err
+    err = _one_line_error(capsys, [*base, "--max-shard-size", "lots"])
+    assert err == "error: --max-shard-size 'lots' is not a size; write e.g. 5GB, 500MB or 2GiB", err
+    err = _one_line_error(capsys, [*base, "--layout", "minicpm", "--allow-dense"])
+    assert err.startswith("error: --allow-dense applies to --layout llama (and GGUF)"), err
+    assert not (runs["run"].parent / "never").exists()

@@ -440,7 +440,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
     npdt = np_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size, "--max-shard-size")
     check_output_target(Path(out), force)
     tok_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
     if tok_dir is None and not no_tokenizer:
@@ -562,7 +562,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
     npdt = np_dtype(dtype)
-    parse_size(max_shard_size)
+    parse_size(max_shard_size, "--max-shard-size")
+    if allow_dense and layout == "minicpm":
+        raise ConvertError("--allow-dense applies to --layout llama (and GGUF), which are dense only; --layout minicpm "
+                           "keeps sparse_config: leave --allow-dense out")
     paths = resolve_export_source(checkpoint, step=step, tokenizer=tokenizer, no_tokenizer=no_tokenizer)
     out_abs = Path(out).expanduser().absolute()
     refuse_output_over_source(out_abs, paths.protected())

@@ -17,6 +17,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -535,13 +536,15 @@ class SafetensorsSource:
         self.close()
 
 
-def parse_size(text: str | int) -> int:
+def parse_size(text: str | int, option: str = "size") -> int:
     """``"5GB"``/``"500MB"``/``"2GiB"``/``"1000"`` -> bytes (decimal units as transformers' ``max_shard_size``).
 
     Raises:
         ConvertError: not a size.
     """
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ConvertError(f"{option} {text!r} must be positive; write e.g. 5GB, 500MB or 2GiB")
         return text
     t = str(text).strip().upper()
     units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
@@ -554,9 +557,9 @@ def parse_size(text: str | int) -> int:
     try:
         v = float(t)
     except ValueError:
-        raise ConvertError(f"size {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB") from None
-    if v <= 0:
-        raise ConvertError(f"size {text!r} must be positive")
+        raise ConvertError(f"{option} {text!r} is not a size; write e.g. 5GB, 500MB or 2GiB") from None
+    if not math.isfinite(v) or v * mult < 1:
+        raise ConvertError(f"{option} {text!r} must be a positive, finite size; write e.g. 5GB, 500MB or 2GiB")
     return int(v * mult)
 
 
