@@ -657,6 +657,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if value is None:
         if optional:
             return None
+        if base is str:  # `key=` and `key: null` are YAML's null; an empty string is written ''
+            raise ConfigError(f"{where} has no value (YAML null); give a string, or {where}=\"''\" for an empty one")
         raise ConfigError(f"{where}=None is not allowed; give a value of type {getattr(base, '__name__', base)}")
     if dataclasses.is_dataclass(base):
         if isinstance(value, base):

@@ -98,6 +98,13 @@ def test_an_empty_preset_is_refused(tmp_path, text):
         load_config(str(child))
 
 
+def test_a_string_key_without_a_value_says_how_to_write_an_empty_one():
+    with pytest.raises(ConfigError, match=r"^sample_prompt has no value \(YAML null\); give a string, or "
+                                          r"sample_prompt=\"''\" for an empty one$"):
+        load_config("cpu_tiny", ["sample_prompt="])
+    assert load_config("cpu_tiny", ["sample_prompt=''"]).sample_prompt == ""
+
+
 def test_wsd_lengths_checked():
     with pytest.raises(ConfigError, match="exceed steps"):
         load_config("cpu_tiny", ["steps=10", "optimizer.warmup_steps=50"])
