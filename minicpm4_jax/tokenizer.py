@@ -44,6 +44,8 @@ __all__ = [
     "check_tokenizer_record",
     "train_tokenizer",
     "sentencepiece_to_hf_json",
+    "bos_eos_post_processor",
+    "with_bos_eos_post_processor",
     "SPM_TRAINER_SETTINGS",
 ]
 
@@ -313,10 +315,21 @@ class Tokenizer:
 
     # ---- export --------------------------------------------------------------------------------
     def to_hf_json(self) -> str:
-        """The ``tokenizer.json`` text (converted from the SentencePiece model when needed)."""
+        """The ``tokenizer.json`` text (converted from the SentencePiece model when needed).
+
+        A converted one gets the BOS/EOS post-processor that :meth:`tokenizer_config` states
+        (``add_bos_token``/``add_eos_token`` with its ``bos_token``/``eos_token``): transformers reads the
+        post-processor from ``tokenizer.json`` and ignores those two flags when the file exists.
+        A loaded ``tokenizer.json`` is returned as it is.
+        """
         if self.kind == "hf":
             return self._hf_json
-        return sentencepiece_to_hf_json(self._sp_bytes, added_tokens=self._id_to_added)
+        cfg = self.tokenizer_config()
+        return sentencepiece_to_hf_json(self._sp_bytes, added_tokens=self._id_to_added,
+                                        add_bos_token=bool(cfg.get("add_bos_token")),
+                                        add_eos_token=bool(cfg.get("add_eos_token")),
+                                        bos_token=_token_str(cfg.get("bos_token")),
+                                        eos_token=_token_str(cfg.get("eos_token")))
 
     def tokenizer_config(self) -> dict[str, Any]:
         """The ``tokenizer_config.json`` dict written by :meth:`save`."""
@@ -398,7 +411,38 @@ def _spm_proto(model_bytes: bytes):
     return m
 
 
-def sentencepiece_to_hf_json(model_bytes: bytes, added_tokens: dict[int, str] | None = None) -> str:
+def bos_eos_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None, add_bos: bool,
+                           add_eos: bool) -> Any:
+    """The ``tokenizers`` post-processor that adds BOS/EOS as ``add_bos_token``/``add_eos_token`` say.
+
+    The template transformers' ``LlamaTokenizerFast.update_post_processor`` builds: single
+    ``[BOS] $A [EOS]``, pair ``[BOS] $A [EOS] [BOS] $B [EOS]`` (each bracket only when its flag is on).
+
+    Args:
+        bos, eos: ``(token, id)`` or ``None`` when the tokenizer has no such token.
+        add_bos, add_eos: the ``tokenizer_config.json`` flags.
+
+    Returns:
+        A ``tokenizers.processors.TemplateProcessing``.
+
+    Raises:
+        ConfigError: a flag is on but its token is ``None``.
+    """
+    from tokenizers import processors
+
+    for flag, tok, what in ((add_bos, bos, "bos"), (add_eos, eos, "eos")):
+        if flag and tok is None:
+            raise ConfigError(f"add_{what}_token is true but the tokenizer has no {what}_token; set add_{what}_token "
+                              f"false in tokenizer_config.json or give a {what}_token")
+    a = ([f"{bos[0]}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if add_eos else [])
+    b = ([f"{bos[0]}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if add_eos else [])
+    specials = ([bos] if add_bos else []) + ([eos] if add_eos and eos != bos else [])
+    return processors.TemplateProcessing(single=" ".join(a), pair=" ".join(a + b), special_tokens=specials)
+
+
+def sentencepiece_to_hf_json(model_bytes: bytes, added_tokens: dict[int, str] | None = None, *,
+                             add_bos_token: bool = True, add_eos_token: bool = False, bos_token: str | None = None,
+                             eos_token: str | None = None) -> str:
     """Convert a SentencePiece **BPE** model to a Hugging Face ``tokenizer.json`` string.
 
     As transformers' ``LlamaConverter``: vocab = pieces in id order; merges = every split of a piece
@@ -407,10 +451,17 @@ def sentencepiece_to_hf_json(model_bytes: bytes, added_tokens: dict[int, str] | 
     pieces non-special added tokens (``normalized=False``); normaliser ``" " -> "▁"`` (plus a ``"▁"``
     prefix only when the model has ``add_dummy_prefix``); decoder Replace/ByteFallback/Fuse
     (+Strip when prefixed). ``added_tokens`` (id -> content, ids past the pieces) are appended as
-    special tokens.
+    special tokens. The post-processor is :func:`bos_eos_post_processor` of ``add_bos_token`` /
+    ``add_eos_token`` (transformers takes BOS/EOS insertion from ``tokenizer.json``, not from
+    ``tokenizer_config.json``, when the file exists; as ``LlamaTokenizerFast`` saves it).
+
+    Args:
+        bos_token, eos_token: the BOS/EOS token strings (a piece or an ``added_tokens`` entry);
+            ``None``: the model's own ``bos``/``eos`` piece (none when the model has none).
 
     Raises:
-        ConfigError: the model is not BPE or not byte-fallback.
+        ConfigError: the model is not BPE or not byte-fallback; a ``bos_token``/``eos_token`` that
+            is not in the vocabulary, or none while its ``add_*_token`` is true.
     """
     from tokenizers import AddedToken, decoders, normalizers
     from tokenizers import Tokenizer as HFTokenizer
@@ -459,7 +510,70 @@ def sentencepiece_to_hf_json(model_bytes: bytes, added_tokens: dict[int, str] | 
     tok.add_tokens(added)
     if added_tokens:
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for _, t in sorted(added_tokens.items())])
+    ids = {**vocab, **{t: i for i, t in (added_tokens or {}).items()}}
+
+    def special(name: str, given: str | None, own_id: int) -> tuple[str, int] | None:
+        if given is None:
+            return (pieces[own_id][0], own_id) if 0 <= own_id < len(pieces) else None
+        if given not in ids:
+            raise ConfigError(f"{name} {given!r} is not in the tokenizer's vocabulary; set {name} in "
+                              "tokenizer_config.json to one of its tokens")
+        return given, ids[given]
+
+    tok.post_processor = bos_eos_post_processor(special("bos_token", bos_token, m.trainer_spec.bos_id),
+                                                special("eos_token", eos_token, m.trainer_spec.eos_id),
+                                                add_bos_token, add_eos_token)
     return tok.to_str(pretty=True)
+
+
+def with_bos_eos_post_processor(hf_json: str, tokenizer_config: dict[str, Any]) -> str | None:
+    """``hf_json`` with the :func:`bos_eos_post_processor` of ``tokenizer_config``, when it has none.
+
+    For a ``tokenizer.json`` whose ``post_processor`` is ``null`` (as this project wrote it before the
+    converter added one): transformers 5 then adds no BOS although ``tokenizer_config.json`` says
+    ``add_bos_token: true`` (it ignores the flag when ``tokenizer.json`` exists). Only that key is
+    changed.
+
+    Args:
+        hf_json: the ``tokenizer.json`` text.
+        tokenizer_config: the ``tokenizer_config.json`` dict (``add_bos_token`` default true,
+            ``add_eos_token`` default false, as ``LlamaTokenizer``; ``bos_token``/``eos_token``).
+
+    Returns:
+        The new text, or ``None`` when ``hf_json`` already has a post-processor.
+
+    Raises:
+        ConfigError: ``hf_json`` is not a valid ``tokenizer.json``, or a BOS/EOS token to add is not in
+            its vocabulary.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        data = json.loads(hf_json)
+        if data.get("post_processor") is not None:
+            return None
+        hf = HFTokenizer.from_str(hf_json)
+    except Exception as e:  # noqa: BLE001 - json and tokenizers raise several kinds
+        raise ConfigError(f"tokenizer.json is not valid ({str(e).splitlines()[0]}); fix or remove it") from None
+    add_bos = bool(tokenizer_config.get("add_bos_token", True))
+    add_eos = bool(tokenizer_config.get("add_eos_token", False))
+
+    def special(name: str, flag: bool) -> tuple[str, int] | None:
+        t = _token_str(tokenizer_config.get(name))
+        if t is None:
+            return None
+        i = hf.token_to_id(t)
+        if i is None:
+            if not flag:
+                return None
+            raise ConfigError(f"{name} {t!r} of tokenizer_config.json is not in tokenizer.json's vocabulary; set "
+                              f"{name} to one of its tokens")
+        return t, i
+
+    hf.post_processor = bos_eos_post_processor(special("bos_token", add_bos), special("eos_token", add_eos),
+                                               add_bos, add_eos)
+    data["post_processor"] = json.loads(hf.to_str())["post_processor"]
+    return json.dumps(data, indent=2, ensure_ascii=False)
 
 
 # ------------------------------------------------------------------------------------------------

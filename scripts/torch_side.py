@@ -19,11 +19,14 @@ Subcommands:
     (``config.json``; weights from ``model.safetensors`` when present, else random init) on random
     token batches, and print one JSON line: tokens/s, seconds per step, final loss, threads.
 
-``tokenize --tokenizer-dir DIR --texts FILE``
+``tokenize --tokenizer-dir DIR --texts FILE [--no-sentencepiece]``
     Load ``DIR`` (a saved tokenizer: ``tokenizer.model``/``tokenizer.json``/``tokenizer_config.json``)
     with ``transformers.AutoTokenizer`` both fast and slow, encode each string of the JSON list in
-    ``FILE`` without special tokens, and print one JSON object: ``{"fast": [[ids]...], "slow": [[ids]...],
-    "fast_decoded": [...], "classes": [...]}``.
+    ``FILE`` without special tokens and as ``tokenizer(text).input_ids`` (the defaults, i.e. with
+    BOS/EOS as the folder says), and print one JSON object: ``{"fast": [[ids]...], "slow": [[ids]...],
+    "fast_call": [[ids]...], "slow_call": [[ids]...], "fast_decoded": [...], "classes": [...]}``.
+    ``--no-sentencepiece``: make the ``sentencepiece`` package unimportable first (transformers
+    without it, as on a machine that lacks it).
 
 ``hf-check MODEL_DIR --inputs NPZ --out NPZ [--new-tokens N]``
     Load ``MODEL_DIR`` with stock ``transformers.AutoModelForCausalLM.from_pretrained`` (float32,
@@ -176,6 +179,10 @@ def cmd_train_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
+    if args.no_sentencepiece:
+        if "transformers" in sys.modules:
+            raise SystemExit("--no-sentencepiece: transformers is already imported")
+        sys.modules["sentencepiece"] = None  # type: ignore[assignment]  # importlib then finds no such package
     from transformers import AutoTokenizer
 
     texts = json.loads(Path(args.texts).read_text())
@@ -184,6 +191,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(args.tokenizer_dir, use_fast=fast)
         out["classes"].append(type(tok).__name__)
         out[name] = [tok.encode(t, add_special_tokens=False) for t in texts]
+        out[f"{name}_call"] = [tok(t).input_ids for t in texts]
         if fast:
             out["fast_decoded"] = [tok.decode(ids) for ids in out[name]]
             out["fast_bos_eos"] = [tok.bos_token_id, tok.eos_token_id]
@@ -379,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     tk = sub.add_parser("tokenize", help="encode texts with transformers' AutoTokenizer (fast and slow)")
     tk.add_argument("--tokenizer-dir", required=True, help="a saved tokenizer directory")
     tk.add_argument("--texts", required=True, help="JSON file with a list of strings")
+    tk.add_argument("--no-sentencepiece", action="store_true", help="run transformers without the sentencepiece package")
     tk.set_defaults(func=cmd_tokenize)
     hc = sub.add_parser("hf-check", help="AutoModelForCausalLM logits and greedy tokens of an HF folder")
     hc.add_argument("model_dir", help="a Hugging Face model folder")

@@ -549,3 +549,73 @@ def test_b10_official_layout_logits_from_the_files_equal_ours(tmp_path, tied):
     theirs = _official_runtime_logits(tmp_path / "hf", ids[0])
     assert float(np.max(np.abs(ours))) > 0.5
     np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer files of an export: what transformers needs to give this project's ids (tokenizers library here;
+# transformers itself in test_tokenizer_hf.py)
+# ------------------------------------------------------------------------------------------------
+
+_TOK_TEXTS = ["def foo(x):\n    return x", " a leading space", "\nnewline first", "你好，世界", "Hello world",
+              "<|im_start|>user\nhi<|im_end|>"]
+
+
+def test_export_of_a_tokenizer_model_without_tokenizer_json_writes_one(tmp_path, tiny_tokenizer_dir):
+    """A SentencePiece folder without tokenizer.json (as an imported official MiniCPM4 one) gets a generated
+    tokenizer.json (BOS post-processor, no dummy prefix) and a tokenizer_config.json that says add_prefix_space
+    false; the source files stay as they are."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    src = tmp_path / "tok"
+    src.mkdir()
+    for n in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer_dir / n, src / n)
+    cfg_src = read_json(src / "tokenizer_config.json")
+    cfg_src["add_prefix_space"] = None  # as the official file: transformers 5 reads null as true
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg_src))
+    before = {n: (src / n).read_bytes() for n in ("tokenizer.model", "tokenizer_config.json")}
+    cfg = tiny_cfg()
+    res = write_hf(random_params(cfg, seed=40), cfg, tmp_path / "hf", tokenizer_dir=src)
+    out = tmp_path / "hf"
+    assert {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"} <= set(res.manifest["tokenizer_files"])
+    assert any("generated from tokenizer.model" in n for n in res.manifest["tokenizer_notes"])
+    tc = read_json(out / "tokenizer_config.json")
+    assert tc["add_prefix_space"] is False and tc["add_bos_token"] is True and tc["bos_token"] == "<s>"
+    tok = load_tokenizer(src)
+    hf = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    for text in _TOK_TEXTS:
+        assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text), text
+        assert hf.encode(text).ids == [tok.bos_id] + tok.encode(text), text
+    assert {n: (src / n).read_bytes() for n in before} == before
+    assert (out / "tokenizer.model").read_bytes() == before["tokenizer.model"]
+
+
+def test_export_adds_the_bos_post_processor_to_an_old_tokenizer_json(tmp_path, tiny_tokenizer_dir):
+    """A run saved before tokenizer.json carried a post-processor (post_processor null): transformers ignores
+    add_bos_token when tokenizer.json exists, so the export fills the post-processor in (only that key)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    src = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer_dir, src)
+    old = json.loads((src / "tokenizer.json").read_text())
+    old["post_processor"] = None
+    (src / "tokenizer.json").write_text(json.dumps(old))
+    cfg = tiny_cfg()
+    res = write_hf(random_params(cfg, seed=41), cfg, tmp_path / "hf", tokenizer_dir=src)
+    tok = load_tokenizer(src)
+    hf = HFTokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    for text in _TOK_TEXTS:
+        assert hf.encode(text).ids == [1] + tok.encode(text), text
+    new = read_json(tmp_path / "hf" / "tokenizer.json")
+    assert new["post_processor"]["type"] == "TemplateProcessing"
+    assert {k: v for k, v in new.items() if k != "post_processor"} == {k: v for k, v in old.items()
+                                                                      if k != "post_processor"}
+    assert any("post_processor added" in n for n in res.manifest["tokenizer_notes"])
+    # a tokenizer.json with a post-processor is copied byte for byte
+    res2 = write_hf(random_params(cfg, seed=41), cfg, tmp_path / "hf2", tokenizer_dir=tiny_tokenizer_dir)
+    assert res2.manifest["tokenizer_notes"] == []
+    assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == (tiny_tokenizer_dir / "tokenizer.json").read_bytes()

@@ -195,6 +195,34 @@ def test_sentencepiece_to_hf_json_rejects_unigram(tmp_path):
         sentencepiece_to_hf_json(buf.getvalue())
 
 
+def test_tokenizer_json_adds_bos_as_tokenizer_config_says(tmp_path):
+    """The converted tokenizer.json carries the BOS post-processor (transformers reads BOS insertion from it
+    and ignores tokenizer_config.json's add_bos_token when the file exists); add_eos_token adds the EOS."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = train_tokenizer(_code_corpus(), 400, tmp_path / "spm", log=lambda s: None)
+    tok.save(tmp_path / "saved")
+    hf = HFTokenizer.from_file(str(tmp_path / "saved" / "tokenizer.json"))
+    texts = ["def foo(x):", " leading space", "\nnewline first", "<|im_start|>user\nhi<|im_end|>"] + SAMPLES
+    for text in texts:
+        assert hf.encode(text).ids == [tok.bos_id] + tok.encode(text), text
+        assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text)
+    assert hf.encode("a", "b").ids == [1, *tok.encode("a"), 1, *tok.encode("b")]  # LlamaTokenizerFast's pair
+    with_eos = json.loads(sentencepiece_to_hf_json(tok._sp_bytes, add_eos_token=True))["post_processor"]
+    assert [next(iter(x.values()))["id"] for x in with_eos["single"]] == ["<s>", "A", "</s>"]
+    with pytest.raises(ConfigError, match="'<nope>' is not in the tokenizer's vocabulary"):
+        sentencepiece_to_hf_json(tok._sp_bytes, bos_token="<nope>")
+
+
+def test_official_tokenizer_json_adds_bos(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = load_tokenizer(shared_path("data", "minicpm4-0.5b"))
+    hf = HFTokenizer.from_str(tok.to_hf_json())
+    for text in ["Hello world", " 你好", "<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n"]:
+        assert hf.encode(text).ids == [1] + tok.encode(text), text
+
+
 # ------------------------------------------------------------------------------------------------
 # loading errors
 # ------------------------------------------------------------------------------------------------

@@ -79,6 +79,7 @@ __all__ = [
     "write_hf",
     "export_hf",
     "TOKENIZER_FILES",
+    "write_tokenizer_files",
     "np_dtype",
     "LAYOUTS",
     "DTYPES",
@@ -356,7 +357,32 @@ def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
     return tok, special_id_mismatches(tok, cfg)
 
 
-def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> list[str]:
+def write_tokenizer_files(tokenizer_dir: Path, dest: Path) -> tuple[list[str], list[str]]:
+    """Put the tokenizer of ``tokenizer_dir`` into ``dest`` as transformers must read it to give our ids.
+
+    The :data:`TOKENIZER_FILES` present are copied as they are, except for a SentencePiece folder
+    (one with ``tokenizer.model``):
+
+    * without ``tokenizer.json`` (e.g. an imported official MiniCPM4 folder): ``tokenizer.json`` is
+      generated from ``tokenizer.model`` and its added tokens (``Tokenizer.to_hf_json``: BPE, byte
+      fallback, the model's own dummy-prefix rule, a BOS/EOS post-processor) and ``tokenizer_config.json``
+      is rewritten by ``Tokenizer.tokenizer_config`` (the source's keys, plus ``add_prefix_space``
+      stating the model's dummy-prefix rule). Otherwise transformers 5 either rebuilds the tokenizer
+      from ``tokenizer.model`` with a ``"▁"`` prefix (``add_prefix_space: null`` means true: other ids)
+      or, without sentencepiece + protobuf, fails to load it;
+    * with a ``tokenizer.json`` whose ``post_processor`` is ``null`` (written by this project before it
+      added one): that key is filled in from ``tokenizer_config.json``'s ``add_bos_token`` /
+      ``add_eos_token`` (``tokenizer.with_bos_eos_post_processor``), since transformers ignores those
+      flags when ``tokenizer.json`` exists.
+
+    Returns:
+        ``(file names written, notes on what was generated or changed)``.
+
+    Raises:
+        ConvertError: the tokenizer files do not load or disagree (a BOS/EOS token not in the vocabulary).
+    """
+    from minicpm4_jax.tokenizer import Tokenizer, with_bos_eos_post_processor
+
     out = []
     for name in TOKENIZER_FILES:
         p = tokenizer_dir / name
@@ -364,7 +390,33 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> list[str]:
             shutil.copyfile(p, dest / name)
             os.chmod(dest / name, default_file_mode())
             out.append(name)
-    return out
+    notes: list[str] = []
+    if "tokenizer.model" not in out:
+        return out, notes
+    try:
+        tok = Tokenizer.from_sentencepiece(tokenizer_dir / "tokenizer.model")
+        if "tokenizer.json" not in out:
+            texts = {"tokenizer.json": tok.to_hf_json(),
+                     "tokenizer_config.json": json.dumps(tok.tokenizer_config(), indent=2, ensure_ascii=False) + "\n"}
+            notes += [f"tokenizer.json: generated from tokenizer.model ({tokenizer_dir} has none)",
+                      "tokenizer_config.json: rewritten with add_prefix_space="
+                      f"{str(tok.tokenizer_config()['add_prefix_space']).lower()} (the SentencePiece model's dummy-prefix "
+                      "rule) for the generated tokenizer.json"]
+        else:
+            patched = with_bos_eos_post_processor((dest / "tokenizer.json").read_text(encoding="utf-8"),
+                                                  tok.tokenizer_config())
+            texts = {} if patched is None else {"tokenizer.json": patched}
+            if patched is not None:
+                notes.append("tokenizer.json: BOS/EOS post_processor added from tokenizer_config.json's "
+                             "add_bos_token/add_eos_token (the source file had none)")
+    except ConfigError as e:
+        raise ConvertError(f"the tokenizer in {tokenizer_dir}: {e}") from None
+    for name, text in texts.items():
+        (dest / name).write_text(text, encoding="utf-8")
+        os.chmod(dest / name, default_file_mode())
+        if name not in out:
+            out.append(name)
+    return out, notes
 
 
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -378,7 +430,11 @@ def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
 def _tokenizer_bytes(tokenizer_dir: Path | None) -> int:
     if tokenizer_dir is None:
         return 0
-    return sum((tokenizer_dir / n).stat().st_size for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
+    n = sum((tokenizer_dir / n).stat().st_size for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file())
+    model = tokenizer_dir / "tokenizer.model"
+    if model.is_file() and not (tokenizer_dir / "tokenizer.json").is_file():
+        n += 8 * model.stat().st_size  # the generated tokenizer.json (vocabulary + merges as JSON)
+    return n
 
 
 def drop_vocab_padding(params: Mapping[str, Any], cfg: ModelConfig) -> tuple[dict[str, Any], ModelConfig]:
@@ -504,7 +560,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         (stage / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")
         files += ["config.json", "generation_config.json"]
-        tok_files = _copy_tokenizer(tok_dir, stage) if tok_dir is not None else []
+        tok_files, tok_notes = write_tokenizer_files(tok_dir, stage) if tok_dir is not None else ([], [])
         files += tok_files
         manifest = {
             "format": f"hf-{layout}",
@@ -517,6 +573,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
             "allow_dense": bool(allow_dense and sparse and layout == "llama"),
             "no_tokenizer": tok_dir is None,
             "tokenizer_files": tok_files,
+            "tokenizer_notes": tok_notes,
             "mtp_draft": ("not in this folder: the official EAGLE draft heads ship as separate folders; write it "
                           "with `minicpm4 export eagle`") if getattr(cfg, "mtp", False)
                          else "not exported: this model has no MTP module",
