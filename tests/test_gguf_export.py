@@ -118,6 +118,72 @@ def test_gguf_vocabulary_of_the_official_tokenizer(tmp_path):
     assert kv["tokenizer.ggml.bos_token_id"] == 1 and kv["tokenizer.ggml.add_bos_token"] is True
 
 
+def _spm_proto(tok_dir: Path):
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString((tok_dir / "tokenizer.model").read_bytes())
+    return m
+
+
+@pytest.mark.parametrize("which", ["trained", "trained_dummy_prefix", "official"])
+def test_gguf_add_space_prefix_follows_the_sentencepiece_model(tmp_path, tiny_tokenizer_dir, which):
+    """llama.cpp prepends "▁" to SPM text unless tokenizer.ggml.add_space_prefix says otherwise (its default is
+    true); MiniCPM4's model (and ours) has add_dummy_prefix = false, so the key must be written, as the flag."""
+    cfg = tiny_cfg()
+    if which == "official":
+        tok_dir, cfg = shared_path("data", "minicpm4-0.5b"), tiny_cfg(vocab=73448, layers=1, eos=(2, 73440))
+    elif which == "trained_dummy_prefix":  # the same pieces with a dummy prefix: the key follows the model
+        tok_dir = tmp_path / "tok"
+        tok_dir.mkdir()
+        m = _spm_proto(tiny_tokenizer_dir)
+        m.normalizer_spec.add_dummy_prefix = True
+        (tok_dir / "tokenizer.model").write_bytes(m.SerializeToString())
+    else:
+        tok_dir = tiny_tokenizer_dir
+    want = bool(_spm_proto(tok_dir).normalizer_spec.add_dummy_prefix)
+    assert want is (which == "trained_dummy_prefix")
+    write_gguf(random_params(cfg, seed=21), cfg, tmp_path / "v.gguf", outtype="f16", tokenizer_dir=tok_dir)
+    kv, _ = _fields(tmp_path / "v.gguf")
+    assert kv.get("tokenizer.ggml.add_space_prefix") is want
+
+
+@pytest.mark.parametrize("which", ["trained_model_only", "official"])
+def test_gguf_special_ids_when_the_eos_is_a_list(tmp_path, tiny_tokenizer_dir, which):
+    """A folder without tokenizer.json (an imported official one) and a list model.eos_token_id: gguf.SpecialVocab
+    resolves no eos/unk there, and llama.cpp would assume eos 2 only. The GGUF names eos (the tokenizer_config's
+    eos_token, as llama.cpp's converter reads our HF export, which has tokenizer.json), unk, and the other eos id as
+    eot, so llama.cpp ends generation on every id of model.eos_token_id."""
+    if which == "official":
+        tok_dir, eos = shared_path("data", "minicpm4-0.5b"), (2, 73440)
+        cfg = tiny_cfg(vocab=73448, layers=1, eos=eos)
+        want = {"eos": 73440, "eot": 2, "unknown": 0, "bos": 1}  # eos_token <|im_end|>; </s> as eot
+    else:
+        tok_dir = tmp_path / "tok"
+        tok_dir.mkdir()
+        for n in ("tokenizer.model", "tokenizer_config.json"):
+            (tok_dir / n).write_bytes((tiny_tokenizer_dir / n).read_bytes())
+        eos = (2, 3)
+        cfg = tiny_cfg(eos=eos)
+        want = {"eos": 2, "eot": 3, "unknown": 0, "bos": 1}
+    warnings = write_gguf(random_params(cfg, seed=21), cfg, tmp_path / "v.gguf", outtype="f16", tokenizer_dir=tok_dir)
+    kv, _ = _fields(tmp_path / "v.gguf")
+    got = {k: kv.get(f"tokenizer.ggml.{k}_token_id") for k in want}
+    assert got == want
+    assert {got["eos"], got["eot"]} == set(eos) and not warnings
+    toks = kv["tokenizer.ggml.tokens"]
+    assert toks[got["unknown"]] == "<unk>" and toks[got["bos"]] == "<s>"
+
+
+def test_gguf_third_eos_id_is_a_warning(tmp_path, tiny_tokenizer_dir):
+    cfg = tiny_cfg(eos=(2, 3, 4))
+    warnings = write_gguf(random_params(cfg, seed=21), cfg, tmp_path / "v.gguf", outtype="f16",
+                          tokenizer_dir=tiny_tokenizer_dir)
+    kv, _ = _fields(tmp_path / "v.gguf")
+    assert (kv["tokenizer.ggml.eos_token_id"], kv["tokenizer.ggml.eot_token_id"]) == (2, 3)
+    assert any("llama.cpp stops on eos 2 and eot 3 only; [4]" in w for w in warnings), warnings
+
+
 # ------------------------------------------------------------------------------------------------
 # contents: round trip and logits from the dequantized file
 # ------------------------------------------------------------------------------------------------
@@ -200,6 +266,40 @@ def test_gguf_bad_input(tmp_path, tiny_tokenizer_dir):
     assert read_json(tmp_path / "s" / MANIFEST_NAME)["allow_dense"] is True
 
 
+@pytest.mark.parametrize("outtype", ["q8_0", "tq2_0", "tq1_0"])
+def test_gguf_block_scale_overflow_is_refused(tmp_path, tiny_tokenizer_dir, outtype):
+    """Q8_0 stores max|block|/127, TQ1_0/TQ2_0 max|block| as one float16 per block: past 65504 numpy writes inf and
+    the block dequantizes to inf/NaN. Refused in one line naming the tensor (as --outtype f16 refuses |w| > 65504),
+    nothing left behind; a weight just inside the range is written and read back finite."""
+    if outtype == "q8_0":
+        cfg = tiny_cfg()
+        params = random_params(cfg, seed=28)
+        name, big, ok = "layers/q_proj", 1e7, 8.0e6  # 1e7/127 = 78740 > 65504; 8e6/127 = 62992
+    else:  # a ternary model (one magnitude per 256-block) whose ffn_up scale is out of float16's range
+        cfg = tiny_cfg(hidden=256, inter=256)
+        params = {k: (np.where(v >= 0, 0.01, -0.01).astype(np.float32) if v.ndim >= 2 and "embed" not in k else v)
+                  for k, v in random_params(cfg, seed=28).items()}
+        name, big, ok = "layers/up_proj", 1e6, 6.0e4
+    key = name
+    gguf_name = "blk.0.attn_q.weight" if outtype == "q8_0" else "blk.0.ffn_up.weight"
+    bad = dict(params)
+    bad[key] = params[key].copy()
+    if outtype == "q8_0":
+        bad[key][0, 0, 0, 5] = big  # layer 0, one weight of attn_q
+    else:
+        bad[key][0] = params[key][0] / 0.01 * big  # layer 0: ternary with scale 1e6
+    with pytest.raises(ConvertError, match=rf"^{gguf_name} does not fit {outtype.upper()} \(--outtype {outtype}\): its "
+                       r"largest magnitude 1e\+0[67] .*float16's 65504.*--outtype f32 or bf16$"):
+        write_gguf_dir(bad, cfg, tmp_path / "g", outtype=outtype, tokenizer_dir=tiny_tokenizer_dir)
+    assert not (tmp_path / "g").exists()
+    fine = dict(bad)
+    fine[key] = bad[key] / big * ok
+    write_gguf_dir(fine, cfg, tmp_path / "g", outtype=outtype, tokenizer_dir=tiny_tokenizer_dir)
+    back = read_gguf_params(tmp_path / "g" / f"minicpm4-{outtype}.gguf", cfg)
+    assert all(np.isfinite(v).all() for v in back.values())
+    assert float(np.max(np.abs(back[key]))) == pytest.approx(ok, rel=1e-3)
+
+
 def test_cli_export_gguf(tmp_path, tiny_tokenizer_dir, capsys):
     cfg = tiny_cfg(tied=True)
     params = random_params(cfg, seed=25)
@@ -239,7 +339,8 @@ def _converter_dir() -> Path:
 #: keys the converter derives from the folder name / parameter count (not model facts)
 _NAMING_KEYS = {"general.name", "general.size_label", "general.basename", "general.finetune"}
 #: keys only our writer adds (documented in gguf_export: llama.cpp reads them, the converter omits them)
-_OUR_EXTRA_KEYS = {"minicpm.rope.scaling.original_context_length", "minicpm.rope.scaling.attn_factor"}
+_OUR_EXTRA_KEYS = {"minicpm.rope.scaling.original_context_length", "minicpm.rope.scaling.attn_factor",
+                   "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.eot_token_id"}
 
 
 @pytest.mark.torch

@@ -23,7 +23,11 @@ suite runs that converter as an oracle):
 * vocabulary: the SentencePiece model (``tokenizer.ggml.model = llama``) with the converter's
   rules (``_create_vocab_sentencepiece``: piece types, added tokens from ``added_tokens.json`` and
   ``tokenizer_config.json``, ``[PAD{i}]`` fill up to ``vocab_size``), special ids and the chat
-  template through ``gguf.SpecialVocab``.
+  template through ``gguf.SpecialVocab`` (on the tokenizer files our HF export writes); additionally
+  ``tokenizer.ggml.add_space_prefix`` (the model's ``add_dummy_prefix``: llama.cpp's SPM default is
+  true, MiniCPM4's model has none), the eos/unk ids SpecialVocab cannot resolve (a list
+  ``eos_token_id``: its first) and ``eot_token_id`` for a second eos id (llama.cpp stops on eos/eot).
+  Q8_0/TQ blocks whose float16 scale would overflow are refused, as F16 weights above 65504 are.
 
 Dense attention only: llama.cpp has no InfLLM v2, so a sparse model is refused unless ``allow_dense``
 (``--allow-dense``: exported dense, ``sparse_config`` dropped, the opt-in recorded in the manifest).
@@ -48,6 +52,7 @@ magnitudes) before the file is written. Dequantization multiplies the codes by `
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -73,7 +78,7 @@ from minicpm4_jax.nn.rope import dynamic_runtime_factor_lists
 
 __all__ = ["OUTTYPES", "TERNARY_OUTTYPES", "write_gguf", "write_gguf_dir", "export_gguf", "read_gguf_params",
            "permute_qk", "unpermute_qk", "gguf_tensor_types", "sentencepiece_vocab", "check_ternary_outtype",
-           "check_ternary_blocks"]
+           "check_ternary_blocks", "check_block_scale_range"]
 
 #: ``--outtype`` -> (LlamaFileType name, GGMLQuantizationType name of the matrices)
 OUTTYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"),
@@ -313,8 +318,27 @@ def _add_metadata(w: Any, cfg: ModelConfig, outtype: str, name: str) -> None:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> None:
+def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> list[str]:
+    """The ``tokenizer.*`` keys; returns warnings.
+
+    As the converter: pieces, scores and types, then ``gguf.SpecialVocab`` (bos/eos/unk ids,
+    add_bos/add_eos, chat template) on the folder our HF export writes (``hf_export.write_tokenizer_files``:
+    with the ``tokenizer.json`` generated for a folder that has none, so the converter run on our HF
+    export sees the same). Beyond the converter (llama.cpp ``src/llama-vocab.cpp`` ``llama_vocab::impl::load``):
+
+    * ``tokenizer.ggml.add_space_prefix`` = the SentencePiece model's ``add_dummy_prefix``: llama.cpp
+      prepends ``"▁"`` to SPM text unless the key says otherwise, while MiniCPM4's model has no dummy prefix;
+    * ``eos_token_id`` = the first of ``model.eos_token_id`` and ``unknown_token_id`` = the model's unk
+      piece, when SpecialVocab found none (a list ``eos_token_id`` in config.json and a ``tokenizer_config``
+      eos that no ``tokenizer.json`` resolves leave them unset; llama.cpp would then assume 2 and 0);
+    * ``eot_token_id`` = the first other id of ``model.eos_token_id`` (e.g. ``<|im_end|>`` when eos is
+      ``</s>``): llama.cpp ends generation on eos, eot and eom only (plus a few token texts it knows),
+      as the Laguna converter does for an eos list.
+    """
     import gguf
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from minicpm4_jax.convert.hf_export import write_tokenizer_files
 
     tokens, scores, types = sentencepiece_vocab(tokenizer_dir, cfg.vocab_size)
     w.add_tokenizer_model("llama")
@@ -322,16 +346,70 @@ def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> None:
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
+    proto = pb.ModelProto()
+    proto.ParseFromString((tokenizer_dir / "tokenizer.model").read_bytes())
+    w.add_add_space_prefix(bool(proto.normalizer_spec.add_dummy_prefix))
     # SpecialVocab reads tokenizer_config.json / special_tokens_map.json and config.json (bos/eos ids,
     # add_bos/add_eos, chat template) exactly as the converter does: give it the official view.
     with tempfile.TemporaryDirectory() as td:
         tdp = Path(td)
-        for n in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json"):
-            if (tokenizer_dir / n).is_file():
-                (tdp / n).write_bytes((tokenizer_dir / n).read_bytes())
+        write_tokenizer_files(tokenizer_dir, tdp)
         (tdp / "config.json").write_text(json.dumps(official_config(cfg)))
-        special = gguf.SpecialVocab(tdp, n_vocab=len(tokens))
+        quiet = logging.getLogger("gguf.vocab")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # its "Unknown separator token '<s>'" on LlamaTokenizerFast's pair template
+        try:
+            special = gguf.SpecialVocab(tdp, n_vocab=len(tokens))
+        finally:
+            quiet.setLevel(level)
+    ids = special.special_token_ids
+    eos_list = [int(i) for i in cfg.eos_token_id]
+    if "eos" not in ids and eos_list:
+        ids["eos"] = eos_list[0]
+    unk = proto.trainer_spec.unk_id
+    if "unk" not in ids and 0 <= unk < len(tokens) and types[unk] in (int(gguf.TokenType.UNKNOWN),
+                                                                       int(gguf.TokenType.CONTROL)):
+        ids["unk"] = unk
+    others = [i for i in dict.fromkeys(eos_list) if i != ids.get("eos") and i != ids.get("bos")]
+    warnings = []
+    if others and "eot" not in ids:
+        ids["eot"] = others[0]
+    if len(others) > 1:
+        warnings.append(f"model.eos_token_id {eos_list}: llama.cpp stops on eos {ids.get('eos')} and eot {others[0]} "
+                        f"only; {others[1:]} end generation there only if their text is one it knows")
     special.add_to_gguf(w)
+    return warnings
+
+
+#: block types with one float16 scale per block: ``{qtype: (block size, scale = max|block| / divisor)}``
+#: (``gguf.quants``: Q8_0 ``d = max|x| / 127``; TQ1_0/TQ2_0 ``d = max|x|``)
+_FP16_SCALE = {"Q8_0": (32, 127.0), "TQ1_0": (_TQ_BLOCK, 1.0), "TQ2_0": (_TQ_BLOCK, 1.0)}
+
+
+def check_block_scale_range(arr: np.ndarray, name: str, qtype: str) -> None:
+    """Raise when a block's float16 scale of ``qtype`` would overflow (numpy writes inf, the block dequantizes to inf/NaN).
+
+    Args:
+        arr: the float32 matrix ``[..., in]`` (``in`` a multiple of the block).
+        name: the GGUF tensor name (for the message).
+        qtype: ``Q8_0``, ``TQ1_0`` or ``TQ2_0``.
+
+    Raises:
+        ConvertError: naming the tensor, its largest magnitude, the scale and the fix.
+    """
+    block, div = _FP16_SCALE[qtype]
+    if not arr.size:
+        return
+    amax = np.abs(np.asarray(arr, np.float32)).reshape(-1, block).max(axis=-1)
+    d = amax[np.isfinite(amax)] / np.float32(div)
+    with np.errstate(over="ignore"):
+        overflow = bool(d.size) and bool(np.isinf(d.astype(np.float16)).any())
+    if overflow:
+        big = float(d.max() * div)
+        scale = f"gives a block scale (max/{div:g}) of {big / div:.6g}" if div != 1 else "is its block's scale"
+        raise ConvertError(f"{name} does not fit {qtype} (--outtype {qtype.lower()}): its largest magnitude {big:.6g} "
+                           f"{scale}, above float16's 65504, which would be written as inf; export with --outtype f32 "
+                           "or bf16")
 
 
 def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Iterator[np.ndarray]:
@@ -348,6 +426,8 @@ def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Itera
             arr = permute_qk(arr, cfg.num_key_value_heads)
         if qtypes[names[hf_name]] == "F16":
             check_float16_range(arr, names[hf_name], "--outtype f16")
+        elif qtypes[names[hf_name]] in _FP16_SCALE:
+            check_block_scale_range(arr, names[hf_name], qtypes[names[hf_name]])
         yield _encode(arr, qtypes[names[hf_name]])
 
 
@@ -373,7 +453,10 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     Raises:
         ConvertError: unknown outtype, a sparse model without ``allow_dense``, no SentencePiece
             tokenizer, or a tokenizer larger than ``vocab_size``; for ``tq1_0``/``tq2_0`` weights that
-            the type cannot hold exactly (see the module docstring): all before the file is opened.
+            the type cannot hold exactly (see the module docstring): all before the file is opened; while
+            the tensors are written, a weight that float16 cannot hold: above 65504 for F16 tensors, a
+            float16 block scale that overflows for Q8_0 (max|block|/127) and TQ1_0/TQ2_0 (max|block|),
+            naming the tensor (``write_gguf_dir`` then leaves nothing behind).
     """
     import gguf
 
@@ -393,7 +476,7 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MINICPM])
     try:
         _add_metadata(w, cfg, outtype, name)
-        _add_vocab(w, cfg, tok_dir)
+        warnings += _add_vocab(w, cfg, tok_dir)
         for gname, q, shape in plan:
             qt = gguf.GGMLQuantizationType[q]
             nb = _nbytes(shape, q)
