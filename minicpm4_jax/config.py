@@ -243,6 +243,9 @@ class ModelConfig:
         if act != "silu":
             raise ConfigError(f"hidden_act={act!r} is not supported; MiniCPM4 uses 'silu'")
         rs = hf.get("rope_scaling")
+        rp = hf.get("rope_parameters")  # transformers 5's save_pretrained writes LongRoPE here, not rope_scaling
+        if rs is None and isinstance(rp, dict) and rp.get("rope_type", rp.get("type")) not in (None, "default"):
+            rs = {k: v for k, v in rp.items() if k != "rope_theta"}
         rope_scaling = None
         if rs is not None:
             if not isinstance(rs, dict):
@@ -684,6 +687,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 exact = decimal.Decimal(value.strip())
             except decimal.InvalidOperation:
                 exact = None
+            if exact is not None and exact.is_finite() and exact.adjusted() > 18:  # 1e5000 hung / crashed int()
+                raise ConfigError(f"{where}={value!r} is too large for an integer setting (at most 19 digits)")
             if exact is not None and exact.is_finite() and exact == exact.to_integral_value():
                 return int(exact)
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
@@ -869,7 +874,7 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"preset {path} is not valid YAML{where}: {what}; fix the file") from None
     if data is None or data == {}:  # an empty file (or one of comments): a wrong file, or one not saved yet
-        raise ConfigError(f"preset {path} is empty (no sections); fill it in, or leave out --config for the defaults")
+        raise ConfigError(f"preset {path} is empty (no sections); fill it in, or give a preset such as cpu_tiny")
     if not isinstance(data, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping of sections")
     base = data.pop("base", None)

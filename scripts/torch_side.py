@@ -239,6 +239,8 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
             out["padded_batch_ok"] = np.asarray(bool(torch.equal(both[0], gen[0, ids.shape[1]:])
                                                      and torch.equal(both[1], alone)))
     np.savez(args.out, **out)
+    if args.save_to:
+        model.save_pretrained(args.save_to)
     print(json.dumps({"class": type(model).__name__, "torch": torch.__version__,
                       "transformers": transformers.__version__}))
     return 0
@@ -391,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     tk.set_defaults(func=cmd_tokenize)
     hc = sub.add_parser("hf-check", help="AutoModelForCausalLM logits and greedy tokens of an HF folder")
     hc.add_argument("model_dir", help="a Hugging Face model folder")
+    hc.add_argument("--save-to", help="also write the loaded model with save_pretrained to this folder")
     hc.add_argument("--trust-remote-code", action="store_true",
                     help="load the folder's own code (auto_map; an official-layout export's modeling_minicpm.py)")
     hc.add_argument("--inputs", required=True, help="npz of int token arrays [batch, seq] (+ 'prompt' [1, T])")

@@ -68,7 +68,8 @@ def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
     np.savez(root / name / "inputs.npz", **inputs)
     proc = run_torch_side("hf-check", str(model_dir), "--inputs", str(root / name / "inputs.npz"), "--out",
                           str(root / name / "torch.npz"), "--new-tokens", str(NEW_TOKENS),
-                          *(["--trust-remote-code"] if layout == "remote" else []), timeout=600)
+                          *(["--trust-remote-code", "--save-to", str(root / name / "saved")] if layout == "remote"
+                            else []), timeout=600)
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     torch_out = dict(np.load(root / name / "torch.npz"))
     errs = {}
@@ -94,3 +95,16 @@ def test_export_loads_in_stock_transformers(tmp_path, tiny_tokenizer_dir, name):
     assert len(res["greedy_jax"]) == NEW_TOKENS
     assert res["greedy_torch"] == res["greedy_jax"], "greedy continuations differ"
     assert res["padded_batch_ok"], "a left-padded batch generated other tokens than each row alone"
+    if CASES[name][1] == "remote":
+        # break test 64: transformers 5's save_pretrained wrote LongRoPE only as rope_parameters, and `import hf` of
+        # the saved folder dropped it silently (logits 0.24 off); the config class writes rope_scaling beside it
+        from minicpm4_jax.convert.hf_import import import_hf
+
+        saved = json.loads((tmp_path / name / "saved" / "config.json").read_text())
+        assert saved["rope_scaling"]["rope_type"] == "longrope" and "rope_parameters" in saved
+        del saved["rope_scaling"]  # a folder saved without it (before this fix) imports the same
+        (tmp_path / name / "saved" / "config.json").write_text(json.dumps(saved))
+        import_hf(tmp_path / name / "saved", tmp_path / name / "imp", no_tokenizer=True)
+        got = json.loads((tmp_path / name / "imp" / "config.json").read_text())["model"]["rope_scaling"]
+        assert got is not None and got["short_factor"] == list(res["cfg"].rope_scaling.short_factor)
+        assert got["original_max_position_embeddings"] == res["cfg"].rope_scaling.original_max_position_embeddings

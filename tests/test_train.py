@@ -1360,13 +1360,17 @@ def test_tensorboard_events_are_written_and_a_full_disk_turns_them_off(tmp_path)
 
     from minicpm4_jax.train.metrics import MetricsWriter
 
+    from tensorboardX.proto import event_pb2
+
     said: list[str] = []
-    w = MetricsWriter(tmp_path / "tb", log=said.append)
+    w = MetricsWriter(tmp_path / "tb", log=said.append, purge_step=3)
     w.scalars(3, {"loss": 2.5, "lr": 0.01}, prefix="train")
     w.text(3, "sample", "hello")
     w.close()
     events = _read_events(tmp_path / "tb")
     assert events[0].file_version == "brain.Event:2"
+    # break test 64: a resume's writer purges what a killed attempt logged past the checkpoint (steps >= 3 here)
+    assert events[1].step == 3 and events[1].session_log.status == event_pb2.SessionLog.START
     got = [(e.step, v.tag, v.simple_value) for e in events[1:] for v in e.summary.value if v.HasField("simple_value")]
     assert got == [(3, "train/loss", 2.5), (3, "train/lr", pytest.approx(0.01))]
     assert any(v.tag.startswith("sample") for e in events for v in e.summary.value) and said == []
@@ -1384,3 +1388,18 @@ def test_tensorboard_events_are_written_and_a_full_disk_turns_them_off(tmp_path)
     w.close()  # does not raise
     assert not w.enabled and len(said) == 1 and "No space left on device" in said[0], said
     assert "TensorBoard logging is off for the rest of the run" in said[0]
+
+
+def test_a_hand_edited_origin_record_is_left_out_not_a_crash(tmp_path):
+    """Break test 64: data.json's origin with init_tokens null crashed the end of a resumed QAT run (no summary)."""
+    from minicpm4_jax.train.loop import read_run_origin
+
+    good = {"branch_from": "/r/checkpoints", "branch_step": 8}
+    (tmp_path / "data.json").write_text(json.dumps({"origin": {**good, "init_from": "/q", "init_step": 4,
+                                                               "init_tokens": None}}))
+    assert read_run_origin(tmp_path) == good
+    (tmp_path / "data.json").write_text(json.dumps({"origin": {"init_from": "/q", "init_step": 4, "init_tokens": 64,
+                                                               "branch_from": 3, "branch_step": 8}}))
+    assert read_run_origin(tmp_path) == {"init_from": "/q", "init_step": 4, "init_tokens": 64}
+    (tmp_path / "data.json").write_text('{"origin": [1]}')
+    assert read_run_origin(tmp_path) == {}

@@ -519,7 +519,16 @@ def read_run_origin(out_dir: Path) -> dict:
     except (OSError, ValueError):
         return {}
     origin = saved.get("origin") if isinstance(saved, dict) else None
-    return origin if isinstance(origin, dict) else {}
+    if not isinstance(origin, dict):
+        return {}
+    out: dict = {}  # each source kept only with its fields well typed (a hand-edited record crashed the summary)
+    for name, step_key, extra in (("branch_from", "branch_step", None), ("init_from", "init_step", "init_tokens")):
+        keys = [name, step_key] + ([extra] if extra else [])
+        vals = [origin.get(k) for k in keys]
+        if isinstance(vals[0], str) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                            for v in vals[1:]):
+            out.update(zip(keys, vals))
+    return out
 
 
 def _fmt_rate(x: float) -> str:
@@ -786,7 +795,8 @@ def run_training(
         peak = measure_matmul_peak_flops()
         say(f"measured fp32 matmul peak on {jax.default_backend()}: {peak / 1e9:.1f} GFLOP/s")
 
-        writer = MetricsWriter(out_dir / "tensorboard", enabled=cfg.tensorboard, log=say)
+        # steps after `start` in earlier event files (a killed attempt, rows past the checkpoint) are purged
+        writer = MetricsWriter(out_dir / "tensorboard", enabled=cfg.tensorboard, log=say, purge_step=start + 1)
         if handle_signals:
             stop.install()
 

@@ -150,16 +150,21 @@ class MetricsWriter:
     """Scalars to a TensorBoard event file under ``log_dir`` (process 0 only; no-op elsewhere).
 
     Written synchronously with tensorboardX's ``EventsWriter`` (the writer its ``SummaryWriter`` runs in a background
-    thread): a write that fails (disk full, folder removed) surfaces here, gives one warning through ``log`` and turns
-    TensorBoard logging off for the rest of the run, which goes on (``metrics.jsonl`` keeps the rows). With
+    thread): a write that fails (disk full, a read-only remount) surfaces here, gives one warning through ``log``
+    and turns TensorBoard logging off for the rest of the run, which goes on (``metrics.jsonl`` keeps the rows). With
     ``SummaryWriter`` the thread died with a traceback, a later ``close`` raised over the error in flight and a full
-    queue could block the run. Flushed at most every ``flush_secs`` seconds and on :meth:`close`.
+    queue could block the run. Flushed at most every ``flush_secs`` seconds and on :meth:`close`. (A folder removed
+    while the file is open is not noticed on Linux: the writes go to the unlinked file.)
+
+    ``purge_step``: a ``SessionLog.START`` event at that step, which makes TensorBoard drop the events of earlier
+    files at steps ``>= purge_step`` (a resume passes its checkpoint step + 1: the steps a killed attempt logged past
+    the checkpoint are trained again), as tensorboardX's ``purge_step`` does.
 
     ``enabled=False`` or a missing tensorboardX makes every call a no-op.
     """
 
     def __init__(self, log_dir: str | Path, *, enabled: bool = True, log: Callable[[str], None] = print,
-                 flush_secs: float = 10.0):
+                 flush_secs: float = 10.0, purge_step: int | None = None):
         self._writer = None
         self.log_dir = Path(log_dir)
         self._log = log
@@ -178,6 +183,9 @@ class MetricsWriter:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._writer = EventsWriter(str(self.log_dir / "events"))
+            if purge_step is not None:  # TensorBoard drops earlier files' events at steps >= purge_step
+                start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+                self._writer.write_event(self._event(wall_time=time.time(), step=int(purge_step), session_log=start))
         except OSError as e:
             self._failed(e)
 

@@ -68,3 +68,12 @@ class MiniCPMConfig(PretrainedConfig):
         self.sparse_config = sparse_config
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def to_dict(self):
+        """The config as saved: transformers 5 keeps LongRoPE as ``rope_parameters``; ``rope_scaling`` (the released
+        key, which CPM.cu, llama.cpp's converter and minicpm4-jax's ``import hf`` read) is written beside it."""
+        out = super().to_dict()
+        rp = out.get("rope_parameters")
+        if out.get("rope_scaling") is None and isinstance(rp, dict) and rp.get("rope_type") == "longrope":
+            out["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
+        return out
