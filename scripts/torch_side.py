@@ -238,6 +238,13 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
                                   min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
             out["padded_batch_ok"] = np.asarray(bool(torch.equal(both[0], gen[0, ids.shape[1]:])
                                                      and torch.equal(both[1], alone)))
+            # the same batch through a static (fixed-length, 4-D masked) cache; hidden states of every layer
+            static = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
+                                    min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0,
+                                    cache_implementation="static")[:, ids.shape[1]:]
+            out["static_cache_ok"] = np.asarray(bool(torch.equal(static, both)))
+            hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+            out["hidden_states"] = np.asarray(len(hs) if hs is not None else 0)
     np.savez(args.out, **out)
     if args.save_to:
         model.save_pretrained(args.save_to)

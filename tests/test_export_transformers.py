@@ -81,7 +81,8 @@ def _run_case(root: Path, name: str, tok_dir: Path) -> dict:
         errs[key] = float(np.max(np.abs(torch_out[f"logits_{key}"] - ref)))
     ours = greedy(cfg, params, [int(x) for x in inputs["prompt"][0]], NEW_TOKENS)
     return {"errs": errs, "greedy_torch": [int(x) for x in torch_out["greedy"]], "greedy_jax": ours,
-            "class": info["class"], "cfg": cfg, "padded_batch_ok": bool(torch_out["padded_batch_ok"])}
+            "class": info["class"], "cfg": cfg, "padded_batch_ok": bool(torch_out["padded_batch_ok"]),
+            "static_cache_ok": bool(torch_out["static_cache_ok"]), "hidden_states": int(torch_out["hidden_states"])}
 
 
 @pytest.mark.torch
@@ -95,6 +96,10 @@ def test_export_loads_in_stock_transformers(tmp_path, tiny_tokenizer_dir, name):
     assert len(res["greedy_jax"]) == NEW_TOKENS
     assert res["greedy_torch"] == res["greedy_jax"], "greedy continuations differ"
     assert res["padded_batch_ok"], "a left-padded batch generated other tokens than each row alone"
+    # break test 64: the remote-code model refused transformers' 4-D mask of a static cache, and dropped
+    # output_hidden_states
+    assert res["static_cache_ok"], "a static cache generated other tokens than the dynamic one"
+    assert res["hidden_states"] == res["cfg"].num_hidden_layers + 1
     if CASES[name][1] == "remote":
         # break test 64: transformers 5's save_pretrained wrote LongRoPE only as rope_parameters, and `import hf` of
         # the saved folder dropped it silently (logits 0.24 off); the config class writes rope_scaling beside it

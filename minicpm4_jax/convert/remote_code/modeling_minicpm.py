@@ -171,14 +171,22 @@ class MiniCPMDecoderLayer(nn.Module):
 
 
 def _attention_mask(attention_mask, batch, seq, past, device):
-    """Additive float32 mask ``[batch, 1, seq, past + seq]``: causal, and the 2-D padding mask when given."""
+    """Additive float32 mask ``[batch, 1, seq, past + seq]``: causal, and the 2-D padding mask when given (a 4-D
+    mask, which transformers builds for a static cache of fixed length, is used as given)."""
+    if attention_mask is not None and attention_mask.dim() == 4:  # built by transformers (static caches): as given
+        mask = attention_mask[:, :, -seq:, :]
+        if mask.dtype == torch.bool:
+            return torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(
+                ~mask, torch.finfo(torch.float32).min)
+        return mask.float()
     total = past + seq
     q_pos = torch.arange(past, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
     allowed = (k_pos <= q_pos)[None, None].expand(batch, 1, seq, total)
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            raise ValueError("attention_mask must be [batch, past + seq] (1 = attend, 0 = padding)")
+            raise ValueError("attention_mask must be [batch, past + seq] (1 = attend, 0 = padding) or the 4-D "
+                             "[batch, 1, seq, keys] mask transformers builds")
         allowed = allowed & attention_mask[:, None, None, -total:].bool()
     mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
     return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
@@ -223,8 +231,10 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
         self.embed_tokens = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs):
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, **kwargs):
         past_key_values = _given_cache(past_key_values, kwargs)
+        if output_hidden_states is None:
+            output_hidden_states = bool(getattr(self.config, "output_hidden_states", False))
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -239,10 +249,13 @@ class MiniCPMModel(MiniCPMPreTrainedModel):
             position_ids = torch.arange(past, past + seq, device=h.device)[None].expand(batch, seq)
         cos, sin = self.rotary_emb(position_ids)
         mask = _attention_mask(attention_mask, batch, seq, past, h.device)
+        hidden = []
         for layer in self.layers:
+            hidden.append(h)
             h = layer(h, cos, sin, mask, past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(h),
-                                       **{_CACHE_FIELD: past_key_values if use_cache else None})
+        h = self.norm(h)
+        return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=tuple(hidden + [h]) if output_hidden_states
+                                       else None, **{_CACHE_FIELD: past_key_values if use_cache else None})
 
 
 class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
@@ -270,7 +283,8 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
         logits_to_keep = kwargs.pop("num_logits_to_keep", None) or logits_to_keep
         past_key_values = _given_cache(past_key_values, kwargs)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache)
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=kwargs.pop("output_hidden_states", None))
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             h = h[:, -logits_to_keep:]
@@ -281,4 +295,5 @@ class MiniCPMForCausalLM(MiniCPMPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
