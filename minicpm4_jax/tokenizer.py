@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from minicpm4_jax.config import ConfigError
+from minicpm4_jax.convert.io import atomic_write
 
 __all__ = [
     "Tokenizer",
@@ -381,17 +382,17 @@ class Tokenizer:
         d.mkdir(parents=True, exist_ok=True)
         written = []
         if self.kind == "sentencepiece":
-            written.append(_atomic_write(d / "tokenizer.model", self._sp_bytes))
+            written.append(atomic_write(d / "tokenizer.model", self._sp_bytes))
             if self._id_to_added:
                 added = {t: i for i, t in sorted(self._id_to_added.items())}
-                written.append(_atomic_write(d / "added_tokens.json", json.dumps(added, indent=2).encode()))
-        written.append(_atomic_write(d / "tokenizer.json", self.to_hf_json().encode("utf-8")))
+                written.append(atomic_write(d / "added_tokens.json", json.dumps(added, indent=2).encode()))
+        written.append(atomic_write(d / "tokenizer.json", self.to_hf_json().encode("utf-8")))
         cfg = self.tokenizer_config()
-        written.append(_atomic_write(d / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False).encode()))
+        written.append(atomic_write(d / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False).encode()))
         stm = {k: cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if cfg.get(k) is not None}
         if cfg.get("additional_special_tokens"):
             stm["additional_special_tokens"] = cfg["additional_special_tokens"]
-        written.append(_atomic_write(d / "special_tokens_map.json", json.dumps(stm, indent=2, ensure_ascii=False).encode()))
+        written.append(atomic_write(d / "special_tokens_map.json", json.dumps(stm, indent=2, ensure_ascii=False).encode()))
         return written
 
     def __repr__(self) -> str:
@@ -902,19 +903,3 @@ def train_tokenizer(
     tok = Tokenizer.from_sentencepiece(model_path)  # the same object a later cache hit returns
     tok.train_seconds = dt  # type: ignore[attr-defined]
     return tok
-
-
-def _atomic_write(path: Path, data: bytes) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        from minicpm4_jax.convert.io import default_file_mode
-
-        os.chmod(tmp, default_file_mode())  # mkstemp's 0600: another user could not load the run's tokenizer
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path

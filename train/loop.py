@@ -230,15 +230,10 @@ def _damaged_run_config(folder: Path) -> bool:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` through a dotfile beside it and ``os.replace``: a kill or a full disk during
-    the write leaves the earlier file (or none), never a file cut short."""
-    tmp = path.parent / f".{path.name}.tmp"
-    try:
-        tmp.write_text(json.dumps(obj, indent=1))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`~minicpm4_jax.convert.io.atomic_write`)."""
+    from minicpm4_jax.convert.io import atomic_write
+
+    atomic_write(path, json.dumps(obj, indent=1).encode())
 
 
 def _run_part(folder: Path) -> str | None:

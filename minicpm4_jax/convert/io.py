@@ -36,6 +36,7 @@ __all__ = [
     "staged_output",
     "check_disk_space",
     "check_output_target",
+    "atomic_write",
     "default_dir_mode",
     "default_file_mode",
     "refuse_output_over_source",
@@ -603,6 +604,25 @@ def default_dir_mode() -> int:
     """The mode ``os.mkdir(path)`` gives a new folder here: ``0o777`` minus the process umask (``tempfile.mkdtemp``
     makes ``0o700`` folders: one renamed into place would shut other users out of a shared run or cache)."""
     return 0o777 & ~_umask()
+
+
+def atomic_write(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a hidden temporary file beside it and ``os.replace``: a kill or a full disk
+    during the write leaves the earlier file (or none), never one cut short. The file gets
+    :func:`default_file_mode` (``mkstemp``'s ``0o600`` would shut other users of a shared run or cache out)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def write_safetensors_shards(folder: Path, tensors: Iterable[tuple[str, np.ndarray]],
