@@ -168,6 +168,24 @@ def test_bbh_prompts_reproduce_the_upstream_files():
         assert rebuilt.strip() == text.split("-----\n", 1)[1].strip(), task
 
 
+def test_acc_norm_divides_by_the_choice_without_its_delimiter():
+    """lm-eval's acc_norm divides by len(choice), the continuation being " " + choice; dividing by the continuation
+    (with its space) ranked these two choices the other way round (helper 65: 3 of 120 ARC-Challenge items)."""
+    from minicpm4_jax.eval.bench.mc import score_mc
+
+    class Stub:
+        def loglikelihood(self, reqs):
+            return [({" a": -3.0, " abc": -8.0, "xy": -4.0}[c], False) for _, c in reqs]
+
+    recs, agg = score_mc(Stub(), [{"id": 0, "context": "Q:", "choices": [" a", " abc"], "gold": 1}])
+    assert recs[0]["pred"] == 0 and recs[0]["pred_norm"] == 1  # -3/1 < -8/3 (old: -3/2 > -8/4)
+    assert agg["acc"] == 0.0 and agg["acc_norm"] == 1.0
+    # a task whose delimiter is empty divides by the whole continuation
+    recs, _ = score_mc(Stub(), [{"id": 1, "context": "Q:", "choices": [" a", "xy"], "gold": 0,
+                                 "target_delimiter": ""}])
+    assert recs[0]["pred_norm"] == 0  # -3/2 > -4/2
+
+
 def test_math_boxed_extraction_and_equivalence():
     assert last_boxed(r"a \boxed{\frac{1}{2}} then \boxed{x^{2}+1}.") == "x^{2}+1"
     assert last_boxed(r"so \boxed 5") == "5"
@@ -180,7 +198,12 @@ def test_math_boxed_extraction_and_equivalence():
              ("1,000", "1000"), ("x = 5", "5"), (r"5 \text{ cm}", "5"), (r"\pi/2", r"\frac{\pi}{2}"),
              (r"\sqrt[3]{8}", "2"), ("2^{10}", "1024"), (r"90^\circ", "90")]
     different = [("[1,2)", "(1,2)"), ("3", "4"), ("0.333", r"\frac{1}{3}"), ("3, 5", "5, 3"), ("abc", "abd"),
-                 (None, "1"), ("", "1")]
+                 (None, "1"), ("", "1"),
+                 # an infinite gold accepted no finite answer once the tolerance became inf (helper 65); -oo != oo
+                 ("(2,5)", r"(2,\infty)"), ("5", r"\infty"), (r"-\infty", r"\infty"), ("(-3, 0]", r"(-\infty, 0]"),
+                 (r"(\infty, 0]", r"(-\infty, 0]")]
+    equal += [(r"(2,\infty)", r"(2, \infty)"), (r"-\infty", r"-\infty"),
+              (r"(-\infty, 2) \cup (3, \infty)", r"(-\infty,2)\cup(3,\infty)")]
     for a, b in equal:
         assert is_equiv(a, b), (a, b)
     for a, b in different:
@@ -482,6 +505,44 @@ def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch)
     assert run(args) == 0
     res = json.loads((tmp_path / "out" / "bench_results.json").read_text())
     assert set(res["scores"]["tasks"]) == {"mmlu"} and (tmp_path / "out" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("signum", [2, 15])
+def test_an_interrupted_run_keeps_its_finished_tasks(tmp_path, capsys, monkeypatch, signum):
+    """Helper 65: `eval bench` wrote its results only after the last task, so Ctrl-C / SIGTERM during gsm8k lost
+    the finished arc_easy (and Ctrl-C printed a 69-line traceback). Results are now written after every task
+    (the rest named in scores.incomplete) and the command ends with one line and 128 + the signal number."""
+    import argparse
+
+    import minicpm4_jax.eval.model as em
+    from minicpm4_jax.cli import Terminated
+    from minicpm4_jax.eval.bench.run import add_arguments, run
+
+    class StopsInGeneration(RandomModel):
+        def generate(self, prompts, **kw):
+            raise Terminated(signum) if signum == 15 else KeyboardInterrupt
+
+    monkeypatch.setattr(em.EvalModel, "from_checkpoint", staticmethod(lambda path, **kw: StopsInGeneration(1)))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "out"
+    args = p.parse_args(["ckpt", "--data-dir", str(_bench_dir()), "--limit", "3",
+                         "--tasks", "arc_easy,mmlu,gsm8k,arc_challenge", "--out-dir", str(out)])
+    assert run(args) == 128 + signum
+    err = capsys.readouterr().err.strip().splitlines()
+    name = {2: "SIGINT", 15: "SIGTERM"}[signum]
+    assert err[-1].startswith(f"error: interrupted by {name}; the finished tasks (arc_easy, mmlu) are in "), err
+    res = json.loads((out / "bench_results.json").read_text())
+    assert set(res["scores"]["tasks"]) == {"arc_easy", "mmlu"} and "average" not in res["scores"]
+    assert res["scores"]["incomplete"] == "2 of 4 tasks finished; not run: gsm8k, arc_challenge"
+    assert {it["task"] for it in res["items"]} == {"arc_easy", "mmlu"} and len(res["items"]) == 6
+    assert "- incomplete: 2 of 4 tasks finished" in (out / "bench_summary.md").read_text()
+    # interrupted before any task finished: nothing written, and the line says so
+    args = p.parse_args(["ckpt", "--data-dir", str(_bench_dir()), "--limit", "3", "--tasks", "gsm8k",
+                         "--out-dir", str(tmp_path / "none")])
+    assert run(args) == 128 + signum
+    assert capsys.readouterr().err.strip().endswith("no task had finished")
+    assert not (tmp_path / "none" / "bench_results.json").exists()
 
 
 def test_a_generation_budget_without_room_for_a_prompt_is_refused_before_any_task():

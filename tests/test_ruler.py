@@ -207,6 +207,23 @@ def test_too_short_length_raises(inputs, trained_tok):
         generate_task("niah_single_2", 700, trained_tok, num_samples=1, inputs=inputs)
 
 
+def test_vt_never_steps_below_a_chain(inputs, trained_tok):
+    """vt's noise haystack needs one line per chain statement (num_hops + 1 = 5): where the search found ~9 units
+    and a sample overflowed, the step down of 5 left 4 lines and random.sample raised ValueError (helper 65, at
+    1024 tokens). Every length of the band either fits (no sample below 5 units) or is the one-line fit error."""
+    outcomes = set()
+    for length in range(840, 1000, 8):
+        try:
+            td = generate_task("vt", length, trained_tok, num_samples=12, inputs=inputs)
+        except ConfigError as e:
+            assert "smallest haystack" in str(e), e
+            outcomes.add("error")
+        else:
+            assert min(r["others"]["units"] for r in td.records) >= 5
+            outcomes.add("fit")
+    assert outcomes == {"error", "fit"}, outcomes  # the band holds both cases, so the test reaches the step
+
+
 def test_a_task_that_does_not_fit_leaves_no_data_files(tmp_path, inputs, trained_tok):
     """niah_single_1 (a repeated-sentence haystack) fits 700 tokens, niah_single_2 (essays) does not: the run
     stops with the fit error and writes none of the tasks' data (was: niah_single_1's file, no manifest)."""

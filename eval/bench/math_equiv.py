@@ -10,6 +10,7 @@ side. Anything that does not parse, or takes longer than the timeout, is "not eq
 from __future__ import annotations
 
 import atexit
+import cmath
 import json
 import re
 import select
@@ -241,6 +242,8 @@ def _sympy_equal(a: str, b: str) -> bool:
             pass
         try:
             vx, vy = complex(sympy.N(ex)), complex(sympy.N(ey))
+            if not (cmath.isfinite(vx) and cmath.isfinite(vy)):
+                return vx == vy  # an infinite value equals only the same infinity (the tolerance would be inf)
             return abs(vx - vy) <= 1e-6 * max(1.0, abs(vy))
         except Exception:
             return False

@@ -18,10 +18,20 @@ def _argmax(xs: Sequence[float]) -> int:
     return best
 
 
+def _choice_len(continuation: str, item: dict) -> int:
+    """Characters that ``acc_norm`` divides by: the choice text without the target delimiter (``item``'s
+    ``target_delimiter``, default one space) that joins it to the context, as lm-eval's ``completion_len``
+    (``len(doc_to_choice(doc)[i])``; the scored continuation is ``target_delimiter + choice``)."""
+    delim = item.get("target_delimiter", " ")
+    return len(continuation) - len(delim) if delim and continuation.startswith(delim) else len(continuation)
+
+
 def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[dict], dict]:
     """Score multiple-choice ``items`` (``context``, ``choices``, ``gold``) with ``model.loglikelihood``.
 
-    Returns per-item records and the aggregate ``{"acc", "acc_norm"?, "n"}`` (fractions in [0, 1]). A model with
+    Returns per-item records and the aggregate ``{"acc", "acc_norm"?, "n"}`` (fractions in [0, 1]); ``acc_norm``
+    ranks the log-likelihoods divided by the choice's length in characters without its leading delimiter, as
+    lm-eval (:func:`_choice_len`). A model with
     ``encode_pair``, ``loglikelihood_tokens`` and ``context_cut`` (:class:`~minicpm4_jax.eval.model.EvalModel`) is
     fed the requests tokenized once, and each record whose context was cut to fit its ``max_length`` (lm-eval's left
     cut) gets ``context_cut_tokens``, the aggregate ``truncated`` (how many items).
@@ -46,7 +56,7 @@ def score_mc(model, items: list[dict], *, acc_norm: bool = True) -> tuple[list[d
         if any(math.isnan(x) for x in lls):
             raise RuntimeError(f"NaN log-likelihood for item {it['id']}")
         pred = _argmax(lls)
-        norm = [ll / max(1, len(c)) for ll, c in zip(lls, it["choices"])]
+        norm = [ll / max(1, _choice_len(c, it)) for ll, c in zip(lls, it["choices"])]
         pred_n = _argmax(norm)
         hits += pred == it["gold"]
         hits_n += pred_n == it["gold"]

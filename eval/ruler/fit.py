@@ -143,11 +143,12 @@ def generate_task(task: str, max_seq_length: int, tokenizer: Any, *, num_samples
         else:
             fit.update(gen.prepare(count_raw))
             inc = gen.incremental
+            least = max(1, gen.min_units)  # fewer units cannot hold the sample (vt: a chain's lines)
             upper = gen.upper_bound(count_raw)
             units, probes = binary_search(lambda n: _fits(total(gen.probe(n), gen.search_extra), max_seq_length),
-                                          inc, upper)
+                                          max(inc, least), upper)
             fit.update(incremental=inc, upper_bound=upper, probes=probes,
-                       units=units if units is not None else inc, search_found=units is not None)
+                       units=units if units is not None else max(inc, least), search_found=units is not None)
             units = fit["units"]
             for i in range(num_samples):
                 n = units
@@ -156,9 +157,10 @@ def generate_task(task: str, max_seq_length: int, tokenizer: Any, *, num_samples
                     length = total(text)
                     if length <= max_seq_length:
                         break
-                    if n <= inc:
-                        raise ConfigError(f"RULER {task}: a sample with the smallest haystack ({n} units) needs "
-                                          f"{length} tokens > length {max_seq_length}; use a longer length")
+                    if n - inc < least:
+                        raise ConfigError(f"RULER {task}: sample {i} needs {length} tokens > length {max_seq_length} "
+                                          f"with the smallest haystack the search steps to ({n} units; a step of "
+                                          f"{inc} leaves fewer than the {least} a sample needs); use a longer length")
                     n -= inc
                 records.append(_record(spec.family, gen.fam.answer_prefix, text, outputs, length, i,
                                        others(i, n), tokenizer))

@@ -101,6 +101,7 @@ def _insert_between_sentences(sents: list[str], inserts: list[str], rng: random.
 class _Generator:
     family: str
     incremental: int
+    min_units: int = 1  # the smallest haystack a sample can be built in
     search_extra: int = 0
     estimate_units: int = 0
     estimate_factor: float = 3.0
@@ -216,6 +217,8 @@ class VariableTracking(_Generator):
         self.incremental = 500 if self.hay == "essay" else 10
         if self.hay != "essay" and env.max_seq_length < 4096:
             self.incremental = 5
+        if self.hay == "noise":  # every chain's statements go between distinct noise lines
+            self.min_units = self.num_hops + 1
         self._words = env.inputs.essay_words() if self.hay == "essay" else None
         self._sents = _SentenceCache(self._words, repeat=False) if self.hay == "essay" else None
         self.icl_template = self.fam.template + self.fam.answer_prefix  # the one-shot has no chat wrapper
