@@ -430,8 +430,24 @@ def _speculative_decoder(args: argparse.Namespace, model, engine, ckpt_dir, toke
                               draft_window=1024 if args.draft_window is None else (args.draft_window or None))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM as an interruption (``signum``) in the commands other than ``train`` (which has its own handlers):
+    ``finally`` blocks run (temporary files, sandbox workers) and the command ends with one line."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``minicpm4`` console script; returns the exit status."""
+    """Entry point of the ``minicpm4`` console script; returns the exit status.
+
+    Ctrl-C (or SIGTERM) outside ``train`` ends the command with one ``error: interrupted by ...`` line and status
+    128 + the signal number (130 / 143); ``eval bench`` also says which finished tasks its ``--out`` kept."""
     from minicpm4_jax.config import ConfigError
 
     parser = build_parser()
@@ -449,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             val = getattr(args, name, None)
             if isinstance(val, str) and not val.strip():
                 parser.error(f"{'DIR' if name == 'dir' else '--' + name} is an empty path; give a folder")
+    if args.command != "train" and _main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.command == "train":
             return _cmd_train(args)
@@ -465,7 +483,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # train handles its own; generate / import / export / eval: no traceback
+        signum = int(getattr(e, "signum", signal.SIGINT))
+        lead = "\n" if args.command == "generate" else ""  # streamed text may have left the line open
+        print(f"{lead}error: {args.command} interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if args.command != "train" and _main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 2
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":  # pragma: no cover

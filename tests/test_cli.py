@@ -188,3 +188,25 @@ def test_a_repeated_prompt_is_refused(tmp_path, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "--prompt given twice; generate continues one prompt per run")
+
+
+@pytest.mark.parametrize("signum", [2, 15])
+def test_an_interrupted_command_is_one_line(signum, capsys, monkeypatch):
+    """Ctrl-C in `generate` / `export` / `eval` printed a KeyboardInterrupt traceback (through XLA's compile) and
+    SIGTERM ended them silently with -15 (helper 65). Now: one line and 128 + the signal number; the SIGTERM
+    handler is the default again when main returns."""
+    import os
+    import signal
+
+    import minicpm4_jax.cli as cli
+
+    def export_body(args):
+        if signum == 15:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler main installed raises Terminated here
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_export", export_body)
+    assert main(["export", "gguf", "--checkpoint", "runs/x", "--out", "y"]) == 128 + signum
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: export interrupted by {signal.Signals(signum).name}"], err
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import signal
 import sys
 import time
 from pathlib import Path
@@ -105,12 +106,14 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
              pass_ks: Sequence[int] = (1,),
              code_temperature: float | None = None, allow_code_execution: bool = False,
              sandbox_limits: SandboxLimits | None = None, workers: int = 4, math_timeout: float = 5.0,
-             log=print) -> dict:
+             log=print, on_task=None) -> dict:
     """Run benchmarks ``tasks`` from ``data_dir`` against ``model``.
 
     ``model`` needs ``loglikelihood(list[(context, continuation)]) -> list[(float, bool)]`` and
     ``generate(prompts, *, max_new_tokens, stop, temperature, seed) -> list[str]``.
     Code tasks refuse to run unless ``allow_code_execution`` and the sandbox can isolate code.
+    ``on_task(result)``, if given, is called after each task with the result so far (the return value's layout;
+    the tasks not yet run are named in ``scores["incomplete"]``), so that an interrupted run keeps what finished.
     """
     from minicpm4_jax.eval.bench.code import CodeExecutionNotAllowed, score_code
     from minicpm4_jax.eval.bench.gen import score_gen
@@ -138,6 +141,12 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
                 raise DataError(f"{task.name} generates up to {budget} tokens but the model's max_length is "
                                 f"{max_length} (prefix included), so no prompt token fits: leave {task.name} out, "
                                 "or evaluate a model with more positions")
+    config = {"tasks": names, "data_dir": str(data_dir), "limit": limit,
+              "k_shot": {t.name: t.k_shot for t in loaded}, "seed": seed,
+              "pass_k_samples": n_samples, "pass_ks": list(pass_ks), "code_temperature": code_temperature,
+              "math_timeout": math_timeout, "allow_code_execution": allow_code_execution,
+              "sandbox_limits": ((sandbox_limits or SandboxLimits()).__dict__
+                                 if any(t in CODE_TASKS for t in names) else None)}
     base = Path(data_dir)
     datasets: dict[str, str] = {}
     scores: dict = {"tasks": {}}
@@ -191,14 +200,13 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
             datasets.setdefault(key, _sha256(Path(f)))
         if log:
             log(f"{task.name}: {entry['metric']} {entry['score']:.2f} (n={entry['n']}, {entry['seconds']}s)")
+        left = [t.name for t in loaded if t.name not in scores["tasks"]]
+        if on_task is not None and left:
+            partial = {**scores, "incomplete": f"{len(scores['tasks'])} of {len(loaded)} tasks finished; "
+                                               f"not run: {', '.join(left)}"}
+            on_task({"scores": partial, "items": list(all_items), "datasets": dict(datasets), "config": config})
     if scores["tasks"]:
         scores["average"] = sum(e["score"] for e in scores["tasks"].values()) / len(scores["tasks"])
-    config = {"tasks": names, "data_dir": str(data_dir), "limit": limit,
-              "k_shot": {t.name: t.k_shot for t in loaded}, "seed": seed,
-              "pass_k_samples": n_samples, "pass_ks": list(pass_ks), "code_temperature": code_temperature,
-              "math_timeout": math_timeout, "allow_code_execution": allow_code_execution,
-              "sandbox_limits": ((sandbox_limits or SandboxLimits()).__dict__
-                                 if any(t in CODE_TASKS for t in names) else None)}
     return {"scores": scores, "items": all_items, "datasets": datasets, "config": config}
 
 
@@ -222,16 +230,29 @@ def model_info(model) -> dict:
 def run_bench(model, data_dir: str | Path, tasks: Sequence[str] | str | None = None, *,
               out_dir: str | Path | None = None, extra_config: dict | None = None, **kw) -> dict:
     """:func:`evaluate`, then write ``out_dir`` (JSON + Markdown) when given; returns the result
-    dict with ``"paths"`` added."""
-    res = evaluate(model, tasks, data_dir, **kw)
-    config = {**res["config"], **(extra_config or {})}
-    res["config"] = config
-    res["paths"] = None
-    if out_dir is not None:
-        from minicpm4_jax.eval.results import write_results
+    dict with ``"paths"`` added.
 
-        res["paths"] = write_results(out_dir, kind="bench", config=config, model_info=model_info(model),
-                                     datasets=res["datasets"], items=res["items"], scores=res["scores"])
+    With ``out_dir`` the results are also written after every task but the last, with the tasks not yet run named
+    in ``scores["incomplete"]``: an interrupted run keeps the tasks that finished (each write replaces the files
+    whole). ``on_task(result)`` (optional) is called after each such write."""
+    from minicpm4_jax.eval.results import write_results
+
+    user_hook = kw.pop("on_task", None)
+
+    def write(res: dict) -> tuple:
+        return write_results(out_dir, kind="bench", config={**res["config"], **(extra_config or {})},
+                             model_info=model_info(model), datasets=res["datasets"], items=res["items"],
+                             scores=res["scores"])
+
+    def on_task(res: dict) -> None:
+        if out_dir is not None:
+            write(res)
+        if user_hook is not None:
+            user_hook(res)
+
+    res = evaluate(model, tasks, data_dir, on_task=on_task, **kw)
+    res["paths"] = write(res) if out_dir is not None else None
+    res["config"] = {**res["config"], **(extra_config or {})}
     return res
 
 
@@ -291,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
     """CLI body: returns the exit status; errors are one line on stderr (status 2)."""
     from minicpm4_jax.eval.bench.code import CodeExecutionNotAllowed
 
+    done: list[str] = []  # tasks finished (and, with --out, written) before an interruption
     try:
         names = parse_tasks(args.tasks)
         parse_k_shot(args.k_shot, names)
@@ -336,7 +358,19 @@ def run(args: argparse.Namespace) -> int:
                         extra_config={"checkpoint": str(args.checkpoint), "step": args.step,
                                       "attention": args.attention, "batch_size": args.batch_size,
                                       "prefill_chunk": args.prefill_chunk},
-                        log=lambda s: print(s, file=sys.stderr))
+                        log=lambda s: print(s, file=sys.stderr),
+                        on_task=lambda r: done.__setitem__(slice(None), list(r["scores"]["tasks"])))
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM under the `minicpm4` command (its handler raises this)
+        signum = int(getattr(e, "signum", signal.SIGINT))
+        if not done:
+            kept = "no task had finished"
+        elif args.out_dir:
+            kept = (f"the finished tasks ({', '.join(done)}) are in {Path(args.out_dir) / 'bench_results.json'}, "
+                    "marked incomplete (run again with --overwrite to redo the run)")
+        else:
+            kept = f"{', '.join(done)} finished (no --out: nothing was written)"
+        print(f"error: interrupted by {signal.Signals(signum).name}; {kept}", file=sys.stderr)
+        return 128 + signum
     except (DataError, ValueError, SandboxUnavailable, CodeExecutionNotAllowed, FileNotFoundError) as e:
         # ValueError covers the project's ConfigError (bad checkpoint, options of the eval model)
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
