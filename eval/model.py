@@ -23,8 +23,10 @@ generate`` does); an imported official MiniCPM4 checkpoint expects ``[bos_id]`` 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -229,11 +231,21 @@ class EvalModel:
         ckpt_dir = find_checkpoint_dir(path, path_option=path_option)
         tokenizer = load_run_tokenizer(path, ckpt_dir)  # before the parameters: a bad one fails fast
         _cfg, model = load_params_for_inference(ckpt_dir, step)
+        own_sparse = model.cfg.sparse_config is not None
         if attention is not None:
             model = with_attention(model, "infllmv2" if attention == "sparse" else "dense")
-        return cls(model, tokenizer, name=Path(path).resolve().name, batch_size=batch_size,
-                   prefill_chunk=prefill_chunk, prefix=prefix, max_length=max_length,
-                   checkpoint=str(Path(path).resolve()), progress=progress)
+        out = cls(model, tokenizer, name=Path(path).resolve().name, batch_size=batch_size,
+                  prefill_chunk=prefill_chunk, prefix=prefix, max_length=max_length,
+                  checkpoint=str(Path(path).resolve()), progress=progress)
+        sc = model.cfg.sparse_config
+        if attention == "sparse" and sc.dense_len > 0 and out.max_length <= sc.dense_len:
+            # InfLLM v2 switches per sequence at dense_len: no input this model takes gets past it (helper 65: a
+            # `--sparse` RULER run equal to the dense one, labelled sparse)
+            print(f"warning: sparse attention with dense_len={sc.dense_len} >= max_length={out.max_length}: a "
+                  "sequence shorter than dense_len runs dense attention, so these inputs run dense (at most a "
+                  f"last token reaches dense_len); the model has {'its own' if own_sparse else 'no'} sparse_config "
+                  "(without one, the MiniCPM4.1 defaults)", file=sys.stderr)
+        return out
 
     # -- identity ----------------------------------------------------------------------------------------
     @property
@@ -251,6 +263,8 @@ class EvalModel:
             "tokenizer": getattr(self.tokenizer, "source", ""),
             "tokenizer_hash": getattr(self.tokenizer, "file_hash", ""),
             "attention": cfg.attention, "max_length": self.max_length, "prefix": self.prefix,
+            # the InfLLM v2 settings (dense_len: a sequence shorter than it runs dense attention)
+            "sparse_config": (dataclasses.asdict(cfg.sparse_config) if cfg.attention == "infllmv2" else None),
             "vocab_size": cfg.vocab_size, "num_hidden_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
         }

@@ -289,3 +289,21 @@ def test_ruler_generate_only_same_seed_same_bytes(tiny_run, tmp_path):
     assert manifest["config"]["seed"] == 3
     assert manifest["tokenizer_hash"] == json.loads((tmp_path / "b" / "data" / "manifest.json").read_text())[
         "tokenizer_hash"]
+
+
+def test_sparse_that_never_leaves_dense_len_says_so(tiny_run, capsys):
+    """Helper 65: `--sparse` on a model without a sparse_config takes the MiniCPM4.1 dense_len (8192); on an
+    8192-position model no input passes it, so the "sparse" run equalled the dense one without a word. The
+    results now record the sparse settings, and loading warns when max_length <= dense_len."""
+    from minicpm4_jax.eval.model import EvalModel
+
+    m = EvalModel.from_checkpoint(tiny_run.run, attention="sparse", max_length=8192, progress=False)
+    err = capsys.readouterr().err
+    assert "warning: sparse attention with dense_len=8192 >= max_length=8192" in err and "no sparse_config" in err
+    info = m.info()
+    assert info["attention"] == "infllmv2" and info["sparse_config"]["dense_len"] == 8192
+    json.dumps(info)  # goes into the results file
+    m = EvalModel.from_checkpoint(tiny_run.run, attention="sparse", progress=False)  # 16384 positions: reaches it
+    assert "warning" not in capsys.readouterr().err and m.max_length == 16384
+    assert EvalModel.from_checkpoint(tiny_run.run, attention="dense", progress=False).info()["sparse_config"] is None
+    assert "warning" not in capsys.readouterr().err
