@@ -520,3 +520,26 @@ def test_sparse_decode_of_a_cache_shorter_than_the_window(weights, impl):
     got, _ = _stepwise_logits(InferenceEngine(model), seq[:70], seq[70:])
     full = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray([seq], jnp.int32)))[0, 69:-1]
     np.testing.assert_allclose(got, full, atol=1e-4, rtol=1e-4)
+
+
+def test_top_p_keeps_the_smallest_set_with_ties():
+    """Helper 66: top-p kept every token tied with the smallest kept logit ([2, 1, 1, 1] at 0.5 kept all four; HF
+    keeps two). The kept set is now the nucleus's size, ties taken in index order; checked against a NumPy
+    reference on integer logits (many ties)."""
+    from minicpm4_jax.infer.sampling import top_p_filter
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lg = rng.integers(-3, 3, size=(1, 9)).astype(np.float32)
+        p = float(rng.choice([0.1, 0.3, 0.5, 0.7, 0.9, 0.99]))
+        order = np.lexsort((np.arange(9), -lg[0]))  # logit descending, then index
+        probs = np.exp(lg[0][order] - lg[0].max())
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        n = max(1, int(np.sum(before < p)))
+        want = np.zeros(9, bool)
+        want[order[:n]] = True
+        got = np.isfinite(np.asarray(top_p_filter(jnp.asarray(lg), p)))[0]
+        assert (got == want).all(), (lg, p, got, want)
+    assert np.isfinite(np.asarray(top_p_filter(jnp.array([[2.0, 1.0, 1.0, 1.0]]), 0.5))).tolist() == [
+        [True, True, False, False]]

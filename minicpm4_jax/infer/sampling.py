@@ -53,7 +53,9 @@ def top_p_filter(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
     """Nucleus filtering: keep the smallest set of top tokens whose probability reaches ``top_p``.
 
     ``logits`` float ``[..., vocab]``; removed entries become ``-inf``. The most likely token is
-    always kept; ``top_p >= 1`` keeps everything.
+    always kept; ``top_p >= 1`` keeps everything. Tokens tied at the smallest kept logit are taken in index
+    order until the set holds its size (HF ``TopPLogitsWarper`` keeps a sorted prefix too; keeping every tied
+    token, as before, gave ``[2, 1, 1, 1]`` at ``top_p = 0.5`` all four tokens instead of two).
     """
     sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
     probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -62,7 +64,11 @@ def top_p_filter(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
     keep_sorted = keep_sorted.at[..., 0].set(True)
     n_keep = jnp.sum(keep_sorted, axis=-1, keepdims=True)
     threshold = jnp.take_along_axis(sorted_logits, n_keep - 1, axis=-1)  # smallest kept logit
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    above = logits > threshold
+    tied = logits == threshold
+    room = n_keep - jnp.sum(above, axis=-1, keepdims=True)  # how many of the tied tokens the set takes
+    keep = above | (tied & (jnp.cumsum(tied, axis=-1) <= room))
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def top_k_filter(logits: jax.Array, top_k: int) -> jax.Array:
