@@ -238,7 +238,8 @@ class EvalModel:
                   prefill_chunk=prefill_chunk, prefix=prefix, max_length=max_length,
                   checkpoint=str(Path(path).resolve()), progress=progress)
         sc = model.cfg.sparse_config
-        if attention == "sparse" and sc.dense_len > 0 and out.max_length <= sc.dense_len:
+        sparse = attention == "sparse" or (attention is None and model.cfg.attention == "infllmv2")
+        if sparse and sc.dense_len > 0 and out.max_length <= sc.dense_len:
             # InfLLM v2 switches per sequence at dense_len: no input this model takes gets past it (helper 65: a
             # `--sparse` RULER run equal to the dense one, labelled sparse)
             print(f"warning: sparse attention with dense_len={sc.dense_len} >= max_length={out.max_length}: a "

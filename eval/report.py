@@ -277,7 +277,8 @@ def bench_bars(res: dict[str, Any], path: Path, dpi: int = 120) -> Path:
     ax.set_xlim(0, top * 1.1)
     ax.bar_label(bars, labels=[f"{v:.3g}" if top == 1.0 else f"{v:.1f}" for v in vals], fontsize=8, padding=2)
     ax.set_xlabel("score" + (" (%)" if top == 100.0 else ""))
-    ax.set_title(f"Benchmarks: {_label(res)}", fontsize=10)
+    incomplete = res.get("scores", {}).get("incomplete")
+    ax.set_title(f"Benchmarks: {_label(res)}" + (" (incomplete run)" if incomplete else ""), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path, dpi)
 
@@ -364,6 +365,8 @@ def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike
         for (p, r), lab in zip(bench, labels):
             made.append(bench_bars(r, out / f"bench_{_slug(lab)}.png", dpi))
             md.append(f"![bench {lab}]({made[-1].name}) (`{p}`)")
+            if isinstance(r.get("scores", {}).get("incomplete"), str):  # an interrupted `eval bench`
+                md.append(f"\n**Incomplete run** (`{p}`): {r['scores']['incomplete']}.")
         for d, s in _pairs([r for _, r in bench]):
             made.append(bench_sparse_vs_dense(d, s, out / f"bench_sparse_vs_dense_{_slug(_label(d))}.png", dpi))
             md.append(f"![bench sparse vs dense]({made[-1].name})")

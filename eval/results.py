@@ -175,10 +175,10 @@ def write_results(out_dir: str | os.PathLike, *, kind: str, config: dict[str, An
     paths = (out / f"{kind}_results.json", out / f"{kind}_summary.md")
     texts = (json.dumps(result, indent=1, ensure_ascii=False) + "\n",
              default_markdown(result) if markdown is None else markdown)
-    for p, text in zip(paths, texts):
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, p)
+    from minicpm4_jax.convert.io import atomic_write
+
+    for p, text in zip(paths, texts):  # an interruption inside a write leaves the earlier file, and no temporary
+        atomic_write(p, text.encode("utf-8"))
     return paths
 
 

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -277,7 +278,35 @@ def _contains(path: Path, needle: bytes) -> bool:
     return False
 
 
-def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = False) -> ExecResult:
+class _Batch:
+    """The launchers of one :func:`run_programs` call, so that an interruption stops the programs under way instead
+    of waiting for their timeouts (each launcher, sent SIGTERM, kills its namespace)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen] = set()
+        self.stopping = False
+
+    def add(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.procs.add(proc)
+            if self.stopping:  # started while the batch was being stopped
+                proc.send_signal(signal.SIGTERM)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        with self.lock:
+            self.procs.discard(proc)
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+
+
+def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = False,
+         batch: _Batch | None = None) -> ExecResult:
     sentinel = None
     if check_end:  # a random line the program writes as its very last statement (unguessable by the program)
         sentinel = f"minicpm4-sandbox-end-{secrets.token_hex(16)}"
@@ -313,6 +342,8 @@ def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = Fals
             os.close(status_w)
         uid = UID_BASE + proc.pid
         timed_out = False
+        if batch is not None:
+            batch.add(proc)
         try:
             rc = proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
@@ -324,6 +355,9 @@ def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = Fals
                 # The launcher is not yet reaped, so its process-group id cannot have been reused.
                 os.killpg(proc.pid, signal.SIGKILL)
                 rc = proc.wait()
+        finally:
+            if batch is not None:
+                batch.discard(proc)
         wall = time.monotonic() - t0
         stray = _sweep_uid(uid, python)
         # Setup errors were written before the launcher exited; read without blocking (a stray
@@ -437,15 +471,22 @@ def run_programs(
 
         bar = tqdm(total=len(sources), desc="execute", unit="prog", leave=False)
 
+    batch = _Batch()
+
     def one(src: str) -> ExecResult:
-        r = _run(src, limits, python, check_end)
+        r = _run(src, limits, python, check_end, batch)
         if bar is not None:
             bar.update(1)
         return r
 
+    ex = ThreadPoolExecutor(max_workers=max(1, min(workers, len(sources))))
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(sources)))) as ex:
-            return list(ex.map(one, sources))
+        return list(ex.map(one, sources))
+    except BaseException:  # Ctrl-C / SIGTERM: queued programs never start, running ones are killed now
+        ex.shutdown(wait=False, cancel_futures=True)
+        batch.stop()
+        raise
     finally:
+        ex.shutdown(wait=True)  # the workers clean their temporary folders up before the error goes on
         if bar is not None:
             bar.close()

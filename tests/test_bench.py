@@ -201,9 +201,13 @@ def test_math_boxed_extraction_and_equivalence():
                  (None, "1"), ("", "1"),
                  # an infinite gold accepted no finite answer once the tolerance became inf (helper 65); -oo != oo
                  ("(2,5)", r"(2,\infty)"), ("5", r"\infty"), (r"-\infty", r"\infty"), ("(-3, 0]", r"(-\infty, 0]"),
-                 (r"(\infty, 0]", r"(-\infty, 0]")]
+                 (r"(\infty, 0]", r"(-\infty, 0]"),
+                 # past a Python float's range both sides became inf and compared equal (helper 67)
+                 ("10^{400}", r"\infty"), ("-10^{400}", r"-\infty"), ("2^{2000}", "3^{2000}"),
+                 ("10^{400}", "10^{401}"), ("1000!", r"\infty"), ("1e309", r"\infty")]
     equal += [(r"(2,\infty)", r"(2, \infty)"), (r"-\infty", r"-\infty"),
-              (r"(-\infty, 2) \cup (3, \infty)", r"(-\infty,2)\cup(3,\infty)")]
+              (r"(-\infty, 2) \cup (3, \infty)", r"(-\infty,2)\cup(3,\infty)"),
+              ("10^{400}", "10^{400}"), ("2^{2000}", "4^{1000}"), (r"\infty+1", r"\infty")]
     for a, b in equal:
         assert is_equiv(a, b), (a, b)
     for a, b in different:

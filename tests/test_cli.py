@@ -210,3 +210,27 @@ def test_an_interrupted_command_is_one_line(signum, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: export interrupted by {signal.Signals(signum).name}"], err
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_sigterm_inside_a_staged_export_is_the_one_line_too(capsys, monkeypatch):
+    """Helper 67: export's staged write swapped the command's SIGTERM handler for its own SystemExit(143), so a
+    SIGTERM there ended without the `interrupted` line. The staged write keeps a handler already set."""
+    import os
+    import signal
+
+    import minicpm4_jax.cli as cli
+    from minicpm4_jax.convert.io import _sigterm_raises
+
+    def export_body(args):
+        with _sigterm_raises():
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(cli, "_cmd_export", export_body)
+    assert main(["export", "gguf", "--checkpoint", "runs/x", "--out", "y"]) == 143
+    assert capsys.readouterr().err.strip().splitlines() == ["error: export interrupted by SIGTERM"]
+    # outside the command (library use) the staged write still turns SIGTERM into SystemExit(143)
+    with pytest.raises(SystemExit, match="143"):
+        with _sigterm_raises():
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -138,3 +138,17 @@ def test_report_errors(tmp_path):
                              scores={})
     with pytest.raises(ConfigError, match="no ruler or bench results"):
         render_report([other], tmp_path / "o")
+
+
+def test_an_incomplete_bench_run_is_marked_in_the_report(tmp_path):
+    """Helper 67: a bench results file of an interrupted run (scores.incomplete) was reported like a complete one."""
+    tasks = {"arc_easy": {"score": 25.0, "metric": "acc", "n": 8}}
+    res, _ = write_results(tmp_path / "b", kind="bench", config={}, model_info={"name": "tiny"}, datasets={},
+                           items=[], scores={"tasks": tasks,
+                                             "incomplete": "1 of 2 tasks finished; not run: gsm8k"})
+    render_report([res], tmp_path / "r", dpi=60)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "**Incomplete run**" in md and "not run: gsm8k" in md
+    full = _bench(tmp_path / "full", "dense", 0.0)
+    render_report([full], tmp_path / "r2", dpi=60)
+    assert "Incomplete" not in (tmp_path / "r2" / "report.md").read_text()

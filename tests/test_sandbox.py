@@ -148,3 +148,31 @@ def test_a_program_cannot_fake_a_setup_failure():
             "    except OSError:\n        pass\n")
     r = sb.run_program(prog, SMALL)
     assert r.passed and r.stdout == ""
+
+
+def test_an_interruption_stops_the_running_programs():
+    """Helper 67: Ctrl-C during code execution waited, silently, for every running program's timeout (the
+    executor's exit joined them), and repeated Ctrl-C left temporary folders behind. Now the running programs
+    are killed at once, queued ones never start, and their folders are removed before the interruption goes on."""
+    import signal
+    import tempfile
+    from pathlib import Path
+
+    _isolated_or_skip()
+    before = set(Path(tempfile.gettempdir()).glob("minicpm4-sandbox-*"))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sb.run_programs(["while True:\n    pass\n"] * 6, sb.SandboxLimits(timeout_s=60.0), workers=2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - t0 < 20, "waited for the programs' 60 s timeout"
+    assert set(Path(tempfile.gettempdir()).glob("minicpm4-sandbox-*")) == before
+    assert not _children_of(os.getpid())

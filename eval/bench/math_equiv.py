@@ -10,7 +10,6 @@ side. Anything that does not parse, or takes longer than the timeout, is "not eq
 from __future__ import annotations
 
 import atexit
-import cmath
 import json
 import re
 import select
@@ -240,11 +239,12 @@ def _sympy_equal(a: str, b: str) -> bool:
                 return True
         except Exception:
             pass
-        try:
-            vx, vy = complex(sympy.N(ex)), complex(sympy.N(ey))
-            if not (cmath.isfinite(vx) and cmath.isfinite(vy)):
-                return vx == vy  # an infinite value equals only the same infinity (the tolerance would be inf)
-            return abs(vx - vy) <= 1e-6 * max(1.0, abs(vy))
+        infinities = (sympy.oo, -sympy.oo, sympy.zoo)
+        if ex.has(*infinities) or ey.has(*infinities):
+            return bool(ex == ey)  # an infinity equals only the same infinity (a tolerance around it would be inf)
+        try:  # in sympy's arbitrary-exponent floats: 10^400 became inf as a Python float, equal to 10^401
+            diff, scale = abs(sympy.N(ex - ey, 30)), max(sympy.Integer(1), abs(sympy.N(ey, 30)))
+            return bool(diff <= sympy.Float("1e-6") * scale)
         except Exception:
             return False
 

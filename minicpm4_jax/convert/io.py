@@ -290,11 +290,13 @@ def recover_interrupted(out: Path, log: Any = print) -> None:
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """Inside: SIGTERM (a scheduler's kill, ``timeout``) raises SystemExit, so cleanups run (main thread only)."""
+    """Inside: SIGTERM (a scheduler's kill, ``timeout``) raises SystemExit, so cleanups run (main thread only).
+    A handler already set (the ``minicpm4`` command's, which raises its one-line ``Terminated``) is kept."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
         yield
         return
 

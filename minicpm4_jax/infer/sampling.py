@@ -52,7 +52,8 @@ class SamplingParams:
 def top_p_filter(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
     """Nucleus filtering: keep the smallest set of top tokens whose probability reaches ``top_p``.
 
-    ``logits`` float ``[..., vocab]``; removed entries become ``-inf``. The most likely token is
+    ``logits`` float ``[..., vocab]``; removed entries become ``-inf``; ``top_p`` a float or an array
+    broadcastable against ``[..., 1]`` (one value per row: ``[batch, 1]``). The most likely token is
     always kept; ``top_p >= 1`` keeps everything. Tokens tied at the smallest kept logit are taken in index
     order until the set holds its size (HF ``TopPLogitsWarper`` keeps a sorted prefix too; keeping every tied
     token, as before, gave ``[2, 1, 1, 1]`` at ``top_p = 0.5`` all four tokens instead of two).
