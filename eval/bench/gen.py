@@ -20,19 +20,17 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
-_NUM = re.compile(r"-?[$]?\d[\d,]*(?:\.\d+)?")
+_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
 
 def extract_gsm8k(text: str) -> tuple[str, str]:
-    """(strict, flexible): the number after ``#### `` (or in "The answer is N"), and the last number."""
-    strict = ""
-    m = re.search(r"####\s*(-?[$]?\d[\d,]*(?:\.\d+)?)", text)
-    if m is None:
-        m = re.search(r"[Tt]he answer is\s*(-?[$]?\d[\d,]*(?:\.\d+)?)", text)
-    if m:
-        strict = normalize_number(m.group(1))
-    nums = _NUM.findall(text)
-    flexible = normalize_number(nums[-1]) if nums else ""
+    """(strict, flexible), normalised (:func:`normalize_number`): lm-eval's GSM8K filters, ``strict-match`` (the
+    first ``#### N``) and ``flexible-extract`` (the last match of its number pattern); ``""`` where none matches."""
+    m = _STRICT.search(text)
+    strict = normalize_number(m.group(1)) if m else ""
+    found = _FLEXIBLE.findall(text)
+    flexible = normalize_number(next(g for g in found[-1] if g)) if found else ""
     return strict, flexible
 
 
@@ -91,7 +89,7 @@ def score_gen(model, items: list[dict], *, seed: int = 0, math_timeout: float = 
         rec = {"id": it["id"], "subtask": it.get("subtask", ""), "gold": it["gold"], "output": text}
         if kind == "gsm8k":
             strict, flex = extract_gsm8k(text)
-            pred = strict or flex
+            pred = flex  # exact_match = lm-eval's flexible-extract (OpenCompass's last number); strict beside it
             ok = pred == it["gold"]
             rec["strict_correct"] = strict == it["gold"]
             strict_hits += rec["strict_correct"]

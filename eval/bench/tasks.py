@@ -15,7 +15,6 @@ format on task ids 11-510.
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -323,21 +322,19 @@ def gsm8k_gold(answer: str) -> str:
 
 
 def normalize_number(s: str) -> str:
-    s = s.strip().replace(",", "").replace("$", "").rstrip(".")
-    try:
-        v = float(s)
-        if math.isfinite(v) and v == int(v) and "e" not in s.lower():
-            return str(int(v))
-    except ValueError:
-        pass
-    return s
+    """lm-eval's GSM8K answer normalisation before ``exact_match`` (``regexes_to_ignore`` ``,``, ``$``,
+    ``(?s).*#### ``, a final ``.``; ``ignore_case``): ``"$1,234."`` -> ``"1234"``; ``"1234.00"`` stays (lm-eval
+    counts it wrong against ``1234``, and so does this, so that the scores compare)."""
+    s = s.strip().replace(",", "").replace("$", "")
+    s = re.sub(r"(?s).*#### ", "", s)
+    return re.sub(r"\.$", "", s).lower()
 
 
 def load_gsm8k(data_dir: Path, k_shot: int = 5, limit: int | None = None, seed: int = 1234, **_) -> Task:
     root = _bench_dir(data_dir, "gsm8k", "test.*")
     test = _first(root, ["test.jsonl", "test.json", "test.parquet", "test.jsonl.gz", "test-*.parquet"], "gsm8k test")
     files = [test]
-    shots = ""
+    pool: list[dict] = []
     if k_shot:
         train = find_files(root, ["train.jsonl", "train.json", "train.parquet", "train.jsonl.gz", "train-*.parquet"])
         if not train:
@@ -348,15 +345,16 @@ def load_gsm8k(data_dir: Path, k_shot: int = 5, limit: int | None = None, seed: 
         if len(pool) < k_shot:
             raise DataError(f"{train[0]}: {k_shot}-shot needs {k_shot} train rows, the file has {len(pool)}; "
                             "lower --k-shot for gsm8k")
-        for r in random.Random(seed).sample(pool, k_shot):
-            shots += f"Question: {r['question']}\nAnswer: {r['answer']}\n\n"
     recs = read_records(test)
     require(recs, ["question", "answer"], "gsm8k")
+    rng = random.Random(seed)  # lm-eval's sampler: one generator, k train rows drawn for each test row in turn
     items = []
     for i, r in enumerate(recs):
         gold = gsm8k_gold(str(r["answer"]))
         if not gold:
             raise bad(r, "answer has no '#### <number>' line")
+        shots = "".join(f"Question: {s['question']}\nAnswer: {s['answer']}\n\n"
+                        for s in (rng.sample(pool, k_shot) if k_shot else ()))
         items.append({"id": str(i), "subtask": "gsm8k", "where": r[WHERE],
                       "prompt": shots + f"Question: {r['question']}\nAnswer:",
                       "until": ["Question:", "</s>", "<|im_end|>", "\n\n"], "max_new_tokens": 256,
