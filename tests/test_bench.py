@@ -558,6 +558,23 @@ def test_an_interrupted_run_keeps_its_finished_tasks(tmp_path, capsys, monkeypat
     assert run(args) == 128 + signum
     assert capsys.readouterr().err.strip().endswith("no task had finished")
     assert not (tmp_path / "none" / "bench_results.json").exists()
+    # interrupted right after the last write: the line says what the file holds, every task (helper 67)
+    import minicpm4_jax.eval.results as results
+
+    real = results.write_results
+
+    def write_then_interrupt(*a, **kw):
+        paths = real(*a, **kw)
+        if "incomplete" not in kw["scores"]:
+            raise KeyboardInterrupt
+        return paths
+
+    monkeypatch.setattr(results, "write_results", write_then_interrupt)
+    monkeypatch.setattr(em.EvalModel, "from_checkpoint", staticmethod(lambda path, **kw: RandomModel(1)))
+    args = p.parse_args(["ckpt", "--data-dir", str(_bench_dir()), "--limit", "2", "--tasks", "arc_easy,mmlu",
+                         "--out-dir", str(tmp_path / "last")])
+    assert run(args) == 130
+    assert "the results of every task (arc_easy, mmlu) are in" in capsys.readouterr().err
 
 
 def test_a_generation_budget_without_room_for_a_prompt_is_refused_before_any_task():

@@ -365,8 +365,17 @@ def run(args: argparse.Namespace) -> int:
         if not done:
             kept = "no task had finished"
         elif args.out_dir:
-            kept = (f"the finished tasks ({', '.join(done)}) are in {Path(args.out_dir) / 'bench_results.json'}, "
-                    "marked incomplete (run again with --overwrite to redo the run)")
+            path = Path(args.out_dir) / "bench_results.json"
+            try:  # what the file holds (the interruption may have come during a write; each write is whole)
+                from minicpm4_jax.eval.results import read_results
+
+                scores = read_results(path)["scores"]
+                done, complete = list(scores["tasks"]), "incomplete" not in scores
+            except (ValueError, KeyError, TypeError):
+                complete = False
+            kept = (f"the results of every task ({', '.join(done)}) are in {path}" if complete else
+                    f"the finished tasks ({', '.join(done)}) are in {path}, marked incomplete (run again with "
+                    "--overwrite to redo the run)")
         else:
             kept = f"{', '.join(done)} finished (no --out: nothing was written)"
         print(f"error: interrupted by {signal.Signals(signum).name}; {kept}", file=sys.stderr)
