@@ -465,7 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             val = getattr(args, name, None)
             if isinstance(val, str) and not val.strip():
                 parser.error(f"{'DIR' if name == 'dir' else '--' + name} is an empty path; give a folder")
-    if args.command != "train" and _main_thread():
+    # SIGTERM as Terminated outside train (which has its own handlers), unless a caller embedding main() set one
+    own_sigterm = (args.command != "train" and _main_thread()
+                   and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    if own_sigterm:
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         if args.command == "train":
@@ -489,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{lead}error: {args.command} interrupted by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
     finally:
-        if args.command != "train" and _main_thread():
+        if own_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 2
 
