@@ -244,7 +244,11 @@ class MiniCPM4(nnx.Module):
 
         Args:
             input_ids: int32 ``[batch, seq]``.
-            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row. With ``attention: infllmv2``
+            positions: int32 ``[batch, seq]``; default ``arange(seq)`` per row. They drive RoPE **and** the
+                causal mask (a key is visible when its position is <= the query's), so they must increase along
+                each row: positions that restart inside a row (documents packed with their own positions) let a
+                token see later tokens of the row (helper 68; HF masks by index). There is no per-document mask:
+                this project packs documents with EOS separators and ``arange`` positions. With ``attention: infllmv2``
                 they must be the token index (``arange``; right padding may follow): InfLLM v2 compresses and
                 selects the keys by index (spec §5; ``infllm.attention.infllmv2_attention``'s contract), so
                 positions starting elsewhere let the selection of a token depend on later tokens (the XLA and
