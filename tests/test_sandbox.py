@@ -163,6 +163,7 @@ def test_an_interruption_stops_the_running_programs(monkeypatch):
     own = Path(tempfile.mkdtemp(prefix="minicpm4-sandbox-test-"))  # this call's folders only (other tests run too)
     own.chmod(0o711)
     monkeypatch.setattr(tempfile, "tempdir", str(own))
+    children = set(_children_of(os.getpid()))  # e.g. the MATH checker's worker of an earlier test
 
     def interrupt(signum, frame):
         # An exception raised while a gc callback runs (JAX registers one) is printed and dropped, as a Ctrl-C
@@ -185,4 +186,4 @@ def test_an_interruption_stops_the_running_programs(monkeypatch):
     left = list(own.iterdir())
     shutil.rmtree(own, ignore_errors=True)
     assert not left, left  # every program's folder removed
-    assert not _children_of(os.getpid())
+    assert set(_children_of(os.getpid())) <= children  # no launcher or program left
