@@ -68,7 +68,7 @@ class MiniCPM4LM(TemplateLM):
 
     def __init__(self, checkpoint: str | None = None, step=None, attention: str | None = None, batch_size=8,
                  prefill_chunk=512, max_gen_toks=256, seed=0, model=None, max_batch_size=None, device=None,
-                 prefix: str = "eos", max_length=None, **unknown) -> None:
+                 prefix: str = "auto", max_length=None, **unknown) -> None:
         if not HAVE_LM_EVAL:
             raise ImportError("the lm-eval backend needs the lm-eval package (pip install 'lm-eval>=0.4.13,<0.5')")
         if unknown:  # (lm-eval itself adds only batch_size, max_batch_size and device)

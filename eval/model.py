@@ -17,8 +17,9 @@ and nothing evaluation-specific lives in the model or the engine:
   ``max_length`` predicted tokens (lm-eval's rolling windows with one token of context).
 
 Documents start with a prefix token: this project's data pipeline separates documents with EOS, so a
-checkpoint trained here is prompted after ``[eos_id]`` (``prefix="eos"``, the default, as ``minicpm4
-generate`` does); an imported official MiniCPM4 checkpoint expects ``[bos_id]`` (``prefix="bos"``).
+checkpoint trained here is prompted after ``[eos_id]`` (``prefix="eos"``); an imported official MiniCPM4
+checkpoint expects ``[bos_id]`` (``prefix="bos"``). :meth:`EvalModel.from_checkpoint` (``prefix="auto"``, the
+default, as ``minicpm4 generate`` and ``eval``) takes the run's own (:func:`~minicpm4_jax.tokenizer.document_start`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class EvalModel:
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, step: int | None = None, attention: str | None = None,
-                        batch_size: int = 8, prefill_chunk: int = 512, prefix: str = "eos",
+                        batch_size: int = 8, prefill_chunk: int = 512, prefix: str = "auto",
                         max_length: int | None = None, progress: bool = True,
                         path_option: str = "--checkpoint") -> "EvalModel":
         """Load a training run (its ``out_dir`` or ``checkpoints`` folder) and the tokenizer saved beside it.
@@ -215,6 +216,9 @@ class EvalModel:
             step: the checkpoint step (default the latest).
             attention: ``None`` (as trained), ``"dense"`` or ``"sparse"`` (InfLLM v2 with the model's
                 ``sparse_config``), to evaluate one checkpoint both ways.
+            prefix: ``"auto"`` (default): what the run's documents start after
+                (:func:`~minicpm4_jax.tokenizer.document_start`: EOS for a run trained here, BOS for an imported
+                official checkpoint); or ``"eos"`` / ``"bos"`` / ``"none"`` as :class:`EvalModel`.
             path_option: how the caller's user gave ``path``, named in the errors (``"--checkpoint"``, a
                 positional argument's ``"the checkpoint argument"``, lm-eval's ``"checkpoint"`` model argument).
 
@@ -223,12 +227,16 @@ class EvalModel:
                 :class:`EvalModel`.
         """
         from minicpm4_jax.infer.engine import with_attention
-        from minicpm4_jax.tokenizer import load_run_tokenizer
+        from minicpm4_jax.tokenizer import document_start, load_run_tokenizer
         from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
         if attention not in (None, "dense", "sparse"):
             raise ConfigError(f"attention={attention!r}; use 'dense', 'sparse' or leave it unset (as trained)")
+        if prefix != "auto" and prefix not in _PREFIXES:
+            raise ConfigError(f"prefix={prefix!r}; use auto, {', '.join(_PREFIXES)}")
         ckpt_dir = find_checkpoint_dir(path, path_option=path_option)
+        if prefix == "auto":
+            prefix = document_start(path, ckpt_dir)
         tokenizer = load_run_tokenizer(path, ckpt_dir)  # before the parameters: a bad one fails fast
         _cfg, model = load_params_for_inference(ckpt_dir, step)
         own_sparse = model.cfg.sparse_config is not None

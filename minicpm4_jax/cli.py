@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill step (a multiple of 16; default 512)")
     g.add_argument("--no-stream", action="store_true", help="print the text only when generation ends")
+    g.add_argument("--prefix", choices=("auto", "eos", "bos", "none"), default="auto",
+                   help="document-start token before the prompt: auto (default) = the run's own (eos for a run "
+                        "trained here, whose documents follow an EOS; bos for an imported official checkpoint)")
     g.add_argument("--spec-decode", action="store_true",
                    help="speculative decoding with the checkpoint's MTP head as the draft (model.mtp=true); greedy "
                         "output is identical, sampling keeps the model's distribution")
@@ -316,7 +319,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.generate import generate
     from minicpm4_jax.infer.engine import InferenceEngine
-    from minicpm4_jax.tokenizer import check_tokenizer_vocab, load_run_tokenizer
+    from minicpm4_jax.config import ConfigError
+    from minicpm4_jax.tokenizer import check_tokenizer_vocab, document_start, load_run_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
 
     _check_utf8("--prompt", args.prompt)
@@ -325,6 +329,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     _check_draft_options(args)
     ckpt_dir = find_checkpoint_dir(args.checkpoint)
     tokenizer = load_run_tokenizer(args.checkpoint, ckpt_dir)  # before the parameters: a bad one fails fast
+    # what the run's documents start after: a run trained here saw each after an EOS (the data pipeline joins
+    # documents with EOS), an imported official checkpoint after BOS
+    start = document_start(args.checkpoint, ckpt_dir) if args.prefix == "auto" else args.prefix
+    prefix_id = None if start == "none" else getattr(tokenizer, f"{start}_id", None)
+    if args.prefix not in ("auto", "none") and prefix_id is None:
+        raise ConfigError(f"--prefix {args.prefix}: the tokenizer has no {start.upper()} token; pass --prefix none "
+                          "or another token")
+    prefix = [] if prefix_id is None else [prefix_id]
     _cfg, model = load_params_for_inference(ckpt_dir, args.step)
     check_tokenizer_vocab(tokenizer, model.cfg.vocab_size)  # ids past the embedding table
     if args.sparse is not None:
@@ -333,8 +345,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         model = with_attention(model, "infllmv2" if args.sparse else "dense")
     engine = InferenceEngine(model, prefill_chunk=args.prefill_chunk)
     speculative = _speculative_decoder(args, model, engine, ckpt_dir, tokenizer)
-    # This project's data pipeline separates documents with EOS: a new document follows an EOS.
-    prefix = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     stream = None
     shown = [False]  # the prompt is echoed with the first streamed piece: a refused request prints nothing
     if not args.no_stream:

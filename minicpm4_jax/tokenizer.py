@@ -43,6 +43,8 @@ __all__ = [
     "load_run_tokenizer",
     "check_tokenizer_vocab",
     "check_tokenizer_record",
+    "document_start",
+    "DOCUMENT_STARTS",
     "train_tokenizer",
     "sentencepiece_to_hf_json",
     "bos_eos_post_processor",
@@ -671,6 +673,39 @@ def check_tokenizer_record(tokenizer: Any, run_dir: str | os.PathLike, what: str
     if saved is not None and digest and saved != digest:
         raise ConfigError(f"{what} (sha256 {digest[:12]}) is not the one {record} records for this run "
                           f"(sha256 {saved[:12]}); {fix}")
+
+
+#: What a document of a model starts after: its tokenizer's EOS or BOS token, or nothing.
+DOCUMENT_STARTS = ("eos", "bos", "none")
+
+
+def document_start(run: str | os.PathLike, ckpt_dir: str | os.PathLike | None = None) -> str:
+    """The token a document of this run's model starts after: ``"eos"``, ``"bos"`` or ``"none"``.
+
+    A run trained here (its folder holds ``data.json``) saw every document after the EOS that ends the previous
+    one (``train.data``: documents joined with EOS), so it is prompted after ``[eos_id]``. An imported checkpoint
+    (an ``import`` ``minicpm4_manifest.json``) takes what the import recorded as ``document_start``: the source's
+    own record when it was exported by this project, else its tokenizer's ``add_bos_token`` (the official
+    MiniCPM4 tokenizers: true, so ``"bos"``; imports written before the record existed: ``"bos"``). Anything
+    else: ``"eos"``. ``generate``, ``eval`` and the lm-eval backend use this unless told otherwise (``--prefix``).
+
+    Args:
+        run: the run folder (``out_dir``) or its ``checkpoints`` folder, as the user gave it.
+        ckpt_dir: the checkpoint folder :func:`~minicpm4_jax.train.checkpoint.find_checkpoint_dir` found (its
+            parent is looked at too).
+    """
+    folders = [Path(run)] + ([Path(ckpt_dir).parent] if ckpt_dir is not None else [])
+    for folder in dict.fromkeys(f.absolute() for f in folders):
+        if (folder / "data.json").is_file():
+            return "eos"
+        try:
+            manifest = json.loads((folder / "minicpm4_manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("import"):
+            start = manifest.get("document_start", "bos")
+            return start if start in DOCUMENT_STARTS else "bos"
+    return "eos"
 
 
 def check_tokenizer_vocab(tokenizer: Any, vocab_size: int) -> None:

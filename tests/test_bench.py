@@ -501,7 +501,7 @@ def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch)
     out, err = capsys.readouterr()
     assert "skipping humaneval, mbpp" in err
     assert seen == {"path": "ckpt", "step": None, "attention": "sparse", "batch_size": 2, "prefill_chunk": 512,
-                    "progress": True, "path_option": "the checkpoint argument"}
+                    "prefix": "auto", "progress": True, "path_option": "the checkpoint argument"}
     res = json.loads((tmp_path / "out" / "bench_results.json").read_text())
     assert set(res["scores"]["tasks"]) == {"mmlu", "cmmlu", "ceval", "bbh", "gsm8k", "math500"}
     assert res["config"]["k_shot"]["mmlu"] == 1 and res["config"]["attention"] == "sparse"

@@ -619,3 +619,60 @@ def test_export_adds_the_bos_post_processor_to_an_old_tokenizer_json(tmp_path, t
     res2 = write_hf(random_params(cfg, seed=41), cfg, tmp_path / "hf2", tokenizer_dir=tiny_tokenizer_dir)
     assert res2.manifest["tokenizer_notes"] == []
     assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == (tiny_tokenizer_dir / "tokenizer.json").read_bytes()
+
+
+def test_document_start_follows_the_model_through_export_and_import(imported_run, tmp_path, capsys, monkeypatch):
+    """What a model's documents start after (helper 69: `generate` / `eval` prompted an imported official model
+    after EOS, which it never saw): BOS for an import of a folder whose tokenizer adds BOS, EOS for a run trained
+    here (documents joined with EOS), carried by the export's manifest through a re-import; `generate --prefix`
+    and `EvalModel.from_checkpoint` use it unless told otherwise."""
+    from minicpm4_jax import generate as generate_module
+    from minicpm4_jax.eval.model import EvalModel
+    from minicpm4_jax.tokenizer import document_start
+
+    run, _, _ = imported_run
+    assert read_json(run / MANIFEST_NAME)["document_start"] == "bos"
+    assert document_start(run) == "bos" and document_start(run / "checkpoints", run / "checkpoints") == "bos"
+    # a run trained here: data.json, no import manifest (a copy of the imported run's weights)
+    trained = tmp_path / "trained"
+    shutil.copytree(run, trained)
+    (trained / MANIFEST_NAME).unlink()
+    (trained / "data.json").write_text("{}")
+    assert document_start(trained) == "eos"
+    assert document_start(tmp_path / "nothing") == "eos"
+    for src, want in ((run, "bos"), (trained, "eos")):
+        out = tmp_path / f"export_{src.name}"
+        assert main(["export", "hf", "--checkpoint", str(src), "--out", str(out)]) == 0, capsys.readouterr().err
+        assert read_json(out / MANIFEST_NAME)["source"]["document_start"] == want
+        again = tmp_path / f"reimport_{src.name}"
+        assert main(["import", "hf", str(out), "--out", str(again)]) == 0, capsys.readouterr().err
+        assert read_json(again / MANIFEST_NAME)["document_start"] == want
+        em = EvalModel.from_checkpoint(again, batch_size=1, progress=False)
+        assert em.prefix == want and em.prefix_ids == [getattr(em.tokenizer, f"{want}_id")]
+        assert EvalModel.from_checkpoint(again, batch_size=1, progress=False, prefix="none").prefix_ids == []
+    # an official folder whose tokenizer adds no BOS: nothing before a document
+    cfg_path = tmp_path / "export_run" / "tokenizer_config.json"
+    tc = read_json(cfg_path)
+    tc["add_bos_token"] = False
+    cfg_path.write_text(json.dumps(tc))
+    (tmp_path / "export_run" / MANIFEST_NAME).unlink()
+    assert main(["import", "hf", str(tmp_path / "export_run"), "--out", str(tmp_path / "nobos")]) == 0
+    assert read_json(tmp_path / "nobos" / MANIFEST_NAME)["document_start"] == "none"
+
+    seen = []
+    real_generate = generate_module.generate
+
+    def recording_generate(*a, **kw):
+        seen.append(list(kw["prefix_ids"]))
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", recording_generate)
+    tok = EvalModel.from_checkpoint(run, batch_size=1, progress=False).tokenizer
+    for args, want in (([], [tok.bos_id]), (["--prefix", "eos"], [tok.eos_id]), (["--prefix", "none"], [])):
+        rc = main(["generate", "--checkpoint", str(run), "--prompt", "a", "--max-new-tokens", "1", "--no-stream", *args])
+        assert rc == 0, capsys.readouterr().err
+        assert seen[-1] == want, args
+    assert main(["generate", "--checkpoint", str(trained), "--prompt", "a", "--max-new-tokens", "1", "--no-stream"]) == 0
+    assert seen[-1] == [tok.eos_id]
+    with pytest.raises(SystemExit):
+        main(["generate", "--checkpoint", str(run), "--prompt", "a", "--prefix", "cls"])

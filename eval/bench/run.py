@@ -274,6 +274,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and MBPP 3 (fixed exemplars, at most 3), ARC/MATH-500/HumanEval 0")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--prefix", choices=("auto", "eos", "bos", "none"), default="auto",
+                        help="document-start token before each context: auto (default) = the run's own (eos for a "
+                             "run trained here, bos for an imported official checkpoint)")
     parser.add_argument("--pass-k-samples", type=int, default=1,
                         help="completions per code problem (1 = greedy pass@1; more = sampling, unbiased pass@k)")
     parser.add_argument("--pass-k", default="1,10,100",
@@ -348,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
 
         model = EvalModel.from_checkpoint(args.checkpoint, step=args.step, attention=args.attention,
                                           batch_size=args.batch_size, prefill_chunk=args.prefill_chunk,
-                                          progress=not args.no_progress, path_option="the checkpoint argument")
+                                          prefix=args.prefix, progress=not args.no_progress,
+                                          path_option="the checkpoint argument")
         limits = SandboxLimits(timeout_s=args.exec_timeout, memory_mb=args.exec_memory_mb)
         res = run_bench(model, args.data_dir, names, out_dir=args.out_dir, limit=args.limit, k_shot=args.k_shot,
                         seed=args.seed, n_samples=args.pass_k_samples, pass_ks=ks,
@@ -357,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
                         workers=args.exec_workers, math_timeout=args.math_timeout,
                         extra_config={"checkpoint": str(args.checkpoint), "step": args.step,
                                       "attention": args.attention, "batch_size": args.batch_size,
-                                      "prefill_chunk": args.prefill_chunk},
+                                      "prefill_chunk": args.prefill_chunk,
+                                      "prefix": getattr(model, "prefix", args.prefix)},
                         log=lambda s: print(s, file=sys.stderr),
                         on_task=lambda r: done.__setitem__(slice(None), list(r["scores"]["tasks"])))
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM under the `minicpm4` command (its handler raises this)

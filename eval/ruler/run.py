@@ -575,9 +575,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="evaluate with InfLLM v2 sparse attention")
     att.add_argument("--dense", dest="attention", action="store_const", const="dense",
                      help="evaluate with dense attention")
-    parser.add_argument("--prefix", choices=("eos", "bos", "none"), default="eos",
-                        help="document-start token before each prompt (eos: this project's checkpoints; bos: "
-                             "imported official ones); counted in the length budget")
+    parser.add_argument("--prefix", choices=("auto", "eos", "bos", "none"), default="auto",
+                        help="document-start token before each prompt: auto (default) = the run's own (eos for a run "
+                             "trained here, bos for an imported official checkpoint); counted in the length budget")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk (tokens)")
     parser.add_argument("--max-length", type=int, default=None,

@@ -269,6 +269,7 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
         ConfigError/ConvertError: no checkpoint there, no such step, no tokenizer, a corrupt step, or
             what ``check_config`` raises.
     """
+    from minicpm4_jax.tokenizer import document_start
     from minicpm4_jax.train.checkpoint import load_params_for_inference
 
     if paths is None:
@@ -290,6 +291,8 @@ def load_export_source(checkpoint: str | Path, *, step: int | None = None,
         "checkpoint": str(paths.checkpoint_dir),
         "step": int(paths.step),
         "params_sha256": params_sha256(params),
+        # what the model's documents start after (a run trained here: EOS); `import hf` of this export reads it
+        "document_start": document_start(checkpoint, paths.checkpoint_dir),
     }
     if ternary is not None:
         prov["params"] = "fake-quantized ternary weights of the checkpoint's latent weights (qat)"

@@ -214,6 +214,25 @@ def _finite_reader(source: SafetensorsSource) -> Callable[[str], np.ndarray]:
     return get
 
 
+def _document_start(folder: Path) -> str:
+    """What the imported model's documents start after (``tokenizer.document_start``): the record of this
+    project's export when ``folder`` is one (a model trained here starts documents after EOS), else ``"bos"``
+    when the folder's ``tokenizer_config.json`` adds a BOS (``add_bos_token``, true when absent, as the official
+    MiniCPM4 tokenizers), else ``"none"``."""
+    from minicpm4_jax.tokenizer import DOCUMENT_STARTS
+
+    for name, read in (("minicpm4_manifest.json", lambda d: d["source"].get("document_start") if isinstance(d.get("source"), dict) else None),
+                       ("tokenizer_config.json", lambda d: "bos" if d.get("add_bos_token", True) else "none")):
+        try:
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        start = read(data) if isinstance(data, dict) else None
+        if start in DOCUMENT_STARTS:
+            return start
+    return "bos"
+
+
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
               shardings: Callable[[str, tuple[int, ...]], Any] | None = None,
               log: Callable[[str], Any] | None = None, no_tokenizer: bool = False,
@@ -355,6 +374,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             "tokenizer_files": tok_files,
             "tokenizer_hash": tok.file_hash if tok is not None else "",
             "no_tokenizer": bool(no_tokenizer),
+            "document_start": _document_start(folder),
             "eagle_draft": ({"folder": str(eagle_folder),
                              "files": {p.name: file_sha256(p) for p in sorted(eagle_folder.glob("*.safetensors"))
                                        + sorted(eagle_folder.glob("config.json"))}}
