@@ -242,3 +242,24 @@ def test_sparse_topk_beyond_every_block_is_refused(key):
                                           rf"max_position_embeddings=8192 \(block_size=32\); {key}=256 already"):
         check_training_selection(load_config("cpu_tiny_sparse", [f"model.sparse_config.{key}=257"]))
     check_training_selection(load_config("cpu_tiny_sparse", [f"model.sparse_config.{key}=256"]))
+
+
+def test_b09_unknown_rope_type_is_refused_on_every_path():
+    """B09 (rope_type other than LongRoPE run as LongRoPE): the YAML / override path and the rope functions each
+    refuse it on their own (helper 70: with both guards removed, `rope_type: yarn` loaded and ran LongRoPE)."""
+    from minicpm4_jax.config import RopeScalingConfig, validate_model
+    from minicpm4_jax.nn.rope import longrope_factors
+
+    base = load_config("minicpm4_0p5b").model
+    half = base.resolved_head_dim // 2
+    orig = base.rope_scaling.original_max_position_embeddings
+    lists = f"short_factor: {[1.0] * half}, long_factor: {[2.0] * half}, original_max_position_embeddings: {orig}"
+    with pytest.raises(ConfigError, match="model.rope_scaling.rope_type='yarn' is not supported"):
+        load_config("minicpm4_0p5b", [f"model.rope_scaling={{rope_type: yarn, {lists}}}"])
+    bad = dataclasses.replace(base, rope_scaling=RopeScalingConfig(
+        rope_type="yarn", short_factor=(1.0,) * half, long_factor=(2.0,) * half,
+        original_max_position_embeddings=base.rope_scaling.original_max_position_embeddings))
+    with pytest.raises(ConfigError, match="rope_type='yarn' is not supported"):
+        validate_model(bad)
+    with pytest.raises(ConfigError, match="rope_type='yarn' is not supported"):
+        longrope_factors(bad)

@@ -543,3 +543,53 @@ def test_top_p_keeps_the_smallest_set_with_ties():
         assert (got == want).all(), (lg, p, got, want)
     assert np.isfinite(np.asarray(top_p_filter(jnp.array([[2.0, 1.0, 1.0, 1.0]]), 0.5))).tolist() == [
         [True, True, False, False]]
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2_picks"])
+def test_decode_switches_to_sparse_exactly_at_dense_len(weights, variant):
+    """The dense-to-sparse switch of decode steps sits where prefill's does: a step whose sequence (the new
+    token included) holds ``dense_len`` keys runs sparse, one key fewer dense (helper 70: ``n <= dense_len`` in
+    :func:`decode_mode` passed every test, since the switch cases above put dense_len where sparse equals
+    dense). Here ``dense_len`` = 200 > 4 blocks of 32: sparse and dense differ at the switch. One layer: its keys
+    and values do not depend on the attention mode, so the cache (filled densely below the switch) equals a
+    from-scratch forward's (sparse over the whole sequence) and the step's logits must match to 1e-4."""
+    from minicpm4_jax.infer.engine import decode_mode
+
+    v, sp = CASES[variant] if variant in CASES else (variant, {})
+    cfg = _cfg(v, **{**sp, "dense_len": 200})
+    assert [decode_mode(cfg, [n]) for n in (199, 200, 201)] == ["dense", "sparse", "sparse"]
+    assert decode_mode(cfg, [199, 200]) == "mixed" and decode_mode(BASE, [500]) == "dense"
+    one = dataclasses.replace(BASE, num_hidden_layers=1)
+    w1 = nnx.state(MiniCPM4(one, rngs=nnx.Rngs(3)))
+    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: MiniCPM4(dataclasses.replace(cfg, num_hidden_layers=1),
+                                                                   rngs=nnx.Rngs(0)))), w1)
+    seq = _ids(204, seed=5)
+    got, _ = _stepwise_logits(InferenceEngine(model, prefill_chunk=64), seq[:190], seq[190:])
+    fwd = jax.jit(lambda m, x: m(x))
+    dense_model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: MiniCPM4(one, rngs=nnx.Rngs(0)))), w1)
+    for n in (199, 200, 201):  # got[i]: the logits after n = 190 + i tokens
+        full = np.asarray(fwd(model, jnp.asarray([seq[:n]], jnp.int32)))[0, -1]
+        np.testing.assert_allclose(got[n - 190], full, atol=1e-4, rtol=1e-4, err_msg=f"{n} tokens")
+        if n >= 200:  # the guard: sparse really differs from dense here
+            dense = np.asarray(fwd(dense_model, jnp.asarray([seq[:n]], jnp.int32)))[0, -1]
+            assert np.abs(dense - full).max() > 1e-3, n
+
+
+def test_generate_puts_the_prefix_ids_before_the_prompt():
+    """``generate(prefix_ids=None)`` prompts after ``[bos_id]`` (the official convention), ``prefix_ids`` replaces
+    it, ``[]`` puts nothing (helper 70: the default had no test). A stub engine records the ids it is given."""
+    from types import SimpleNamespace
+
+    from minicpm4_jax.generate import generate
+
+    seen = []
+
+    class Engine:
+        def generate(self, prompts, max_new_tokens, **kw):
+            seen.append(list(prompts[0]))
+            return SimpleNamespace(tokens=[[]])
+
+    tok = SimpleNamespace(bos_id=1, eos_id=2, vocab_size=97, encode=lambda s: [40 + len(s), 41], decode=lambda ids: "")
+    for prefix, want in ((None, [1]), ([2], [2]), ([], [])):
+        assert generate(None, tok, "ab", 3, prefix_ids=prefix, engine=Engine()) == ""
+        assert seen[-1] == want + [42, 41], prefix

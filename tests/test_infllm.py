@@ -739,3 +739,25 @@ def test_a_zero_window_is_refused_for_gen1_by_the_api():
         select_params(SparseConfig(window_size=0, topk=2, variant="gen1", dense_len=0))
     assert select_params(SparseConfig(window_size=0, topk=2, variant="gen2", dense_len=0)).local_blocks == 0
     assert select_params(SparseConfig(window_size=64, topk=2, variant="gen1", dense_len=0)).local_blocks == 1
+
+
+def test_b23_forced_blocks_win_over_infinite_early_scores():
+    """B23, gen-2 rows before the first coarse kernel: their fine-kernel scores are +inf (lse = -inf), tying with
+    the forced blocks' +inf; the pooled scores are clamped below +inf so the init, window and own blocks always
+    make the top-k (helper 70: without the clamp only the native kernel's comparison test failed). Reference
+    only: 7 blocks score +inf at position 100, K = 5, so lax.top_k's lower-index tie rule would drop the own
+    block and a window block."""
+    cfg = SparseConfig(kernel_size=32, kernel_stride=16, block_size=16, init_blocks=1, window_size=32, topk=3,
+                       variant="gen2", dense_len=0)
+    p = select_params(cfg)
+    q, k, _ = _qkv(7, 1, 112, 4, 2, 32)
+    pos = _pos(1, 112)
+    sc = selection_scores(q, k, q_positions=pos, params=p)
+    t = 100  # no coarse kernel (128 keys) visible yet; fine kernels 0..4 cover blocks 0..5
+    assert np.isposinf(np.asarray(sc["scores"])[0, :, t, :5]).all()
+    qb = t // cfg.block_size
+    forced = {0, *range(qb - p.local_blocks, qb + 1)}
+    assert p.topk_cfg < 7 and len(forced) <= p.topk_cfg  # the ties would push forced blocks out
+    for h in range(2):
+        picked = set(np.asarray(sc["topk_idx"])[0, h, t].tolist())
+        assert forced <= picked, (h, sorted(picked), sorted(forced))
