@@ -227,6 +227,28 @@ def test_a_stop_inside_a_log_window_logs_its_steps(corpus, cache_dir, tmp_path):
     assert rows[8]["loss"] != rows[8]["last_step_loss"]  # steps 5..8
 
 
+def test_every_logged_value_is_the_mean_over_its_window(corpus, cache_dir, tmp_path):
+    """A row at log_every=2 holds, for every per-step value (loss, grad_norm, the MTP draft's losses), the mean
+    over its two steps, and the learning rate of its own step (helper 69: only the loss was averaged, so grad_norm
+    and mtp on one row were the last step's while loss was the window's)."""
+    kw = {"steps": 4, "eval_every": 100, "checkpoint.save_every": 100, "tensorboard": False, "model.mtp": True,
+          "mtp_feature_weight": 1.0}
+    per_step = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "a", log_every=1, **kw), log=lambda _m: None,
+                            progress=False)["history"]
+    windows = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", log_every=2, **kw), log=lambda _m: None,
+                           progress=False)["history"]
+    one = {h["step"]: h for h in per_step}
+    two = {h["step"]: h for h in windows}
+    assert sorted(one) == [1, 2, 3, 4] and sorted(two) == [2, 4]
+    keys = {"loss", "grad_norm", "mtp_loss", "mtp_feature_loss"}
+    assert keys <= set(two[2]), sorted(two[2])
+    for step in (2, 4):
+        for k in keys:
+            assert two[step][k] == pytest.approx((one[step - 1][k] + one[step][k]) / 2, rel=1e-6), (step, k)
+        assert two[step]["lr"] == one[step]["lr"] and two[step]["last_step_loss"] == one[step]["loss"]
+    assert one[1]["grad_norm"] != one[2]["grad_norm"]  # the two steps differ: the mean is not either one
+
+
 def test_resume_same_data_order(corpus, cache_dir, tmp_path):
     """The iterator restored from a checkpoint continues with exactly the batches an uninterrupted one yields."""
     from minicpm4_jax.train import data as data_api

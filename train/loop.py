@@ -870,18 +870,23 @@ def run_training(
             say(f"resume: step {start} is the run's last step (steps={cfg.steps}); nothing to train: the final "
                 "evaluation, sample and summary.json again")
         meter = _Throughput(global_batch * t)
-        window_losses: list[float] = []  # per-step losses since the last log line (their mean is logged)
+        # per-step values since the last log line: a row logs their means (the learning rate: the row's step's)
+        window_vals: list[dict[str, float]] = []
         multi = jax.process_count() > 1
         tracer = _StepTracer(cfg, out_dir, say, start)
 
         def log_row(step: int) -> None:
-            """One logged row: the mean loss of the steps since the previous row, this window's tokens/s."""
+            """One logged row: each value the mean over the steps since the previous row (losses, gradient norm,
+            attended fraction, draft losses; helper 69: only the loss was, the rest were the last step's), the
+            learning rate the row's step's, this window's tokens/s."""
             tps = meter.take()
             util = mfu(cfg.model, t, tps, peak)
-            mean_loss = float(np.mean(window_losses)) if window_losses else last_vals["loss"]
-            window_losses.clear()
-            row = {**last_vals, "loss": mean_loss, "tokens_per_second": tps, "mfu": util,
-                   "step_time_s": global_batch * t / tps}
+            means = {k_: float(np.mean([v_[k_] for v_ in window_vals if k_ in v_]))
+                     for k_ in set().union(*window_vals) if k_ != "lr"}
+            window_vals.clear()
+            vals = {**last_vals, **means}
+            mean_loss = vals["loss"]
+            row = {**vals, "tokens_per_second": tps, "mfu": util, "step_time_s": global_batch * t / tps}
             qstats = None
             if is_ternary(step):
                 with meter.paused():
@@ -894,19 +899,19 @@ def run_training(
             hist.log({"step": step, **row, "last_step_loss": last_vals["loss"]})
             if writer is not None:
                 writer.scalars(step, row, prefix="train")
-            msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {last_vals['grad_norm']:.3f}  "
-                   f"lr {last_vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
+            msg = (f"step {step:>6d}  loss {mean_loss:.4f}  grad_norm {vals['grad_norm']:.3f}  "
+                   f"lr {vals['lr']:.3e}  tok/s {_fmt_rate(tps)}  step {1e3 * global_batch * t / tps:.0f} ms  "
                    f"MFU {100 * util:.1f}%")
-            if "attended_fraction" in last_vals:
-                msg += f"  attended {last_vals['attended_fraction']:.3f}"
-            if "mtp_loss" in last_vals:
-                msg += f"  mtp {last_vals['mtp_loss']:.4f}"
-            for k_ in sorted(k_ for k_ in last_vals if k_.startswith("mtp_loss_depth")):
-                msg += f"  mtp@{k_[len('mtp_loss_depth'):]} {last_vals[k_]:.4f}"
-            if "mtp_kl" in last_vals:
-                msg += f"  mtp_kl {last_vals['mtp_kl']:.4f}"
-            if "mtp_feature_loss" in last_vals:
-                msg += f"  mtp_feat {last_vals['mtp_feature_loss']:.4f}"
+            if "attended_fraction" in vals:
+                msg += f"  attended {vals['attended_fraction']:.3f}"
+            if "mtp_loss" in vals:
+                msg += f"  mtp {vals['mtp_loss']:.4f}"
+            for k_ in sorted(k_ for k_ in vals if k_.startswith("mtp_loss_depth")):
+                msg += f"  mtp@{k_[len('mtp_loss_depth'):]} {vals[k_]:.4f}"
+            if "mtp_kl" in vals:
+                msg += f"  mtp_kl {vals['mtp_kl']:.4f}"
+            if "mtp_feature_loss" in vals:
+                msg += f"  mtp_feat {vals['mtp_feature_loss']:.4f}"
             if qstats is not None:
                 msg += f"  ternary zeros {100 * row['ternary_zero_fraction']:.1f}% scale {row['ternary_scale']:.2e}"
             if pbar is not None:
@@ -938,7 +943,7 @@ def run_training(
             meter.step()
             if pending is not None:  # checked one step late, so the host never stalls the device
                 last_vals = check(*pending)
-                window_losses.append(last_vals["loss"])
+                window_vals.append(last_vals)
             pending = (step, metrics)
             if pbar is not None:
                 pbar.update(1)
@@ -947,7 +952,7 @@ def run_training(
             do_save = step % cfg.checkpoint.save_every == 0
             if do_log or do_eval or do_save:
                 last_vals = check(*pending)
-                window_losses.append(last_vals["loss"])
+                window_vals.append(last_vals)
                 pending = None
             if do_log:
                 log_row(step)
@@ -969,8 +974,8 @@ def run_training(
                     save(step)
         if pending is not None:
             last_vals = check(*pending)
-            window_losses.append(last_vals["loss"])
-        if window_losses and step > start:  # stopped (signal, time) inside a log window: its steps get their row
+            window_vals.append(last_vals)
+        if window_vals and step > start:  # stopped (signal, time) inside a log window: its steps get their row
             log_row(step)
         tracer.finish(step, metrics if step > start else None)  # before the final save, eval and sample
         if pbar is not None:
