@@ -947,6 +947,39 @@ def test_failing_checkpoint_save_raises_clean_error(corpus, cache_dir, tmp_path,
     assert step == 2
 
 
+def test_a_failed_background_save_stops_the_run_at_the_next_step(corpus, cache_dir, tmp_path, monkeypatch):
+    """An async checkpoint write that fails in the background (a full disk) stops the run after the next update,
+    not at the next save ``save_every`` steps later (helper 69: training went on to the next save)."""
+    from minicpm4_jax.train.loop import CheckpointWriteError
+
+    real = Checkpointer.save
+
+    def save(self, step, *a, **k):
+        started = real(self, step, *a, **k)
+        if step == 2:  # the write "fails" in the background: the next settle reports it
+            self.manager.wait_until_finished()
+
+            def failed():
+                raise OSError(28, "No space left on device")
+
+            self.manager.wait_until_finished = failed
+        return started
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    hooked: list[int] = []
+
+    def hook(step, state):
+        hooked.append(step)
+        return state
+
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "s", **{"checkpoint.save_every": 2, "log_every": 1,
+                                                          "sample_tokens": 0, "checkpoint.async_save": True})
+    with pytest.raises(CheckpointWriteError) as e:
+        run_training(cfg, log=lambda _m: None, progress=False, step_hook=hook)
+    assert "step 2" in str(e.value) and "No space left on device" in str(e.value), str(e.value)
+    assert max(hooked) == 2, hooked  # the update after the save ran (3), none after it
+
+
 def test_divergence_message_names_the_non_finite_value():
     m = loop_mod.divergence_message(6, 9.01, float("nan"), "last good checkpoint: step 4 in /x")
     assert "non-finite grad norm (nan) at step 6" in m and "non-finite loss" not in m

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -274,6 +275,39 @@ def short_cause(e: BaseException, limit: int = 220) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _drop_closed_loop_reports() -> None:
+    """Install (once) the ``sys.unraisablehook`` filter of :func:`_closed_loop_reports_dropped` for good: after a
+    failed save, the write's other in-flight operations report the same way for a while."""
+    import sys
+
+    prev = sys.unraisablehook
+    if getattr(prev, "_minicpm4_closed_loop", False):
+        return
+
+    def hook(u: Any) -> None:
+        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+            prev(u)
+
+    hook._minicpm4_closed_loop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+class _OrbaxErrorsReported(logging.Filter):
+    """Drop orbax's ERROR records (with their tracebacks): every failed save or restore the project waits on is
+    raised as one :class:`~minicpm4_jax.train.checkpoint.CheckpointWriteError` / ``ConfigError`` line naming the
+    step and the cause, and a full disk printed ~100 lines of orbax tracebacks before it (helper 69)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/").split("/"))
+
+
+def _install_orbax_error_filter() -> None:
+    for name in ("absl", "orbax"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _OrbaxErrorsReported) for f in lg.filters):
+            lg.addFilter(_OrbaxErrorsReported())
+
+
 @contextlib.contextmanager
 def _closed_loop_reports_dropped() -> Iterator[None]:
     """Drop the "Event loop is closed" reports of a failing restore's in-flight reads.
@@ -367,6 +401,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        _install_orbax_error_filter()
         if not read_only:
             _await_tmp_cleanup(self.manager, self.directory)
         self._pending: int | None = None  # step of a started save not yet awaited
@@ -429,10 +464,25 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
+            _drop_closed_loop_reports()  # the failed write's other operations finish on a closed event loop
             step, self._pending = self._pending, None
             raise checkpoint_write_error(step, self.directory, e, self._last_complete) from e
         if self._pending is not None:
             self._last_complete, self._pending = self._pending, None
+
+    def poll(self) -> None:
+        """Settle the pending async save if it has finished, without waiting for one still running.
+
+        A training loop calls this every step, so that a failed background write (a full disk) stops the run at
+        once instead of at the next save, ``save_every`` steps later (helper 69). Single-process only: settling
+        is a collective in a multi-process run, whose processes may see their writes finish at different steps.
+
+        Raises:
+            CheckpointWriteError: the pending write failed.
+        """
+        if self._pending is None or self.manager.is_saving_in_progress():
+            return
+        self._finish_pending()
 
     def wait(self) -> None:
         """Block until pending async saves are committed.

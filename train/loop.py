@@ -941,6 +941,8 @@ def run_training(
             step += 1
             tracer.after(step, metrics)
             meter.step()
+            if not multi:  # a background checkpoint write that failed stops the run now (settling is collective)
+                ckpt.poll()
             if pending is not None:  # checked one step late, so the host never stalls the device
                 last_vals = check(*pending)
                 window_vals.append(last_vals)
