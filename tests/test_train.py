@@ -1458,3 +1458,25 @@ def test_a_hand_edited_origin_record_is_left_out_not_a_crash(tmp_path):
     assert read_run_origin(tmp_path) == {"init_from": "/q", "init_step": 4, "init_tokens": 64}
     (tmp_path / "data.json").write_text('{"origin": [1]}')
     assert read_run_origin(tmp_path) == {}
+
+
+def test_a_resume_needs_disk_for_one_more_checkpoint_only(tmp_path):
+    """Helper 69: after a full disk, freeing space let a fresh run start but the resume was refused: it asked for
+    two checkpoints' room although its saved steps hold one, and ignored the failed save's temporary folder that
+    opening the checkpoints removes."""
+    from minicpm4_jax.train.loop import MIN_FREE_MB, _interrupted_save_bytes, required_free_bytes
+
+    cfg = load_config("cpu_tiny")
+    ckpt = 12 * cfg.model.num_params()
+    base = MIN_FREE_MB * 2**20
+    assert required_free_bytes(cfg) == base + 2 * ckpt
+    assert required_free_bytes(cfg, resuming=True) == base + ckpt
+    assert required_free_bytes(cfg, resuming=True, reclaimable=ckpt // 2) == base + ckpt - ckpt // 2
+    assert required_free_bytes(cfg, resuming=True, reclaimable=10 * ckpt) == base
+    d = tmp_path / "checkpoints"
+    (d / "8.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    (d / "8.orbax-checkpoint-tmp" / "state" / "a").write_bytes(b"x" * 1000)
+    (d / "8.orbax-checkpoint-tmp" / "b").write_bytes(b"x" * 24)
+    (d / "4").mkdir()
+    (d / "4" / "c").write_bytes(b"x" * 5000)  # a complete step is not reclaimed
+    assert _interrupted_save_bytes(d) == 1024 and _interrupted_save_bytes(tmp_path / "none") == 0

@@ -176,10 +176,30 @@ def _data_api() -> Any:
     return data
 
 
-def required_free_bytes(cfg: TrainConfig) -> int:
-    """Free disk needed at start: ``MIN_FREE_MB`` + two checkpoints (params + 2 Adam moments, fp32)."""
+def required_free_bytes(cfg: TrainConfig, *, resuming: bool = False, reclaimable: int = 0) -> int:
+    """Free disk needed at start: ``MIN_FREE_MB`` + two checkpoints (params + 2 Adam moments, fp32) for a new run,
+    one for a resume (its saved steps already hold the other; helper 69: a resume after a full disk was refused on
+    a disk the fresh run had been allowed), less ``reclaimable`` bytes (temporary folders of interrupted saves,
+    removed when the checkpoints are opened), never below ``MIN_FREE_MB``."""
     ckpt = 3 * 4 * cfg.model.num_params()
-    return MIN_FREE_MB * 2**20 + 2 * ckpt
+    return MIN_FREE_MB * 2**20 + max(0, (1 if resuming else 2) * ckpt - reclaimable)
+
+
+def _interrupted_save_bytes(ckpt_dir: Path) -> int:
+    """Bytes held by ``<step>.orbax-checkpoint-tmp`` folders in ``ckpt_dir`` (an interrupted or failed save)."""
+    total = 0
+    try:
+        tmps = [p for p in ckpt_dir.iterdir() if p.name.endswith(".orbax-checkpoint-tmp")]
+    except OSError:
+        return 0
+    for tmp in tmps:
+        for f in tmp.rglob("*"):
+            try:
+                if f.is_file() and not f.is_symlink():
+                    total += f.stat().st_size
+            except OSError:
+                pass
+    return total
 
 
 def check_output_dir(path: Path, need_bytes: int, what: str = "out_dir") -> None:
@@ -586,7 +606,7 @@ def run_training(
             + ("" if resume else "; starting the run"))
     elif not isinstance(resume, bool):
         raise ValueError(f"resume={resume!r}; use True, False or 'auto'")
-    need = required_free_bytes(cfg)
+    need = required_free_bytes(cfg, resuming=bool(resume), reclaimable=_interrupted_save_bytes(ckpt_dir))
     created = _missing_folders(out_dir, ckpt_dir)  # made by the checks below; removed again if the run is refused
     try:
         sources = [(k, v) for k, v in (("branch_from", cfg.branch_from),
