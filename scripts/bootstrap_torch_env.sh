@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (idempotently) the Python 3.11 CPU PyTorch environment used by the parity tests and the
 # training benchmark: torch==2.13.0 (CPU wheel; the only torch wheel on these machines is cp311),
-# transformers, safetensors, numpy, sentencepiece. A stamp file makes a second run a no-op.
+# transformers 5.24.0 (the version the exports are checked against), safetensors, numpy, sentencepiece. A stamp
+# file makes a second run a no-op.
 #
 # usage: bash scripts/bootstrap_torch_env.sh [VENV_DIR]   (default .venv-torch)
 # env:   PYTHON311=/path/to/python3.11 picks the interpreter explicitly.
@@ -9,7 +10,7 @@ set -euo pipefail
 VENV=${1:-.venv-torch}
 TORCH_VERSION=2.13.0
 # pyyaml: imported by llama.cpp's gguf-py (the GGUF oracle, scripts/fetch_llamacpp_converter.sh)
-PKGS=("torch==${TORCH_VERSION}" transformers safetensors numpy sentencepiece pyyaml)
+PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" safetensors numpy sentencepiece pyyaml)
 STAMP_CONTENT="torch-env v1: ${PKGS[*]}"
 STAMP="$VENV/.torch-env-installed"
 

@@ -403,6 +403,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["ckpt", "--data-dir", d, "--tasks", "mmlu,nope"], "unknown benchmark(s) nope"),
         (["ckpt", "--data-dir", str(tmp_path / "missing"), "--tasks", "mmlu"], "no such directory"),
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--pass-k", "1,x"], "--pass-k expects"),
+        # helper 69: a file said "no such directory", a negative k printed a dict
+        (["ckpt", "--data-dir", str(tmp_path / "afile"), "--tasks", "mmlu"], "afile: is a file, not a folder"),
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--k-shot", "-1"], "got mmlu=-1"),
         # second break test: these were found only after the whole evaluation (a file as --out) or not at all
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", str(tmp_path / "afile")], "is a file, not a folder"),
         (["ckpt", "--data-dir", d, "--tasks", "math500", "--math-timeout", "0"], "--math-timeout=0.0 must be > 0"),

@@ -263,3 +263,9 @@ def test_b09_unknown_rope_type_is_refused_on_every_path():
         validate_model(bad)
     with pytest.raises(ConfigError, match="rope_type='yarn' is not supported"):
         longrope_factors(bad)
+
+
+def test_a_config_folder_is_named_as_a_folder(tmp_path):
+    """Helper 69: `--config configs` (a folder) said "not found"."""
+    with pytest.raises(ConfigError, match=r"config '.*' is a folder; give a YAML file in it"):
+        load_config(str(tmp_path))

@@ -575,7 +575,9 @@ def run_training(
 
     Returns:
         The summary: ``step``, ``stop_reason`` (``steps`` | ``time`` | ``signal``), ``val_loss``,
-        the n-gram baselines, ``tokens_per_second``, ``mfu``, ``sample`` and paths.
+        the n-gram baselines, ``tokens_per_second`` and ``mfu`` (the median over every logged row of the whole
+        run, a resumed run's earlier segments included), ``wall_seconds`` (this call only: a resumed run's last
+        segment, not the whole run), ``sample`` and paths.
 
     Raises:
         ConfigError: unwritable output directory / too little disk / data problems / checkpoints

@@ -97,7 +97,8 @@ def parse_k_shot(spec, names: Sequence[str]) -> dict[str, int]:
                 raise ValueError(f"--k-shot expects N or task=N,...; got {spec!r}") from None
     bad = {t: k for t, k in out.items() if k < 0}
     if bad:
-        raise ValueError(f"--k-shot must be >= 0, got {bad}")
+        raise ValueError(f"--k-shot must be >= 0 few-shot examples per task, got "
+                         f"{', '.join(f'{t}={k}' for t, k in bad.items())}")
     return out
 
 
@@ -323,7 +324,9 @@ def run(args: argparse.Namespace) -> int:
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         if not Path(args.data_dir).is_dir():
-            raise DataError(f"{args.data_dir}: no such directory (--data-dir)")
+            what = "is a file, not a folder" if Path(args.data_dir).exists() else "no such directory"
+            raise DataError(f"{args.data_dir}: {what} (--data-dir: the folder holding the benchmark folders, or one "
+                            "benchmark's folder)")
         check_out_dir(args.out_dir, owned=("bench_results.json", "bench_summary.md"), overwrite=args.overwrite)
         if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
             raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
