@@ -333,6 +333,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     # documents with EOS), an imported official checkpoint after BOS
     start = document_start(args.checkpoint, ckpt_dir) if args.prefix == "auto" else args.prefix
     prefix_id = None if start == "none" else getattr(tokenizer, f"{start}_id", None)
+    prefix_id = None if prefix_id is None or prefix_id < 0 else prefix_id
     if args.prefix not in ("auto", "none") and prefix_id is None:
         raise ConfigError(f"--prefix {args.prefix}: the tokenizer has no {start.upper()} token; pass --prefix none "
                           "or another token")

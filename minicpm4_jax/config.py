@@ -811,8 +811,8 @@ def resolve_preset(path_or_name: str) -> Path:
             return cand
     names = sorted(q.stem for q in CONFIG_DIR.glob("*.yaml"))
     if p.is_dir():  # helper 69: `--config configs` said "not found"
-        raise ConfigError(f"config {path_or_name!r} is a folder; give a YAML file in it (e.g. "
-                          f"{p / 'cpu_tiny.yaml'}) or one of the presets {names}")
+        raise ConfigError(f"config {path_or_name!r} is a folder; give a YAML file in it or one of the presets "
+                          f"{names}")
     raise ConfigError(f"config {path_or_name!r} not found; give a YAML path or one of the presets {names}")
 
 

@@ -698,12 +698,15 @@ def document_start(run: str | os.PathLike, ckpt_dir: str | os.PathLike | None = 
     for folder in dict.fromkeys(f.absolute() for f in folders):
         if (folder / "data.json").is_file():
             return "eos"
-        try:
-            manifest = json.loads((folder / "minicpm4_manifest.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        path = folder / "minicpm4_manifest.json"
+        if not path.is_file():
             continue
-        if isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("import"):
-            start = manifest.get("document_start", "bos")
+        try:  # a run folder holding a manifest is an import's (an export folder is never a run): a damaged one
+            manifest = json.loads(path.read_text(encoding="utf-8"))  # still says so (helper 71)
+        except (OSError, ValueError):
+            return "bos"
+        if not isinstance(manifest, dict) or str(manifest.get("format", "")).startswith("import"):
+            start = manifest.get("document_start", "bos") if isinstance(manifest, dict) else "bos"
             return start if start in DOCUMENT_STARTS else "bos"
     return "eos"
 

@@ -640,6 +640,18 @@ def test_document_start_follows_the_model_through_export_and_import(imported_run
     (trained / "data.json").write_text("{}")
     assert document_start(trained) == "eos"
     assert document_start(tmp_path / "nothing") == "eos"
+    # helper 71: a damaged import manifest still marks an import (it fell back to EOS), a tokenizer without the
+    # recorded token gives nothing before a document
+    from types import SimpleNamespace
+
+    from minicpm4_jax.convert.hf_import import _document_start
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    (broken / MANIFEST_NAME).write_text("{bad")
+    assert document_start(broken) == "bos"
+    assert _document_start(tmp_path / "nothing", SimpleNamespace(bos_id=None, eos_id=2)) == "none"
+    assert _document_start(tmp_path / "nothing", SimpleNamespace(bos_id=1, eos_id=2)) == "bos"
     for src, want in ((run, "bos"), (trained, "eos")):
         out = tmp_path / f"export_{src.name}"
         assert main(["export", "hf", "--checkpoint", str(src), "--out", str(out)]) == 0, capsys.readouterr().err

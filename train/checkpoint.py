@@ -301,11 +301,33 @@ class _OrbaxErrorsReported(logging.Filter):
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/").split("/"))
 
 
+class _UnretrievedFuturesOfAFailedWrite(logging.Filter):
+    """Drop asyncio's "exception was never retrieved" reports (installed once a save failed): the failed write's
+    other fragments end with the same error, already raised as one line (helper 71)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in record.getMessage()
+
+
 def _install_orbax_error_filter() -> None:
     for name in ("absl", "orbax"):
         lg = logging.getLogger(name)
         if not any(isinstance(f, _OrbaxErrorsReported) for f in lg.filters):
             lg.addFilter(_OrbaxErrorsReported())
+    # a failing write's in-flight operations report on a closed event loop as they finish, from the first
+    # failure on (before the loop learns of it): dropped from the start (helper 71)
+    _drop_closed_loop_reports()
+
+
+def _quiet_failed_write() -> None:
+    """After a failed save: its unfinished fragments' asyncio reports and never-awaited coroutines say nothing the
+    one-line :class:`CheckpointWriteError` does not."""
+    import warnings
+
+    lg = logging.getLogger("asyncio")
+    if not any(isinstance(f, _UnretrievedFuturesOfAFailedWrite) for f in lg.filters):
+        lg.addFilter(_UnretrievedFuturesOfAFailedWrite())
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 @contextlib.contextmanager
@@ -464,7 +486,7 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
-            _drop_closed_loop_reports()  # the failed write's other operations finish on a closed event loop
+            _quiet_failed_write()  # the failed write's other operations report the same failure again
             step, self._pending = self._pending, None
             raise checkpoint_write_error(step, self.directory, e, self._last_complete) from e
         if self._pending is not None:
@@ -474,7 +496,8 @@ class Checkpointer:
         """Settle the pending async save if it has finished, without waiting for one still running.
 
         A training loop calls this every step, so that a failed background write (a full disk) stops the run at
-        once instead of at the next save, ``save_every`` steps later (helper 69). Single-process only: settling
+        the first step after orbax gives the write up, instead of at the next save, ``save_every`` steps later
+        (helper 69; with steps much shorter than the write, a few more steps may run first). Single-process only: settling
         is a collective in a multi-process run, whose processes may see their writes finish at different steps.
 
         Raises:

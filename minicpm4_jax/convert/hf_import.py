@@ -214,7 +214,7 @@ def _finite_reader(source: SafetensorsSource) -> Callable[[str], np.ndarray]:
     return get
 
 
-def _document_start(folder: Path) -> str:
+def _document_start(folder: Path, tok: Any = None) -> str:
     """What the imported model's documents start after (``tokenizer.document_start``): the record of this
     project's export when ``folder`` is one (a model trained here starts documents after EOS), else ``"bos"``
     when the folder's ``tokenizer_config.json`` adds a BOS (``add_bos_token``, true when absent, as the official
@@ -229,8 +229,13 @@ def _document_start(folder: Path) -> str:
             continue
         start = read(data) if isinstance(data, dict) else None
         if start in DOCUMENT_STARTS:
-            return start
-    return "bos"
+            break
+    else:
+        start = "bos"
+    tid = None if tok is None or start == "none" else getattr(tok, f"{start}_id", None)
+    if tok is not None and start != "none" and (tid is None or tid < 0):
+        return "none"  # the tokenizer has no such token (helper 71: "bos" recorded for a tokenizer without one)
+    return start
 
 
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
@@ -374,7 +379,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             "tokenizer_files": tok_files,
             "tokenizer_hash": tok.file_hash if tok is not None else "",
             "no_tokenizer": bool(no_tokenizer),
-            "document_start": _document_start(folder),
+            "document_start": _document_start(folder, tok),
             "eagle_draft": ({"folder": str(eagle_folder),
                              "files": {p.name: file_sha256(p) for p in sorted(eagle_folder.glob("*.safetensors"))
                                        + sorted(eagle_folder.glob("config.json"))}}
