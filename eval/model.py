@@ -237,10 +237,7 @@ class EvalModel:
         ckpt_dir = find_checkpoint_dir(path, path_option=path_option)
         tokenizer = load_run_tokenizer(path, ckpt_dir)  # before the parameters: a bad one fails fast
         if prefix == "auto":  # the run's own; nothing when its tokenizer lacks that token (as `generate`)
-            prefix = document_start(path, ckpt_dir)
-            tid = None if prefix == "none" else getattr(tokenizer, f"{prefix}_id", None)
-            if tid is None or tid < 0:
-                prefix = "none"
+            prefix = document_start(path, ckpt_dir, tokenizer)
         _cfg, model = load_params_for_inference(ckpt_dir, step)
         own_sparse = model.cfg.sparse_config is not None
         if attention is not None:

@@ -331,7 +331,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = load_run_tokenizer(args.checkpoint, ckpt_dir)  # before the parameters: a bad one fails fast
     # what the run's documents start after: a run trained here saw each after an EOS (the data pipeline joins
     # documents with EOS), an imported official checkpoint after BOS
-    start = document_start(args.checkpoint, ckpt_dir) if args.prefix == "auto" else args.prefix
+    start = document_start(args.checkpoint, ckpt_dir, tokenizer) if args.prefix == "auto" else args.prefix
     prefix_id = None if start == "none" else getattr(tokenizer, f"{start}_id", None)
     prefix_id = None if prefix_id is None or prefix_id < 0 else prefix_id
     if args.prefix not in ("auto", "none") and prefix_id is None:

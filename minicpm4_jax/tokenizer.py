@@ -44,6 +44,7 @@ __all__ = [
     "check_tokenizer_vocab",
     "check_tokenizer_record",
     "document_start",
+    "usable_document_start",
     "DOCUMENT_STARTS",
     "train_tokenizer",
     "sentencepiece_to_hf_json",
@@ -679,7 +680,7 @@ def check_tokenizer_record(tokenizer: Any, run_dir: str | os.PathLike, what: str
 DOCUMENT_STARTS = ("eos", "bos", "none")
 
 
-def document_start(run: str | os.PathLike, ckpt_dir: str | os.PathLike | None = None) -> str:
+def document_start(run: str | os.PathLike, ckpt_dir: str | os.PathLike | None = None, tokenizer: Any = None) -> str:
     """The token a document of this run's model starts after: ``"eos"``, ``"bos"`` or ``"none"``.
 
     A run trained here (its folder holds ``data.json``) saw every document after the EOS that ends the previous
@@ -693,7 +694,20 @@ def document_start(run: str | os.PathLike, ckpt_dir: str | os.PathLike | None = 
         run: the run folder (``out_dir``) or its ``checkpoints`` folder, as the user gave it.
         ckpt_dir: the checkpoint folder :func:`~minicpm4_jax.train.checkpoint.find_checkpoint_dir` found (its
             parent is looked at too).
+        tokenizer: the run's tokenizer, if loaded: ``"none"`` when it lacks the token (``bos_id`` / ``eos_id``
+            ``None`` or negative).
     """
+    return usable_document_start(_recorded_document_start(run, ckpt_dir), tokenizer)
+
+
+def usable_document_start(start: str, tokenizer: Any = None) -> str:
+    """``start`` (``"eos"`` / ``"bos"`` / ``"none"``), or ``"none"`` when ``tokenizer`` (if given) lacks that token
+    (its ``eos_id`` / ``bos_id`` ``None`` or negative)."""
+    tid = None if tokenizer is None or start == "none" else getattr(tokenizer, f"{start}_id", None)
+    return "none" if tokenizer is not None and (tid is None or tid < 0) else start
+
+
+def _recorded_document_start(run: str | os.PathLike, ckpt_dir: str | os.PathLike | None) -> str:
     folders = [Path(run)] + ([Path(ckpt_dir).parent] if ckpt_dir is not None else [])
     for folder in dict.fromkeys(f.absolute() for f in folders):
         if (folder / "data.json").is_file():

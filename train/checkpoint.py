@@ -41,12 +41,11 @@ data order).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 
@@ -276,8 +275,14 @@ def short_cause(e: BaseException, limit: int = 220) -> str:
 
 
 def _drop_closed_loop_reports() -> None:
-    """Install (once) the ``sys.unraisablehook`` filter of :func:`_closed_loop_reports_dropped` for good: after a
-    failed save, the write's other in-flight operations report the same way for a while."""
+    """Drop (installed once, for good) the "Event loop is closed" reports of a failing save's or restore's
+    in-flight operations.
+
+    A restore that fails on one array leaves tensorstore reads of the others in flight, and a write that fails
+    leaves its other fragments; as they finish (during the call and after it) they post to orbax's closed event
+    loop, and Python prints a traceback for each through ``sys.unraisablehook`` (hundreds of lines, helpers 69 and
+    71) after the failure was already reported as one ``ConfigError`` / :class:`CheckpointWriteError` line.
+    """
     import sys
 
     prev = sys.unraisablehook
@@ -328,30 +333,6 @@ def _quiet_failed_write() -> None:
     if not any(isinstance(f, _UnretrievedFuturesOfAFailedWrite) for f in lg.filters):
         lg.addFilter(_UnretrievedFuturesOfAFailedWrite())
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
-
-
-@contextlib.contextmanager
-def _closed_loop_reports_dropped() -> Iterator[None]:
-    """Drop the "Event loop is closed" reports of a failing restore's in-flight reads.
-
-    A restore that fails on one array leaves tensorstore reads of the others in flight; as they finish
-    (during the restore and after it) they post to orbax's closed event loop, and Python prints a
-    traceback for each through ``sys.unraisablehook``, after the failure was already reported as one
-    :class:`ConfigError` line. The filter stays installed after a failure (the reads finish later) and is
-    removed after a success.
-    """
-    import sys
-
-    prev = sys.unraisablehook
-
-    def hook(u: Any) -> None:
-        if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
-            prev(u)
-
-    sys.unraisablehook = hook
-    yield  # an exception propagates with the filter still installed
-    if sys.unraisablehook is hook:
-        sys.unraisablehook = prev
 
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -639,9 +620,9 @@ class Checkpointer:
             warnings.warn(f"checkpoint step {step} in {self.directory} holds no data-iterator state (no data/ "
                           "folder): the data order restarts from the beginning, so the resumed run differs from an "
                           "uninterrupted one", stacklevel=2)
-        with _closed_loop_reports_dropped():
-            s = _restore_verified(self.manager, self.directory, step, ocp.args.StandardRestore(target),
-                                  lambda e: self._corrupt(step, e))
+        _drop_closed_loop_reports()
+        s = _restore_verified(self.manager, self.directory, step, ocp.args.StandardRestore(target),
+                              lambda e: self._corrupt(step, e))
         if data_state is not None:
             data_iterator.set_state(data_state)
         state = type(abstract_state)(step=s["step"], params=s["params"], opt_state=s["opt_state"])
@@ -832,33 +813,33 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
         return ConfigError(f"checkpoint step {step} in {directory} is incomplete or corrupt ({short_cause(e)}); {fix}")
 
     try:
-        with _closed_loop_reports_dropped():
-            if step is None:
-                step = mngr.latest_step()
-            elif step not in mngr.all_steps():
-                saved = ", ".join(map(str, sorted(mngr.all_steps()))) or "none"
-                raise ConfigError(f"no checkpoint step {step} in {directory} (saved steps: {saved}); pick one of those")
-            if step is None:
-                raise ConfigError(f"no complete checkpoint in {directory}")
-            try:
-                saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
-                cfg = config_from_dict(saved)
-            except ConfigError:
-                raise
-            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
-                raise corrupt(e) from None
-            if check_config is not None:
-                check_config(cfg)
-            abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
-            graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-            target = _with_default_sharding({"params": abstract_params})
-            # Partial restore: only the params subtree of the saved state (verified against its checksums).
-            restored = _restore_verified(mngr, directory, step, ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
-                partial_restore=True,
-            ), corrupt)
-            params = restored["params"]
+        _drop_closed_loop_reports()
+        if step is None:
+            step = mngr.latest_step()
+        elif step not in mngr.all_steps():
+            saved = ", ".join(map(str, sorted(mngr.all_steps()))) or "none"
+            raise ConfigError(f"no checkpoint step {step} in {directory} (saved steps: {saved}); pick one of those")
+        if step is None:
+            raise ConfigError(f"no complete checkpoint in {directory}")
+        try:
+            saved = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+            cfg = config_from_dict(saved)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for a damaged step
+            raise corrupt(e) from None
+        if check_config is not None:
+            check_config(cfg)
+        abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
+        graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+        target = _with_default_sharding({"params": abstract_params})
+        # Partial restore: only the params subtree of the saved state (verified against its checksums).
+        restored = _restore_verified(mngr, directory, step, ocp.args.PyTreeRestore(
+            item=target,
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target),
+            partial_restore=True,
+        ), corrupt)
+        params = restored["params"]
     finally:
         mngr.close()
     from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec

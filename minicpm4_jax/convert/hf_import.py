@@ -219,7 +219,7 @@ def _document_start(folder: Path, tok: Any = None) -> str:
     project's export when ``folder`` is one (a model trained here starts documents after EOS), else ``"bos"``
     when the folder's ``tokenizer_config.json`` adds a BOS (``add_bos_token``, true when absent, as the official
     MiniCPM4 tokenizers), else ``"none"``."""
-    from minicpm4_jax.tokenizer import DOCUMENT_STARTS
+    from minicpm4_jax.tokenizer import DOCUMENT_STARTS, usable_document_start
 
     for name, read in (("minicpm4_manifest.json", lambda d: d["source"].get("document_start") if isinstance(d.get("source"), dict) else None),
                        ("tokenizer_config.json", lambda d: "bos" if d.get("add_bos_token", True) else "none")):
@@ -232,10 +232,8 @@ def _document_start(folder: Path, tok: Any = None) -> str:
             break
     else:
         start = "bos"
-    tid = None if tok is None or start == "none" else getattr(tok, f"{start}_id", None)
-    if tok is not None and start != "none" and (tid is None or tid < 0):
-        return "none"  # the tokenizer has no such token (helper 71: "bos" recorded for a tokenizer without one)
-    return start
+    # none when the tokenizer has no such token (helper 71: "bos" was recorded for a tokenizer without one)
+    return usable_document_start(start, tok)
 
 
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
