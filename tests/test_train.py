@@ -173,7 +173,8 @@ def test_resume_is_bitwise_identical(corpus, cache_dir, tmp_path):
                       log=said.append, progress=False)
     assert any("nothing to train" in m for m in said), said
     assert s3["history"] == s2["history"] and s3["val_history"] == s2["val_history"]
-    assert np.isfinite(s3["tokens_per_second"]) and s3["train_loss"] == s2["train_loss"]  # the last step's own loss
+    assert np.isfinite(s3["tokens_per_second"]) and s3["train_loss"] == s2["train_loss"] == s2["history"][-1]["loss"]
+    assert s3["last_step_loss"] == s2["last_step_loss"] == s2["history"][-1]["last_step_loss"]
     lines = [json.loads(x) for x in (tmp_path / "half" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in lines] == [("train", 2), ("train", 4), ("val", 4), ("train", 6),
                                                        ("train", 8), ("val", 8)]

@@ -577,7 +577,8 @@ def run_training(
         The summary: ``step``, ``stop_reason`` (``steps`` | ``time`` | ``signal``), ``val_loss``,
         the n-gram baselines, ``tokens_per_second`` and ``mfu`` (the median over every logged row of the whole
         run, a resumed run's earlier segments included), ``wall_seconds`` (this call only: a resumed run's last
-        segment, not the whole run), ``sample`` and paths.
+        segment, not the whole run), ``train_loss`` / ``attended_fraction`` / ``mtp_*`` (the last logged row's: its
+        window's means) and ``last_step_loss``, ``sample`` and paths.
 
     Raises:
         ConfigError: unwritable output directory / too little disk / data problems / checkpoints
@@ -1090,10 +1091,9 @@ def run_training(
         wait_ckpt()
         # the whole run's median (a resumed run's rows before the resume included)
         tokens_per_second = hist.median_rate()
-        last = last_vals
-        if not last and hist.history:  # a resume with nothing to train: the last logged row, with its step's loss
-            last = {**hist.history[-1]}
-            last["loss"] = last.get("last_step_loss", last.get("loss"))
+        # the train values of the last logged row (its window's means; the run always logs its last step), as the
+        # log and metrics.jsonl show them; a resume with nothing to train has that row from its file
+        last = {**hist.history[-1]} if hist.history else dict(last_vals)
         summary = {
             "step": step,
             "stop_reason": stop_reason,
@@ -1102,6 +1102,7 @@ def run_training(
             **({k_: origin[k_] for k_ in ("branch_from", "branch_step") if k_ in origin}),
             "val_history": hist.val_history,
             "train_loss": last.get("loss"),
+            "last_step_loss": last.get("last_step_loss", last.get("loss")),
             "attended_fraction": last.get("attended_fraction"),
             "mtp_loss": last.get("mtp_loss"),
             **{k_: v_ for k_, v_ in last.items()
