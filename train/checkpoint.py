@@ -314,11 +314,16 @@ class _UnretrievedFuturesOfAFailedWrite(logging.Filter):
         return "exception was never retrieved" not in record.getMessage()
 
 
+def _add_filter(logger: str, kind: type[logging.Filter]) -> None:
+    """Add a ``kind`` filter to ``logger`` unless it has one."""
+    lg = logging.getLogger(logger)
+    if not any(isinstance(f, kind) for f in lg.filters):
+        lg.addFilter(kind())
+
+
 def _install_orbax_error_filter() -> None:
     for name in ("absl", "orbax"):
-        lg = logging.getLogger(name)
-        if not any(isinstance(f, _OrbaxErrorsReported) for f in lg.filters):
-            lg.addFilter(_OrbaxErrorsReported())
+        _add_filter(name, _OrbaxErrorsReported)
     # a failing write's in-flight operations report on a closed event loop as they finish, from the first
     # failure on (before the loop learns of it): dropped from the start (helper 71)
     _drop_closed_loop_reports()
@@ -329,9 +334,7 @@ def _quiet_failed_write() -> None:
     one-line :class:`CheckpointWriteError` does not."""
     import warnings
 
-    lg = logging.getLogger("asyncio")
-    if not any(isinstance(f, _UnretrievedFuturesOfAFailedWrite) for f in lg.filters):
-        lg.addFilter(_UnretrievedFuturesOfAFailedWrite())
+    _add_filter("asyncio", _UnretrievedFuturesOfAFailedWrite)
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
@@ -478,8 +481,9 @@ class Checkpointer:
 
         A training loop calls this every step, so that a failed background write (a full disk) stops the run at
         the first step after orbax gives the write up, instead of at the next save, ``save_every`` steps later
-        (helper 69; with steps much shorter than the write, a few more steps may run first). Single-process only: settling
-        is a collective in a multi-process run, whose processes may see their writes finish at different steps.
+        (helper 69; with steps much shorter than the write, a few more steps may run first). Single-process only:
+        settling is a collective in a multi-process run, whose processes may see their writes finish at different
+        steps.
 
         Raises:
             CheckpointWriteError: the pending write failed.
