@@ -530,8 +530,8 @@ def sentencepiece_to_hf_json(model_bytes: bytes, added_tokens: dict[int, str] | 
     return tok.to_str(pretty=True)
 
 
-def with_bos_eos_post_processor(hf_json: str, tokenizer_config: dict[str, Any]) -> str | None:
-    """``hf_json`` with the :func:`bos_eos_post_processor` of ``tokenizer_config``, when it has none.
+def with_bos_eos_post_processor(hf_json: str, tokenizer_config: dict[str, Any], *, replace: bool = False) -> str | None:
+    """``hf_json`` with the :func:`bos_eos_post_processor` of ``tokenizer_config``, when it has none (or ``replace``).
 
     For a ``tokenizer.json`` whose ``post_processor`` is ``null`` (as this project wrote it before the
     converter added one): transformers 5 then adds no BOS although ``tokenizer_config.json`` says
@@ -542,19 +542,24 @@ def with_bos_eos_post_processor(hf_json: str, tokenizer_config: dict[str, Any]) 
         hf_json: the ``tokenizer.json`` text.
         tokenizer_config: the ``tokenizer_config.json`` dict (``add_bos_token`` default true,
             ``add_eos_token`` default false, as ``LlamaTokenizer``; ``bos_token``/``eos_token``).
+        replace: also when ``hf_json`` has a post-processor (an export that changes the BOS token or
+            ``add_bos_token``): a ``TemplateProcessing`` is replaced, a ``Sequence`` keeps its other members
+            with the template last, a ``ByteLevel`` becomes ``Sequence([ByteLevel, template])``.
 
     Returns:
-        The new text, or ``None`` when ``hf_json`` already has a post-processor.
+        The new text, or ``None`` when ``hf_json`` already has a post-processor and ``replace`` is false.
 
     Raises:
-        ConfigError: ``hf_json`` is not a valid ``tokenizer.json``, or a BOS/EOS token to add is not in
-            its vocabulary.
+        ConfigError: ``hf_json`` is not a valid ``tokenizer.json``, a BOS/EOS token to add is not in its
+            vocabulary, or (``replace``) its post-processor is one that adds its own special tokens
+            (``RobertaProcessing``, ``BertProcessing``).
     """
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
         data = json.loads(hf_json)
-        if data.get("post_processor") is not None:
+        old = data.get("post_processor")
+        if old is not None and not replace:
             return None
         hf = HFTokenizer.from_str(hf_json)
     except Exception as e:  # noqa: BLE001 - json and tokenizers raise several kinds
@@ -576,7 +581,20 @@ def with_bos_eos_post_processor(hf_json: str, tokenizer_config: dict[str, Any]) 
 
     hf.post_processor = bos_eos_post_processor(special("bos_token", add_bos), special("eos_token", add_eos),
                                                add_bos, add_eos)
-    data["post_processor"] = json.loads(hf.to_str())["post_processor"]
+    template = json.loads(hf.to_str())["post_processor"]
+    kind = old.get("type") if isinstance(old, dict) else None
+    if old is None or kind == "TemplateProcessing":
+        data["post_processor"] = template
+    elif kind == "Sequence":
+        keep = [q for q in old.get("processors") or []
+                if not (isinstance(q, dict) and q.get("type") == "TemplateProcessing")]
+        data["post_processor"] = {**old, "processors": keep + [template]}
+    elif kind == "ByteLevel":
+        data["post_processor"] = {"type": "Sequence", "processors": [old, template]}
+    else:
+        raise ConfigError(f"tokenizer.json's post_processor is {kind}, which adds its own special tokens, so the "
+                          "BOS of tokenizer_config.json cannot be put in front; use a tokenizer.json whose "
+                          "post_processor is TemplateProcessing, ByteLevel or null")
     return json.dumps(data, indent=2, ensure_ascii=False)
 
 

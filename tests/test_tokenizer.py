@@ -214,6 +214,38 @@ def test_tokenizer_json_adds_bos_as_tokenizer_config_says(tmp_path):
         sentencepiece_to_hf_json(tok._sp_bytes, bos_token="<nope>")
 
 
+def test_post_processor_replaced_for_another_bos(tmp_path):
+    """``with_bos_eos_post_processor(replace=True)`` (the export of a run whose documents start after EOS): the EOS
+    first, the way tokenizer_config.json names it; a TemplateProcessing is replaced, a ByteLevel kept before the
+    template; a processor that adds its own specials is one-line refused; ``replace=False`` leaves one alone."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from minicpm4_jax.tokenizer import with_bos_eos_post_processor
+
+    tok = train_tokenizer(_code_corpus(), 400, tmp_path / "spm", log=lambda s: None)
+    text = tok.to_hf_json()
+    cfg = {"bos_token": "</s>", "eos_token": "</s>", "add_bos_token": True}
+    assert with_bos_eos_post_processor(text, cfg) is None
+    for old in (None, "template", {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                   "use_regex": False}):
+        data = json.loads(text)
+        if old != "template":
+            data["post_processor"] = old
+        new = with_bos_eos_post_processor(json.dumps(data), cfg, replace=True)
+        hf = HFTokenizer.from_str(new)
+        assert hf.encode("def foo(x):").ids == [tok.eos_id] + tok.encode("def foo(x):"), old
+        assert hf.encode("a", "b").ids == [2, *tok.encode("a"), 2, *tok.encode("b")]
+        assert {k: v for k, v in json.loads(new).items() if k != "post_processor"} == \
+            {k: v for k, v in data.items() if k != "post_processor"}
+    none = with_bos_eos_post_processor(text, {**cfg, "add_bos_token": False}, replace=True)
+    assert HFTokenizer.from_str(none).encode("def").ids == tok.encode("def")
+    data = json.loads(text)
+    data["post_processor"] = {"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 1],
+                              "trim_offsets": True, "add_prefix_space": False}
+    with pytest.raises(ConfigError, match=r"^tokenizer.json's post_processor is RobertaProcessing, which adds its own"):
+        with_bos_eos_post_processor(json.dumps(data), cfg, replace=True)
+
+
 def test_official_tokenizer_json_adds_bos(tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
 
