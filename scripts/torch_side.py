@@ -35,6 +35,13 @@ Subcommands:
     ``--inputs``, and for its ``prompt`` array (``[1, T]``) ``greedy`` = the ``N`` tokens of
     ``generate(do_sample=False)``. Prints a JSON line with the model class and versions.
 
+``prompt-logits MODEL_DIR --texts FILE --out NPZ [--trust-remote-code]``
+    A consumer's default path from text to logits: ``AutoTokenizer.from_pretrained(MODEL_DIR)`` encodes each
+    string of the JSON list in ``FILE`` as ``tokenizer(text)`` (with the special tokens the folder says), and
+    ``AutoModelForCausalLM`` (float32, CPU, eager attention) runs those ids; writes ``logits_<i>`` (float32
+    ``[1, seq, vocab]``) to ``--out`` and prints a JSON line with the ``ids`` and the BOS id of the tokenizer,
+    the model config and the generation config.
+
 ``convert-gguf CONVERTER_DIR MODEL_DIR OUTFILE [--outtype f32]``
     Run llama.cpp's own ``convert_hf_to_gguf.py`` (from ``CONVERTER_DIR``, as fetched by
     ``scripts/fetch_llamacpp_converter.sh``; it needs torch) on an official-layout folder.
@@ -253,6 +260,29 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prompt_logits(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(args.model_dir, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                 local_files_only=True, trust_remote_code=args.trust_remote_code)
+    model.eval()
+    texts = json.loads(Path(args.texts).read_text())
+    out: dict[str, np.ndarray] = {}
+    ids = []
+    with torch.no_grad():
+        for i, text in enumerate(texts):
+            enc = tok(text, return_tensors="pt")
+            ids.append([int(x) for x in enc.input_ids[0]])
+            out[f"logits_{i}"] = model(input_ids=enc.input_ids, use_cache=False).logits.to(torch.float32).numpy()
+    np.savez(args.out, **out)
+    print(json.dumps({"ids": ids, "tokenizer_bos": tok.bos_token_id, "config_bos": model.config.bos_token_id,
+                      "generation_bos": model.generation_config.bos_token_id, "class": type(model).__name__}))
+    return 0
+
+
 def _cpmcu_checkpoint_files(path: Path) -> list[Path]:
     """CPM.cu's ``LLM._load_from_ckpt`` file discovery (an index, else exactly one weights file)."""
     for suffix in ("bin.index.json", "safetensors.index.json"):
@@ -407,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     hc.add_argument("--out", required=True, help="npz to write")
     hc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated after 'prompt'")
     hc.set_defaults(func=cmd_hf_check)
+    pl = sub.add_parser("prompt-logits", help="AutoTokenizer(text) ids and AutoModelForCausalLM logits of an HF folder")
+    pl.add_argument("model_dir", help="a Hugging Face model folder with its tokenizer files")
+    pl.add_argument("--texts", required=True, help="JSON file with a list of strings")
+    pl.add_argument("--out", required=True, help="npz to write (logits_<i>)")
+    pl.add_argument("--trust-remote-code", action="store_true", help="load the folder's own code (auto_map)")
+    pl.set_defaults(func=cmd_prompt_logits)
     cg = sub.add_parser("convert-gguf", help="run llama.cpp's convert_hf_to_gguf.py on an official-layout folder")
     cg.add_argument("converter_dir", help="folder with convert_hf_to_gguf.py, conversion/ and gguf-py/")
     cg.add_argument("model_dir", help="official-layout MiniCPM folder")

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import shared_path
-from test_convert_common import random_params, read_json, tiny_cfg, tiny_tokenizer_dir  # noqa: F401
+from test_convert_common import random_params, read_json, tiny_cfg, tiny_tokenizer_dir, trained_run  # noqa: F401
 
 from minicpm4_jax.cli import main
 from minicpm4_jax.config import ModelConfig, load_config
@@ -688,3 +688,159 @@ def test_document_start_follows_the_model_through_export_and_import(imported_run
     assert seen[-1] == [tok.eos_id]
     with pytest.raises(SystemExit):
         main(["generate", "--checkpoint", str(run), "--prompt", "a", "--prefix", "cls"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the token a runtime prepends: the EOS for a run trained here (its documents start after EOS)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["minicpm", "llama"])
+def test_export_of_a_run_trained_here_makes_runtimes_prepend_the_eos(trained_run, tmp_path, layout, capsys):
+    """The data pipeline joins documents with EOS, so a run trained here saw every document after an EOS; its HF
+    export is written the GPT-2 way (bos_token = the EOS, add_bos_token true, a tokenizer.json post-processor that
+    puts it first, bos_token_id = the EOS id in config.json and generation_config.json), so a consumer's default
+    tokenization is ours after [eos]. Before this, the export prepended <s> (helper 69: first-token loss 7.63 nats
+    after BOS against 4.19 after EOS) and the README told users to prepend the EOS by hand."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(trained_run / "tokenizer")
+    eos = tok.eos_id
+    assert (tok.bos_id, eos) == (1, 2)
+    out = tmp_path / "hf"
+    assert main(["export", "hf", "--checkpoint", str(trained_run), "--out", str(out), "--layout", layout]) == 0, \
+        capsys.readouterr().err
+    tc = read_json(out / "tokenizer_config.json")
+    assert tc["bos_token"] == "</s>" == tc["eos_token"] and tc["add_bos_token"] is True
+    assert read_json(out / "special_tokens_map.json")["bos_token"] == "</s>"
+    for name in ("config.json", "generation_config.json"):
+        got = read_json(out / name)
+        assert got["bos_token_id"] == eos and got["eos_token_id"] == eos, name
+    hf = HFTokenizer.from_file(str(out / "tokenizer.json"))
+    for text in _TOK_TEXTS:
+        assert hf.encode(text).ids == [eos] + tok.encode(text), text
+        assert hf.encode(text, add_special_tokens=False).ids == tok.encode(text), text
+    man = read_json(out / MANIFEST_NAME)
+    assert man["source"]["document_start"] == "eos"
+    assert any("bos_token '</s>' (the EOS, id 2)" in n for n in man["tokenizer_notes"]), man["tokenizer_notes"]
+    assert man["warnings"] == []  # the model's own bos_token_id (1) still matches the tokenizer's <s>
+    # the run itself is untouched: its tokenizer still names <s> as BOS, its model config bos_token_id 1
+    assert read_json(trained_run / "tokenizer" / "tokenizer_config.json")["bos_token"] == "<s>"
+    assert read_json(trained_run / "config.json")["model"]["bos_token_id"] == 1
+
+
+def test_reimport_of_a_trained_run_export_keeps_the_eos_start_without_the_manifest(trained_run, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """`import hf` of that export gives document_start eos, from the manifest or, when only the Hugging Face files
+    were copied, from tokenizer_config.json's bos_token being the EOS; the imported model.bos_token_id is the
+    tokenizer's <s> again (the export's bos_token_id 2 is the runtimes' view), so the run's special ids agree
+    with its tokenizer, generate prompts after [eos], and a second export writes the same files."""
+    from minicpm4_jax import generate as generate_module
+    from minicpm4_jax.tokenizer import document_start, load_run_tokenizer, special_id_mismatches
+
+    exported = tmp_path / "hf"
+    assert main(["export", "hf", "--checkpoint", str(trained_run), "--out", str(exported)]) == 0
+    copied = tmp_path / "copied"
+    shutil.copytree(exported, copied)
+    (copied / MANIFEST_NAME).unlink()
+    seen = []
+    real_generate = generate_module.generate
+
+    def recording_generate(*a, **kw):
+        seen.append(list(kw["prefix_ids"]))
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", recording_generate)
+    for src in (exported, copied):
+        run = tmp_path / f"run_{src.name}"
+        assert main(["import", "hf", str(src), "--out", str(run)]) == 0, capsys.readouterr().err
+        assert read_json(run / MANIFEST_NAME)["document_start"] == "eos", src.name
+        assert document_start(run) == "eos"
+        model_cfg = load_config(run / "config.json").model
+        tok = load_run_tokenizer(run, run / "checkpoints")
+        assert model_cfg.bos_token_id == tok.bos_id == 1 and tuple(model_cfg.eos_token_id) == (tok.eos_id,) == (2,)
+        assert special_id_mismatches(tok, model_cfg) == []
+        assert main(["generate", "--checkpoint", str(run), "--prompt", "def", "--max-new-tokens", "1",
+                     "--no-stream"]) == 0
+        assert seen[-1] == [2]
+        again = tmp_path / f"again_{src.name}"
+        assert main(["export", "hf", "--checkpoint", str(run), "--out", str(again)]) == 0
+        assert read_json(again / MANIFEST_NAME)["warnings"] == []
+        for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json"):
+            assert (again / f).read_bytes() == (exported / f).read_bytes(), (src.name, f)
+
+
+def test_document_start_of_a_folder_without_manifest(tmp_path):
+    """`_document_start` without a manifest: what the folder's tokenizer prepends, as a runtime reads it."""
+    from types import SimpleNamespace
+
+    from minicpm4_jax.convert.hf_import import _document_start
+
+    sp = SimpleNamespace(bos_id=1, eos_id=2, token_to_id={"<s>": 1, "</s>": 2, "<|im_end|>": 73440}.get)
+    cases = [
+        # (tokenizer_config.json, config.json, tokenizer, want)
+        ({"bos_token": "</s>", "eos_token": "</s>", "add_bos_token": True}, None, sp, "eos"),
+        # a run fine-tuned here from the official model: its chat eos_token is <|im_end|>, documents end with </s>
+        ({"bos_token": "</s>", "eos_token": "<|im_end|>"}, None, sp, "eos"),
+        ({"bos_token": "</s>", "eos_token": "</s>"}, None, None, "eos"),
+        ({"bos_token": {"content": "</s>"}, "eos_token": {"content": "</s>"}}, None, None, "eos"),
+        ({"bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": True}, None, sp, "bos"),
+        ({"bos_token": "</s>", "eos_token": "</s>", "add_bos_token": False}, None, sp, "none"),
+        (None, {"bos_token_id": 2, "eos_token_id": [2, 73440]}, sp, "eos"),
+        (None, {"bos_token_id": 1, "eos_token_id": [2, 73440]}, sp, "bos"),
+        (None, None, sp, "bos"),
+        # a tokenizer without the token: nothing before a document (as generate and eval fall back)
+        ({"bos_token": "</s>", "eos_token": "</s>"}, None, SimpleNamespace(bos_id=None, eos_id=None,
+                                                                           token_to_id=lambda t: None), "none"),
+    ]
+    for i, (tc, cj, tok, want) in enumerate(cases):
+        d = tmp_path / str(i)
+        d.mkdir()
+        if tc is not None:
+            (d / "tokenizer_config.json").write_text(json.dumps(tc))
+        if cj is not None:
+            (d / "config.json").write_text(json.dumps(cj))
+        assert _document_start(d, tok) == want, (tc, cj, want)
+
+
+def test_export_tokenizer_files_for_each_document_start(tmp_path, tiny_tokenizer_dir):
+    """`write_tokenizer_files`: eos -> the EOS first (also a tokenizer.json-only tokenizer, whose ByteLevel-style
+    post-processor is kept in a Sequence), none -> nothing first, bos -> the files as before; a bad start is one
+    line."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from minicpm4_jax.convert.hf_export import write_tokenizer_files
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    text = "def foo(x):\n    return x"
+    for start, first in (("eos", [2]), ("none", []), ("bos", [1])):
+        dest = tmp_path / start
+        dest.mkdir()
+        _files, notes = write_tokenizer_files(tiny_tokenizer_dir, dest, start)
+        hf = HFTokenizer.from_file(str(dest / "tokenizer.json"))
+        assert hf.encode(text).ids == first + tok.encode(text), start
+        tc = read_json(dest / "tokenizer_config.json")
+        assert tc["add_bos_token"] is (start != "none") and tc["bos_token"] == ("</s>" if start == "eos" else "<s>")
+        assert (notes == []) is (start == "bos")
+    # a tokenizer.json-only tokenizer (kind "hf") with a Sequence post-processor holding a ByteLevel
+    hf_only = tmp_path / "hf_only"
+    hf_only.mkdir()
+    data = read_json(tiny_tokenizer_dir / "tokenizer.json")
+    data["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        data["post_processor"]]}
+    (hf_only / "tokenizer.json").write_text(json.dumps(data))
+    shutil.copy(tiny_tokenizer_dir / "tokenizer_config.json", hf_only / "tokenizer_config.json")
+    dest = tmp_path / "hf_eos"
+    dest.mkdir()
+    write_tokenizer_files(hf_only, dest, "eos")
+    pp = read_json(dest / "tokenizer.json")["post_processor"]
+    assert [p["type"] for p in pp["processors"]] == ["ByteLevel", "TemplateProcessing"]
+    assert HFTokenizer.from_file(str(dest / "tokenizer.json")).encode(text).ids == [2] + tok.encode(text)
+    assert load_tokenizer(dest).bos_id == 2  # this kind reads its BOS from tokenizer_config.json
+    with pytest.raises(ConvertError, match=r"^document_start 'cls' is not one of \['eos', 'bos', 'none'\]$"):
+        write_tokenizer_files(tiny_tokenizer_dir, tmp_path / "eos", "cls")

@@ -243,6 +243,20 @@ def test_cli_export_eagle_then_import_next_to_the_base_and_draft(tmp_path, tiny_
     assert main(["export", "eagle", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "draft2")]) == 0
     for f in ("model.safetensors", "config.json"):
         assert (tmp_path / "draft2" / f).read_bytes() == (tmp_path / "draft" / f).read_bytes(), f
+    # a run trained here (data.json: its documents start after EOS): the draft's config.json names the EOS as BOS,
+    # as the base model's export does (hf_export.with_document_start)
+    import shutil
+
+    trained = tmp_path / "trained"
+    shutil.copytree(tmp_path / "run", trained)
+    (trained / MANIFEST_NAME).unlink()
+    (trained / "data.json").write_text("{}")
+    assert main(["export", "eagle", "--checkpoint", str(trained), "--out", str(tmp_path / "draft_t")]) == 0
+    assert main(["export", "hf", "--checkpoint", str(trained), "--out", str(tmp_path / "base_t")]) == 0
+    got, want = read_json(tmp_path / "draft_t" / "config.json"), read_json(tmp_path / "draft" / "config.json")
+    assert got["bos_token_id"] == 2 == read_json(tmp_path / "base_t" / "config.json")["bos_token_id"]
+    del got["bos_token_id"], want["bos_token_id"]
+    assert got == want
     assert main(["export", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "base2")]) == 0
     man2 = read_json(tmp_path / "base2" / MANIFEST_NAME)
     assert "minicpm4 export eagle" in man2["mtp_draft"]

@@ -7,6 +7,8 @@
   numpy from its own ``config.json`` scalars (``test_convert_common.fold_official_dir_in_test``), loaded
   the same way and compared the same way: this proves names, shapes and scalars of the official
   export without remote code (export.md §7 row 2b).
+* A run trained here (both layouts): ``AutoTokenizer(text)`` puts the EOS first, as the run saw every document,
+  and the model's logits on those ids equal ours after ``[eos]``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from test_convert_common import (  # noqa: F401
     random_params,
     tiny_cfg,
     tiny_tokenizer_dir,
+    trained_run,
 )
 
 from minicpm4_jax.convert.hf_export import write_hf
@@ -113,3 +116,37 @@ def test_export_loads_in_stock_transformers(tmp_path, tiny_tokenizer_dir, name):
         got = json.loads((tmp_path / name / "imp" / "config.json").read_text())["model"]["rope_scaling"]
         assert got is not None and got["short_factor"] == list(res["cfg"].rope_scaling.short_factor)
         assert got["original_max_position_embeddings"] == res["cfg"].rope_scaling.original_max_position_embeddings
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("layout", ["llama", "minicpm"])
+def test_trained_run_export_is_prompted_after_the_eos_in_transformers(trained_run, tmp_path, layout):
+    """A consumer's default path, ``AutoTokenizer.from_pretrained(export)(text)`` then the model, conditions a run
+    trained here as it was trained: the ids are ``[eos] + ours`` (before this fix: ``[1] + ours``, a <s> the model
+    never saw at a document start) and the logits equal ours for ``[eos] + ids``; the tokenizer, config.json and
+    generation_config.json all name the EOS id as BOS."""
+    from torch_env import run_torch_side
+
+    from minicpm4_jax.cli import main
+    from minicpm4_jax.convert.hf_export import load_export_source
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    out = tmp_path / "export"
+    assert main(["export", "hf", "--checkpoint", str(trained_run), "--out", str(out), "--layout", layout]) == 0
+    texts = ["def f(x):\n    return x + 1\n", "print(value)", " a leading space"]
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    proc = run_torch_side("prompt-logits", str(out), "--texts", str(tmp_path / "texts.json"), "--out",
+                          str(tmp_path / "torch.npz"), *(["--trust-remote-code"] if layout == "minicpm" else []),
+                          timeout=600)
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    tok = load_tokenizer(trained_run / "tokenizer")
+    eos = tok.eos_id
+    assert (info["tokenizer_bos"], info["config_bos"], info["generation_bos"]) == (eos, eos, eos), info
+    src = load_export_source(trained_run)
+    torch_out = np.load(tmp_path / "torch.npz")
+    for i, text in enumerate(texts):
+        ids = [eos] + tok.encode(text)
+        assert info["ids"][i] == ids, (text, info["ids"][i])
+        ref = jax_logits(src.cfg, src.params, np.asarray([ids], np.int64))
+        err = float(np.max(np.abs(torch_out[f"logits_{i}"] - ref)))
+        assert err <= TOL, f"{layout}: transformers vs JAX logits after [eos] differ by {err}"

@@ -14,7 +14,14 @@ import gguf
 import numpy as np
 import pytest
 from conftest import shared_path
-from test_convert_common import jax_logits, random_params, read_json, tiny_cfg, tiny_tokenizer_dir  # noqa: F401
+from test_convert_common import (  # noqa: F401
+    jax_logits,
+    random_params,
+    read_json,
+    tiny_cfg,
+    tiny_tokenizer_dir,
+    trained_run,
+)
 
 from minicpm4_jax.cli import main
 from minicpm4_jax.convert.gguf_export import (
@@ -317,6 +324,31 @@ def test_cli_export_gguf(tmp_path, tiny_tokenizer_dir, capsys):
     assert "not empty" in capsys.readouterr().err
 
 
+def test_gguf_of_a_run_trained_here_prepends_the_eos(trained_run, tmp_path, tiny_tokenizer_dir, capsys):
+    """A run trained here saw every document after an EOS: its GGUF says bos = the EOS id with add_bos_token true,
+    so llama.cpp prepends the EOS by itself (before: bos 1, <s>, which the model never saw at a document start).
+    ``document_start="none"`` writes add_bos_token false; ``"bos"`` (the official models) keeps <s>."""
+    assert main(["export", "gguf", "--checkpoint", str(trained_run), "--out", str(tmp_path / "g"),
+                 "--outtype", "f32"]) == 0, capsys.readouterr().err
+    kv, _ = _fields(tmp_path / "g" / "minicpm4-f32.gguf")
+    assert kv["tokenizer.ggml.bos_token_id"] == 2 == kv["tokenizer.ggml.eos_token_id"]
+    assert kv["tokenizer.ggml.add_bos_token"] is True and kv["tokenizer.ggml.add_eos_token"] is False
+    assert kv["tokenizer.ggml.tokens"][2] == "</s>"
+    man = read_json(tmp_path / "g" / MANIFEST_NAME)
+    assert man["source"]["document_start"] == "eos" and man["warnings"] == []
+    cfg = tiny_cfg()
+    params = random_params(cfg, seed=28)
+    for start, bos, add in (("none", 1, False), ("bos", 1, True), ("eos", 2, True)):
+        write_gguf(params, cfg, tmp_path / f"{start}.gguf", outtype="f32", tokenizer_dir=tiny_tokenizer_dir,
+                   document_start=start)
+        kv, _ = _fields(tmp_path / f"{start}.gguf")
+        assert (kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.add_bos_token"]) == (bos, add), start
+    with pytest.raises(ConvertError, match="document_start 'cls' is not one of"):
+        write_gguf(params, cfg, tmp_path / "bad.gguf", outtype="f32", tokenizer_dir=tiny_tokenizer_dir,
+                   document_start="cls")
+    assert not (tmp_path / "bad.gguf").exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # independent oracle: llama.cpp's own convert_hf_to_gguf.py (torch env)
 # ------------------------------------------------------------------------------------------------
@@ -358,7 +390,13 @@ def test_gguf_equals_llamacpp_converter(tmp_path, tiny_tokenizer_dir, case):
     theirs = tmp_path / "theirs.gguf"
     run_torch_side("convert-gguf", str(conv), str(tmp_path / "hf"), str(theirs), "--outtype", "f32", timeout=600)
     write_gguf(params, cfg, tmp_path / "ours.gguf", outtype="f32", tokenizer_dir=tok_dir)
-    kv_o, t_o = _fields(tmp_path / "ours.gguf")
+    n_t, n_k = _assert_same_as_converter(tmp_path / "ours.gguf", theirs)
+    print(f"{case}: {n_t} tensors and {n_k} keys identical to convert_hf_to_gguf.py")
+
+
+def _assert_same_as_converter(ours: Path, theirs: Path) -> tuple[int, int]:
+    """Our GGUF's keys (but the naming keys and our documented extras) and tensors equal the converter's."""
+    kv_o, t_o = _fields(ours)
     kv_t, t_t = _fields(theirs)
     assert set(kv_t) - _NAMING_KEYS == set(kv_o) - _NAMING_KEYS - _OUR_EXTRA_KEYS
     for k in set(kv_t) - _NAMING_KEYS:
@@ -368,7 +406,25 @@ def test_gguf_equals_llamacpp_converter(tmp_path, tiny_tokenizer_dir, case):
         a, b = t_o[n], t_t[n]
         assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)), n
         assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), f"{n}: tensor bytes differ from llama.cpp's converter"
-    print(f"{case}: {len(t_t)} tensors and {len(set(kv_t) - _NAMING_KEYS)} keys identical to convert_hf_to_gguf.py")
+    return len(t_t), len(set(kv_t) - _NAMING_KEYS)
+
+
+@pytest.mark.torch
+def test_gguf_of_a_trained_run_equals_llamacpp_converter_on_its_hf_export(tmp_path, trained_run):
+    """llama.cpp's converter, run on the official-layout export of a run trained here, also writes bos = the EOS id
+    with add_bos_token true (it reads the export's tokenizer_config.json / tokenizer.json / config.json), and
+    every key and tensor of ours equals its."""
+    from torch_env import run_torch_side
+
+    conv = _converter_dir()
+    assert main(["export", "hf", "--checkpoint", str(trained_run), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", "gguf", "--checkpoint", str(trained_run), "--out", str(tmp_path / "g"),
+                 "--outtype", "f32"]) == 0
+    theirs = tmp_path / "theirs.gguf"
+    run_torch_side("convert-gguf", str(conv), str(tmp_path / "hf"), str(theirs), "--outtype", "f32", timeout=600)
+    kv_t, _ = _fields(theirs)
+    assert kv_t["tokenizer.ggml.bos_token_id"] == 2 and kv_t["tokenizer.ggml.add_bos_token"] is True
+    _assert_same_as_converter(tmp_path / "g" / "minicpm4-f32.gguf", theirs)
 
 
 # ------------------------------------------------------------------------------------------------

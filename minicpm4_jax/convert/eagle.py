@@ -204,7 +204,7 @@ def export_eagle(checkpoint: str | Path, out: str | Path, *, dtype: str = "float
     Raises:
         ConvertError: a bad argument, a model without an MTP module, or any of the above.
     """
-    from minicpm4_jax.convert.hf_export import load_export_source, np_dtype, resolve_export_source
+    from minicpm4_jax.convert.hf_export import load_export_source, np_dtype, resolve_export_source, with_document_start
 
     npdt = np_dtype(dtype)
     paths = resolve_export_source(checkpoint, step=step, no_tokenizer=True)
@@ -224,7 +224,9 @@ def export_eagle(checkpoint: str | Path, out: str | Path, *, dtype: str = "float
     if src.ternary is not None:  # QAT quantizes the base model's matrices (quant.TERNARY_TABLE), not the MTP module
         prov["params"] = ("the MTP module's weights as trained (not ternary: QAT quantizes the base model's "
                           "projections only; the base model exports fake-quantized ternary)")
-    return write_eagle(src.params, src.cfg, out_abs, dtype=dtype, force=force, provenance=prov)
+    # config.json's bos_token_id as the base model's export writes it (the EOS for a run trained here)
+    cfg, _start = with_document_start(src.cfg, prov.get("document_start", "bos"))
+    return write_eagle(src.params, cfg, out_abs, dtype=dtype, force=force, provenance=prov)
 
 
 def read_eagle(folder: str | Path, cfg: ModelConfig) -> tuple[Callable[[str, tuple[int, ...]], np.ndarray], list[str]]:

@@ -27,6 +27,9 @@ suite runs that converter as an oracle):
   ``tokenizer.ggml.add_space_prefix`` (the model's ``add_dummy_prefix``: llama.cpp's SPM default is
   true, MiniCPM4's model has none), the eos/unk ids SpecialVocab cannot resolve (a list
   ``eos_token_id``: its first) and ``eot_token_id`` for a second eos id (llama.cpp stops on eos/eot).
+  A model whose documents start after EOS (a run trained here: ``source.document_start`` ``eos``) gets the
+  EOS id as ``tokenizer.ggml.bos_token_id`` with ``add_bos_token`` true, so llama.cpp prepends the EOS, as
+  the HF export's tokenizer does (``hf_export.with_document_start``).
   Q8_0/TQ blocks whose float16 scale would overflow are refused, as F16 weights above 65504 are.
 
 Dense attention only: llama.cpp has no InfLLM v2, so a sparse model is refused unless ``allow_dense``
@@ -61,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from minicpm4_jax.config import ModelConfig
+from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.convert.io import (
     MANIFEST_NAME,
     ConvertError,
@@ -318,7 +321,7 @@ def _add_metadata(w: Any, cfg: ModelConfig, outtype: str, name: str) -> None:
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> list[str]:
+def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path, document_start: str = "bos") -> list[str]:
     """The ``tokenizer.*`` keys; returns warnings.
 
     As the converter: pieces, scores and types, then ``gguf.SpecialVocab`` (bos/eos/unk ids,
@@ -334,11 +337,16 @@ def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> list[str]:
     * ``eot_token_id`` = the first other id of ``model.eos_token_id`` (e.g. ``<|im_end|>`` when eos is
       ``</s>``): llama.cpp ends generation on eos, eot and eom only (plus a few token texts it knows),
       as the Laguna converter does for an eos list.
+
+    ``document_start`` ``"eos"`` (a run trained here) gives the HF export's view of such a model (its
+    ``bos_token`` / ``bos_token_id`` the EOS, ``add_bos_token`` true), so ``tokenizer.ggml.bos_token_id`` is the EOS id
+    and llama.cpp prepends it; ``"none"`` gives ``tokenizer.ggml.add_bos_token`` false.
     """
     import gguf
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    from minicpm4_jax.convert.hf_export import write_tokenizer_files
+    from minicpm4_jax.convert.hf_export import with_document_start, write_tokenizer_files
+    from minicpm4_jax.tokenizer import Tokenizer
 
     tokens, scores, types = sentencepiece_vocab(tokenizer_dir, cfg.vocab_size)
     w.add_tokenizer_model("llama")
@@ -351,10 +359,15 @@ def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path) -> list[str]:
     w.add_add_space_prefix(bool(proto.normalizer_spec.add_dummy_prefix))
     # SpecialVocab reads tokenizer_config.json / special_tokens_map.json and config.json (bos/eos ids,
     # add_bos/add_eos, chat template) exactly as the converter does: give it the official view.
+    try:
+        tok = Tokenizer.from_sentencepiece(tokenizer_dir / "tokenizer.model")
+    except ConfigError as e:
+        raise ConvertError(f"the tokenizer in {tokenizer_dir}: {e}") from None
+    run_cfg, start = with_document_start(cfg, document_start, tok)  # bos_token_id: the EOS for a model trained here
     with tempfile.TemporaryDirectory() as td:
         tdp = Path(td)
-        write_tokenizer_files(tokenizer_dir, tdp)
-        (tdp / "config.json").write_text(json.dumps(official_config(cfg)))
+        write_tokenizer_files(tokenizer_dir, tdp, start)
+        (tdp / "config.json").write_text(json.dumps(official_config(run_cfg)))
         quiet = logging.getLogger("gguf.vocab")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # its "Unknown separator token '<s>'" on LlamaTokenizerFast's pair template
@@ -433,7 +446,7 @@ def _iter_gguf_tensors(flat: Mapping[str, Any], cfg: ModelConfig, plan) -> Itera
 
 def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str = "f16",
                tokenizer_dir: str | Path, name: str = "minicpm4", allow_dense: bool = False,
-               ternary: Any = None) -> list[str]:
+               ternary: Any = None, document_start: str = "bos") -> list[str]:
     """Write ``params`` as a ``minicpm`` GGUF file at ``path`` (see the module docstring).
 
     Args:
@@ -446,12 +459,16 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
         allow_dense: write a sparse (InfLLM v2) model as a dense one (``--allow-dense``).
         ternary: the ``minicpm4_jax.quant.TernarySpec`` of a QAT checkpoint whose ``params`` are
             already fake-quantized (used for the checks and messages of ``tq1_0``/``tq2_0``).
+        document_start: what the model's documents start after (``"eos"``, ``"bos"``, ``"none"``;
+            ``tokenizer.document_start``): ``"eos"`` writes the EOS id as ``tokenizer.ggml.bos_token_id`` with
+            ``add_bos_token`` true, so llama.cpp prompts the model as it was trained; ``"none"``: ``add_bos_token``
+            false (``hf_export.with_document_start``).
 
     Returns:
         Warnings (e.g. F16 fallback for rows that Q8_0 cannot block, ``--allow-dense``).
 
     Raises:
-        ConvertError: unknown outtype, a sparse model without ``allow_dense``, no SentencePiece
+        ConvertError: unknown outtype or document start, a sparse model without ``allow_dense``, no SentencePiece
             tokenizer, or a tokenizer larger than ``vocab_size``; for ``tq1_0``/``tq2_0`` weights that
             the type cannot hold exactly (see the module docstring): all before the file is opened; while
             the tensors are written, a weight that float16 cannot hold: above 65504 for F16 tensors, a
@@ -462,6 +479,10 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
 
     from minicpm4_jax.convert.hf_export import check_dense_only
 
+    from minicpm4_jax.tokenizer import DOCUMENT_STARTS
+
+    if document_start not in DOCUMENT_STARTS:
+        raise ConvertError(f"document_start {document_start!r} is not one of {list(DOCUMENT_STARTS)}")
     plan = _plan(cfg, outtype)
     dense_warn = check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)
     flat = flat_params(params)
@@ -476,7 +497,7 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MINICPM])
     try:
         _add_metadata(w, cfg, outtype, name)
-        warnings += _add_vocab(w, cfg, tok_dir)
+        warnings += _add_vocab(w, cfg, tok_dir, document_start)
         for gname, q, shape in plan:
             qt = gguf.GGMLQuantizationType[q]
             nb = _nbytes(shape, q)
@@ -568,13 +589,16 @@ def _needed_bytes(cfg: ModelConfig, outtype: str) -> int:
 def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: str = "f16",
                    tokenizer_dir: str | Path | None, force: bool = False,
                    provenance: Mapping[str, Any] | None = None, log: Callable[[str], Any] | None = None,
-                   allow_dense: bool = False, ternary: Any = None) -> Any:
+                   allow_dense: bool = False, ternary: Any = None, document_start: str | None = None) -> Any:
     """Write ``out/minicpm4-<outtype>.gguf`` and the manifest atomically (see :func:`write_gguf`).
+
+    ``document_start`` (default ``provenance["document_start"]``, else ``"bos"``) as :func:`write_gguf`; when given
+    (here or in ``provenance``) the manifest's ``source.document_start`` records the one written.
 
     Raises:
         ConvertError: as :func:`export_gguf`.
     """
-    from minicpm4_jax.convert.hf_export import ExportResult, check_dense_only, check_tokenizer
+    from minicpm4_jax.convert.hf_export import ExportResult, check_dense_only, check_tokenizer, with_document_start
 
     plan = _plan(cfg, outtype)
     _check_out_is_a_folder_name(out, outtype)
@@ -587,6 +611,11 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
         raise ConvertError(f"{tok_dir} has no tokenizer.model; the GGUF vocabulary is read from a SentencePiece "
                            "model (llama.cpp's minicpm path): pass --tokenizer with one")
     _tok, warnings = check_tokenizer(tok_dir, cfg)
+    given = document_start if document_start is not None else (provenance or {}).get("document_start")
+    start = with_document_start(cfg, "bos" if given is None else given, _tok)[1]
+    source = dict(provenance or {})
+    if given is not None:
+        source["document_start"] = start
     check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)  # before anything is written
     if outtype in TERNARY_OUTTYPES:  # the weight-level check runs in write_gguf, before its file is opened
         check_ternary_outtype(cfg, outtype, ternary)
@@ -595,7 +624,7 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
     fname = f"minicpm4-{outtype}.gguf"
     with staged_output(out, force=force, needed_bytes=needed) as stage:
         warnings += write_gguf(params, cfg, stage / fname, outtype=outtype, tokenizer_dir=tok_dir,
-                               allow_dense=allow_dense, ternary=ternary)
+                               allow_dense=allow_dense, ternary=ternary, document_start=start)
         for w_ in warnings:
             if log:
                 log(f"warning: {w_}")
@@ -607,7 +636,7 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
                       "tq1_0": "tq1_0 (token_embd/output: float16; norms, rope factors: float32)",
                       "tq2_0": "tq2_0 (token_embd/output: float16; norms, rope factors: float32)"}[outtype],
             "file": fname,
-            "source": dict(provenance or {}),
+            "source": source,
             "folded": [],
             "applied_at_runtime": ["minicpm.embedding_scale", "minicpm.residual_scale", "minicpm.logit_scale"],
             "permuted": ["attn_q and attn_k rows: HF rotate-half -> ggml NORM (interleaved) rope order"],

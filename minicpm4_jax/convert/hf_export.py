@@ -20,6 +20,12 @@ check that needs no parameters (arguments, source paths, ``--out`` against the s
 system, tokenizer, the stored model config) before the checkpoint's parameters are read. The MTP module is
 not part of these folders: ``minicpm4 export eagle`` (:mod:`minicpm4_jax.convert.eagle`) writes it as an EAGLE draft.
 
+The token a runtime puts before a prompt is the model's document start (``tokenizer.document_start``, recorded as
+the manifest's ``source.document_start``): for a run trained here, whose documents all followed an EOS, the EOS,
+written the GPT-2 way as the BOS of ``tokenizer_config.json`` / ``tokenizer.json`` / ``config.json`` /
+``generation_config.json`` (:func:`with_document_start`, :func:`write_tokenizer_files`); ``<s>`` for an imported
+official model, as before.
+
 A ternary checkpoint (a QAT run past its QAT start, BitCPM4 paper §3.3) is exported in the released
 BitCPM4 convention (``export.md`` §5): **fake-quantized** weights, each ternary tensor holding
 ``q * s`` in the stored dtype (at most 3 values per scale group; rounding ``±s`` to bf16/f16 keeps
@@ -80,6 +86,7 @@ __all__ = [
     "export_hf",
     "TOKENIZER_FILES",
     "write_tokenizer_files",
+    "with_document_start",
     "np_dtype",
     "LAYOUTS",
     "DTYPES",
@@ -360,7 +367,41 @@ def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
     return tok, special_id_mismatches(tok, cfg)
 
 
-def write_tokenizer_files(tokenizer_dir: Path, dest: Path) -> tuple[list[str], list[str]]:
+def with_document_start(cfg: ModelConfig, document_start: str, tokenizer: Any = None) -> tuple[ModelConfig, str]:
+    """The model config as an export writes it for runtimes, and the document start it is written for.
+
+    A runtime puts ``bos_token_id`` (``config.json``, ``generation_config.json``, the GGUF's
+    ``tokenizer.ggml.bos_token_id``) before a prompt when its tokenizer says ``add_bos_token``. A model whose
+    documents start after EOS (``document_start`` ``"eos"``: a run trained here) is exported the GPT-2 way, with
+    the EOS as that BOS: the returned config's ``bos_token_id`` is ``tokenizer.eos_id`` (the document separator
+    of the data pipeline; ``cfg.eos_token_id[0]`` without a tokenizer). ``"bos"`` and ``"none"`` keep ``cfg``.
+
+    Args:
+        cfg: the model config (its ``bos_token_id`` is the tokenizer's own BOS, as training checks).
+        document_start: ``"eos"``, ``"bos"`` or ``"none"`` (``tokenizer.document_start``).
+        tokenizer: the exported tokenizer, if any: a start whose token it lacks becomes ``"none"``
+            (``tokenizer.usable_document_start``).
+
+    Returns:
+        ``(config to write, effective document start)``.
+
+    Raises:
+        ConvertError: ``document_start`` is not one of the three.
+    """
+    import dataclasses
+
+    from minicpm4_jax.tokenizer import DOCUMENT_STARTS, usable_document_start
+
+    if document_start not in DOCUMENT_STARTS:
+        raise ConvertError(f"document_start {document_start!r} is not one of {list(DOCUMENT_STARTS)}")
+    start = usable_document_start(document_start, tokenizer)
+    if start == "eos":
+        eos = tokenizer.eos_id if tokenizer is not None else cfg.eos_token_id[0]
+        cfg = dataclasses.replace(cfg, bos_token_id=int(eos))
+    return cfg, start
+
+
+def write_tokenizer_files(tokenizer_dir: Path, dest: Path, document_start: str = "bos") -> tuple[list[str], list[str]]:
     """Put the tokenizer of ``tokenizer_dir`` into ``dest`` as transformers must read it to give our ids.
 
     The :data:`TOKENIZER_FILES` present are copied as they are, except for a SentencePiece folder
@@ -378,14 +419,27 @@ def write_tokenizer_files(tokenizer_dir: Path, dest: Path) -> tuple[list[str], l
       ``add_eos_token`` (``tokenizer.with_bos_eos_post_processor``), since transformers ignores those
       flags when ``tokenizer.json`` exists.
 
+    Then the token a consumer puts before a prompt is made the model's document start (any tokenizer kind):
+
+    * ``document_start="eos"`` (a run trained here saw every document after an EOS): ``tokenizer_config.json``
+      (and ``special_tokens_map.json``) get ``bos_token`` = the EOS token (the tokenizer's ``eos_id``, ``</s>``)
+      and ``add_bos_token: true``, and ``tokenizer.json`` a post-processor that puts it first, the GPT-2 way
+      (transformers' ``AutoTokenizer`` and llama.cpp then prepend the EOS id by themselves);
+    * ``"none"``: ``add_bos_token: false`` and a post-processor without BOS;
+    * ``"bos"`` (the official models): nothing more. A start whose token the tokenizer lacks is ``"none"``.
+
     Returns:
         ``(file names written, notes on what was generated or changed)``.
 
     Raises:
-        ConvertError: the tokenizer files do not load or disagree (a BOS/EOS token not in the vocabulary).
+        ConvertError: the tokenizer files do not load or disagree (a BOS/EOS token not in the vocabulary), a
+            ``document_start`` other than eos/bos/none, or a ``tokenizer.json`` post-processor that cannot be
+            given the document start.
     """
-    from minicpm4_jax.tokenizer import Tokenizer, with_bos_eos_post_processor
+    from minicpm4_jax.tokenizer import DOCUMENT_STARTS, Tokenizer, with_bos_eos_post_processor
 
+    if document_start not in DOCUMENT_STARTS:
+        raise ConvertError(f"document_start {document_start!r} is not one of {list(DOCUMENT_STARTS)}")
     out = []
     for name in TOKENIZER_FILES:
         p = tokenizer_dir / name
@@ -394,24 +448,31 @@ def write_tokenizer_files(tokenizer_dir: Path, dest: Path) -> tuple[list[str], l
             os.chmod(dest / name, default_file_mode())
             out.append(name)
     notes: list[str] = []
-    if "tokenizer.model" not in out:
-        return out, notes
+    texts: dict[str, str] = {}
     try:
-        tok = Tokenizer.from_sentencepiece(tokenizer_dir / "tokenizer.model")
-        if "tokenizer.json" not in out:
-            texts = {"tokenizer.json": tok.to_hf_json(),
-                     "tokenizer_config.json": json.dumps(tok.tokenizer_config(), indent=2, ensure_ascii=False) + "\n"}
-            notes += [f"tokenizer.json: generated from tokenizer.model ({tokenizer_dir} has none)",
-                      "tokenizer_config.json: rewritten with add_prefix_space="
-                      f"{str(tok.tokenizer_config()['add_prefix_space']).lower()} (the SentencePiece model's dummy-prefix "
-                      "rule) for the generated tokenizer.json"]
+        if "tokenizer.model" in out:
+            tok = Tokenizer.from_sentencepiece(tokenizer_dir / "tokenizer.model")
+            if "tokenizer.json" not in out:
+                tc_text = json.dumps(tok.tokenizer_config(), indent=2, ensure_ascii=False) + "\n"
+                texts = {"tokenizer.json": tok.to_hf_json(), "tokenizer_config.json": tc_text}
+                notes += [f"tokenizer.json: generated from tokenizer.model ({tokenizer_dir} has none)",
+                          "tokenizer_config.json: rewritten with add_prefix_space="
+                          f"{str(tok.tokenizer_config()['add_prefix_space']).lower()} (the SentencePiece model's "
+                          "dummy-prefix rule) for the generated tokenizer.json"]
+            else:
+                patched = with_bos_eos_post_processor((dest / "tokenizer.json").read_text(encoding="utf-8"),
+                                                      tok.tokenizer_config())
+                if patched is not None:
+                    texts["tokenizer.json"] = patched
+                    notes.append("tokenizer.json: BOS/EOS post_processor added from tokenizer_config.json's "
+                                 "add_bos_token/add_eos_token (the source file had none)")
+        elif document_start != "bos":
+            tok = Tokenizer.from_hf_json(tokenizer_dir / "tokenizer.json")
         else:
-            patched = with_bos_eos_post_processor((dest / "tokenizer.json").read_text(encoding="utf-8"),
-                                                  tok.tokenizer_config())
-            texts = {} if patched is None else {"tokenizer.json": patched}
-            if patched is not None:
-                notes.append("tokenizer.json: BOS/EOS post_processor added from tokenizer_config.json's "
-                             "add_bos_token/add_eos_token (the source file had none)")
+            tok = None
+        if tok is not None and document_start != "bos":
+            texts, start_notes = _document_start_files(tok, dest, texts, document_start)
+            notes += start_notes
     except ConfigError as e:
         raise ConvertError(f"the tokenizer in {tokenizer_dir}: {e}") from None
     for name, text in texts.items():
@@ -420,6 +481,56 @@ def write_tokenizer_files(tokenizer_dir: Path, dest: Path) -> tuple[list[str], l
         if name not in out:
             out.append(name)
     return out, notes
+
+
+def _document_start_files(tok: Any, dest: Path, texts: dict[str, str], document_start: str
+                          ) -> tuple[dict[str, str], list[str]]:
+    """``texts`` (file name -> text to write into ``dest``) with the BOS of ``document_start`` (eos / none) in
+    ``tokenizer_config.json``, ``special_tokens_map.json`` and ``tokenizer.json``; and the notes saying so."""
+    from minicpm4_jax.tokenizer import usable_document_start, with_bos_eos_post_processor
+
+    def current(name: str) -> str | None:
+        if name in texts:
+            return texts[name]
+        return (dest / name).read_text(encoding="utf-8") if (dest / name).is_file() else None
+
+    def loaded(name: str) -> dict[str, Any] | None:
+        text = current(name)
+        if text is None:
+            return None
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{name} is not valid JSON ({e}); fix or remove it") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{name} holds a JSON {type(data).__name__}, not an object; fix or remove it")
+        return data
+
+    start = usable_document_start(document_start, tok)
+    if start == "bos":
+        return texts, []
+    texts = dict(texts)
+    cfg = loaded("tokenizer_config.json") or tok.tokenizer_config()
+    if start == "eos":
+        eos = tok.id_to_token(tok.eos_id)
+        cfg["bos_token"] = eos
+        cfg["add_bos_token"] = True
+        stm = loaded("special_tokens_map.json")
+        if stm is not None:
+            old = stm.get("bos_token")
+            stm["bos_token"] = {**old, "content": eos} if isinstance(old, dict) else eos
+            texts["special_tokens_map.json"] = json.dumps(stm, indent=2, ensure_ascii=False) + "\n"
+        note = (f"bos_token {eos!r} (the EOS, id {tok.eos_id}) with add_bos_token true and a tokenizer.json "
+                "post_processor that puts it first: the model saw every document after an EOS (document_start eos)")
+    else:
+        cfg["add_bos_token"] = False
+        note = ("add_bos_token false and a tokenizer.json post_processor without BOS: the model's documents start "
+                "after nothing (document_start none)")
+    texts["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
+    hf_json = current("tokenizer.json")
+    if hf_json is not None:
+        texts["tokenizer.json"] = with_bos_eos_post_processor(hf_json, cfg, replace=True)
+    return texts, [f"tokenizer files: {note}"]
 
 
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -462,7 +573,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
              dtype: str = "float32", tokenizer_dir: str | Path | None = None, force: bool = False,
              max_shard_size: str | int = "5GB", provenance: Mapping[str, Any] | None = None,
              log: Callable[[str], Any] | None = None, no_tokenizer: bool = False,
-             allow_dense: bool = False, ternary: Any = None) -> ExportResult:
+             allow_dense: bool = False, ternary: Any = None, document_start: str | None = None) -> ExportResult:
     """Write our parameters as a Hugging Face folder ``out`` in ``layout``.
 
     Args:
@@ -483,6 +594,13 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         ternary: a ``minicpm4_jax.quant.TernarySpec`` when ``params`` are fake-quantized ternary
             weights (BitCPM4): each ternary tensor is checked to hold at most 3 values per scale
             group after the cast to ``dtype``, and the settings go into the manifest.
+        document_start: what the model's documents start after (``"eos"``, ``"bos"``, ``"none"``;
+            ``tokenizer.document_start``); default ``provenance["document_start"]``, else ``"bos"``. ``"eos"`` (a
+            run trained here) writes the EOS as the BOS a runtime prepends: ``bos_token_id`` of ``config.json`` and
+            ``generation_config.json`` (:func:`with_document_start`) and the tokenizer files
+            (:func:`write_tokenizer_files`); ``"none"``: ``add_bos_token`` false. When given (here or in
+            ``provenance``), the manifest's ``source.document_start`` records the one written (``"none"`` when the
+            tokenizer lacks the token).
 
     Memory: the official layout converts one tensor at a time and holds one shard; the llama layout
     folds all tensors first (``fold_to_llama``, float64 math per tensor), i.e. a second copy of the model.
@@ -491,7 +609,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         :class:`ExportResult`.
 
     Raises:
-        ConvertError: unknown layout/dtype, no tokenizer without ``no_tokenizer``, a tokenizer larger
+        ConvertError: unknown layout/dtype/document start, no tokenizer without ``no_tokenizer``, a tokenizer larger
             than the vocabulary, a sparse model to the llama layout without ``allow_dense``, a
             non-empty ``out`` without ``force``, not enough disk space: all before anything is written;
             a ternary tensor with more than 3 values in a scale group (while writing; nothing is left).
@@ -508,6 +626,12 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
     if tok_dir is not None and no_tokenizer:
         raise ConvertError(f"--tokenizer {tok_dir} and --no-tokenizer contradict each other; pass one of them")
     _tok, warnings = check_tokenizer(tok_dir, cfg)
+    # the ids a runtime reads (bos_token_id = the EOS for a model trained here); cfg itself keeps the tokenizer's
+    given = document_start if document_start is not None else (provenance or {}).get("document_start")
+    run_cfg, start = with_document_start(cfg, "bos" if given is None else given, _tok)
+    source = dict(provenance or {})
+    if given is not None:
+        source["document_start"] = start
     sparse = cfg.attention == "infllmv2" and cfg.sparse_config is not None
     if layout == "llama":
         warnings += check_dense_only(cfg, "--layout llama (LlamaForCausalLM)", allow_dense,
@@ -518,11 +642,11 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
     if layout == "minicpm":
         shapes = official_param_shapes(cfg)
         names = official_tensor_names(cfg)
-        hf_cfg = official_config(cfg, dtype)
+        hf_cfg = official_config(run_cfg, dtype)
         warnings += [f"sparse_config: {w}" for w in sparse_runtime_warnings(cfg)]
         tensors_iter = iter_official_tensors(flat, cfg, npdt)
     else:
-        tensors, hf_cfg = fold_to_llama(flat, cfg)
+        tensors, hf_cfg = fold_to_llama(flat, run_cfg)
         hf_cfg["torch_dtype"] = dtype
         if cfg.rope_scaling is not None and (note := dynamic_runtime_factor_lists(cfg)[2]):
             warnings.append(note.replace("a runtime that switches", "transformers, which switches"))
@@ -561,15 +685,15 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
                 os.chmod(stage / name, default_file_mode())
             files += list(REMOTE_CODE_FILES)
         (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        (stage / "generation_config.json").write_text(json.dumps(_generation_config(cfg), indent=2) + "\n")
+        (stage / "generation_config.json").write_text(json.dumps(_generation_config(run_cfg), indent=2) + "\n")
         files += ["config.json", "generation_config.json"]
-        tok_files, tok_notes = write_tokenizer_files(tok_dir, stage) if tok_dir is not None else ([], [])
+        tok_files, tok_notes = write_tokenizer_files(tok_dir, stage, start) if tok_dir is not None else ([], [])
         files += tok_files
         manifest = {
             "format": f"hf-{layout}",
             "architecture": hf_cfg["architectures"][0],
             "dtype": dtype,
-            "source": dict(provenance or {}),
+            "source": source,
             "folded": folded,
             "dropped": dropped,
             "attention": "dense" if (layout == "llama" or not sparse) else "infllmv2 (sparse_config in config.json)",

@@ -215,25 +215,65 @@ def _finite_reader(source: SafetensorsSource) -> Callable[[str], np.ndarray]:
 
 
 def _document_start(folder: Path, tok: Any = None) -> str:
-    """What the imported model's documents start after (``tokenizer.document_start``): the record of this
-    project's export when ``folder`` is one (a model trained here starts documents after EOS), else ``"bos"``
-    when the folder's ``tokenizer_config.json`` adds a BOS (``add_bos_token``, true when absent, as the official
-    MiniCPM4 tokenizers), else ``"none"``."""
-    from minicpm4_jax.tokenizer import DOCUMENT_STARTS, usable_document_start
+    """What the imported model's documents start after (``tokenizer.document_start``).
 
-    for name, read in (("minicpm4_manifest.json", lambda d: d["source"].get("document_start") if isinstance(d.get("source"), dict) else None),
-                       ("tokenizer_config.json", lambda d: "bos" if d.get("add_bos_token", True) else "none")):
+    The record of this project's export when ``folder`` is one (``minicpm4_manifest.json``'s
+    ``source.document_start``: a model trained here starts documents after EOS); else what the folder's tokenizer
+    prepends, as a runtime reads it: ``"none"`` when ``tokenizer_config.json`` says ``add_bos_token: false``,
+    ``"eos"`` when its ``bos_token`` is the EOS token (an export of a run trained here whose manifest was not
+    copied: the tokenizer's ``eos_id``, or without a tokenizer its ``eos_token``), else ``"bos"`` (the official
+    MiniCPM4 tokenizers; ``add_bos_token`` is true when absent). Without ``tokenizer_config.json``: ``"eos"`` when
+    ``config.json``'s ``bos_token_id`` is one of its ``eos_token_id``, else ``"bos"``. ``"none"`` also when the
+    tokenizer lacks the token (``tokenizer.usable_document_start``)."""
+    from minicpm4_jax.tokenizer import DOCUMENT_STARTS, _token_str, usable_document_start
+
+    def read(name: str) -> Any:
         try:
             data = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            continue
-        start = read(data) if isinstance(data, dict) else None
+            return None
+        return data if isinstance(data, dict) else None
+
+    def from_manifest(d: dict) -> Any:
+        return d["source"].get("document_start") if isinstance(d.get("source"), dict) else None
+
+    def from_tokenizer_config(d: dict) -> str:
+        if not d.get("add_bos_token", True):
+            return "none"
+        bos, eos = _token_str(d.get("bos_token")), _token_str(d.get("eos_token"))
+        if tok is not None:
+            eos_id = getattr(tok, "eos_id", None)
+            is_eos = bos is not None and eos_id is not None and tok.token_to_id(bos) == eos_id
+        else:
+            is_eos = bos is not None and bos == eos
+        return "eos" if is_eos else "bos"
+
+    def from_config(d: dict) -> str:
+        eos = d.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [eos]
+        return "eos" if d.get("bos_token_id") is not None and d.get("bos_token_id") in eos else "bos"
+
+    for name, pick in (("minicpm4_manifest.json", from_manifest), ("tokenizer_config.json", from_tokenizer_config),
+                       ("config.json", from_config)):
+        data = read(name)
+        start = pick(data) if data is not None else None
         if start in DOCUMENT_STARTS:
             break
     else:
         start = "bos"
     # none when the tokenizer has no such token (helper 71: "bos" was recorded for a tokenizer without one)
     return usable_document_start(start, tok)
+
+
+def _model_bos(cfg: ModelConfig, start: str, tok: Any) -> ModelConfig:
+    """``cfg`` with ``bos_token_id`` = the tokenizer's own BOS when ``config.json`` names the EOS as BOS for a model
+    whose documents start after EOS (this project's export of a run trained here, ``hf_export.with_document_start``):
+    ``model.bos_token_id`` is the tokenizer's BOS in a run (training and export check it), not the token put before
+    a document (that is ``document_start``). Unchanged otherwise, or without a tokenizer or its BOS."""
+    bos = getattr(tok, "bos_id", None) if tok is not None else None
+    if start != "eos" or bos is None or bos < 0 or cfg.bos_token_id != getattr(tok, "eos_id", None):
+        return cfg
+    return dataclasses.replace(cfg, bos_token_id=int(bos))
 
 
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
@@ -256,6 +296,11 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         eagle: an EAGLE draft folder for this base model (``openbmb/MiniCPM4-8B-Eagle-FRSpec`` or one written
             by ``minicpm4 export eagle``, see ``convert/eagle.py``): imported as the MTP module
             (``model.mtp=true``), so ``generate --spec-decode`` drafts with it.
+
+    The manifest records ``document_start`` (what the model's documents start after, :func:`_document_start`).
+    An export of a run trained here names the EOS as its BOS (``bos_token_id`` in ``config.json``, ``bos_token``
+    in ``tokenizer_config.json``, so runtimes prepend it); the imported ``model.bos_token_id`` is then the
+    tokenizer's own BOS again (``<s>`` of a SentencePiece model), as in the run it was exported from.
 
     Returns:
         :class:`ImportResult`; ``params`` are float32 ``[L, ...]``-stacked ``jax.Array`` (an ``nnx.State``).
@@ -312,6 +357,8 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         raise ConvertError(f"no tokenizer in {folder} (no tokenizer.model or tokenizer.json); copy the model's "
                            "tokenizer files into it, or pass --no-tokenizer to import the weights only (generate "
                            "then needs a tokenizer)")
+    start = _document_start(folder, tok)
+    cfg = _model_bos(cfg, start, tok)
     for w in warnings:
         if log:
             log(f"warning: {w}")
@@ -377,7 +424,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
             "tokenizer_files": tok_files,
             "tokenizer_hash": tok.file_hash if tok is not None else "",
             "no_tokenizer": bool(no_tokenizer),
-            "document_start": _document_start(folder, tok),
+            "document_start": start,
             "eagle_draft": ({"folder": str(eagle_folder),
                              "files": {p.name: file_sha256(p) for p in sorted(eagle_folder.glob("*.safetensors"))
                                        + sorted(eagle_folder.glob("config.json"))}}
