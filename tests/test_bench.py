@@ -209,10 +209,18 @@ def test_math_boxed_extraction_and_equivalence():
                  (r"(\infty, 0]", r"(-\infty, 0]"),
                  # past a Python float's range both sides became inf and compared equal (helper 67)
                  ("10^{400}", r"\infty"), ("-10^{400}", r"-\infty"), ("2^{2000}", "3^{2000}"),
-                 ("10^{400}", "10^{401}"), ("1000!", r"\infty"), ("1e309", r"\infty")]
+                 ("10^{400}", "10^{401}"), ("1000!", r"\infty"), ("1e309", r"\infty"),
+                 # a word was split into a product of letters, so any anagram was equal (helper 73; MATH-500 has the
+                 # golds \text{east} and \text{even}); an exact gold took a tolerance relative to its size
+                 (r"\text{seat}", r"\text{east}"), ("neve", r"\text{even}"), ("yadnoM", r"\text{Monday}"),
+                 ("ab", "ba"), ("2000001", "2000000"), ("123456.1", "123456"), ("3.14", r"\pi"),
+                 ("0.0000001", "0"), ("1414.2", r"1000\sqrt{2}")]
     equal += [(r"(2,\infty)", r"(2, \infty)"), (r"-\infty", r"-\infty"),
               (r"(-\infty, 2) \cup (3, \infty)", r"(-\infty,2)\cup(3,\infty)"),
-              ("10^{400}", "10^{400}"), ("2^{2000}", "4^{1000}"), (r"\infty+1", r"\infty")]
+              ("10^{400}", "10^{400}"), ("2^{2000}", "4^{1000}"), (r"\infty+1", r"\infty"),
+              # products and names without the letter splitting: spaces are gone after normalising
+              ("x(x+1)", "x^2+x"), (r"2\pi r", r"2r\pi"), (r"\sin x", r"\sin(x)"), ("2x+3y", "3y+2x"),
+              (r"\sin^2 x + \cos^2 x", "1"), ("3.1415927", r"\pi"), (r"1414.2135624", r"1000\sqrt{2}")]
     for a, b in equal:
         assert is_equiv(a, b), (a, b)
     for a, b in different:
@@ -372,6 +380,21 @@ def test_code_tasks_need_explicit_permission_and_score_by_execution():
     assert h["pass@4"] == 100.0 and h["temperature"] == 0.8
 
 
+def test_mbpp_program_runs_the_setup_after_the_completion():
+    """eval.md §2.2: ``completion + test_setup_code + test_list``; the setup may use what the answer defines (MBPP
+    task 367 builds trees of the answer's ``Node`` class). With the setup first, a right answer failed (helper 73)."""
+    from minicpm4_jax.eval.bench.tasks import build_program
+
+    item = {"program": "mbpp", "setup": "tree = Node(3, Node(4))", "tests": ["assert depth(tree) == 2"]}
+    answer = ("class Node:\n    def __init__(self, v, left=None):\n        self.v, self.left = v, left\n\n"
+              "def depth(n):\n    return 0 if n is None else 1 + depth(n.left)\n")
+    program = build_program(item, answer)
+    assert program.index("class Node") < program.index("tree = Node") < program.index("assert depth")
+    exec(compile(program, "<mbpp>", "exec"), {})  # our own strings: the sandboxed path runs model output
+    with pytest.raises(AssertionError):
+        exec(compile(build_program(item, answer.replace("1 + depth", "2 + depth")), "<mbpp>", "exec"), {})
+
+
 def test_results_files_and_determinism(tmp_path):
     from minicpm4_jax.eval.bench.run import run_bench
 
@@ -473,6 +496,13 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
                               ("mbpp", {"mbpp/other.jsonl": "{}"}, "no mbpp file")):
         with pytest.raises(DataError, match=f"{what} \\(accepted names: "):
             load_task(task, folder(f"layout_{task}", files), k_shot=0)
+    # another benchmark's folder of the same shape: MMLU's test/*_test.csv matched CMMLU's test/*.csv marker, and
+    # English MMLU was scored as CMMLU at 0-shot (helper 73); MMLU's val/*_val.csv matches C-Eval's
+    mmlu_like = folder("mmlu_like", {"test/abstract_algebra_test.csv": row, "val/abstract_algebra_val.csv": row})
+    for task in ("cmmlu", "ceval"):
+        with pytest.raises(DataError, match=rf"none of its 1 files is a {task} subject \(e\.g\. 'abstract_algebra_"):
+            load_task(task, mmlu_like, k_shot=0)
+    assert len(load_task("cmmlu", folder("cm", {"cmmlu/test/agronomy.csv": ",Question,A,B,C,D,Answer\n0," + row + "1," + row}), k_shot=0).items) == 2
     assert normalize_number("inf") == "inf" and normalize_number("1e999") == "1e999"
     assert normalize_number("1,234.") == "1234" and normalize_number("1,234.0") == "1234.0"  # lm-eval's rules
     assert parse_tasks("gsm8k,mmlu,gsm8k") == ["gsm8k", "mmlu"]

@@ -5,6 +5,9 @@ Equivalence = the normalised strings are equal (the Hendrycks MATH convention), 
 that, both sides parse (a small LaTeX-to-sympy translation) and ``simplify(a - b) == 0`` or
 they agree numerically. Tuples/intervals/lists are compared element-wise; equations side by
 side. Anything that does not parse, or takes longer than the timeout, is "not equivalent".
+Two exact numbers (integers, fractions) are equal only exactly; otherwise "numerically" means
+``|a - b| <= 1e-6 * min(1, |gold|)`` (six decimals for a gold of at least 1, relative 1e-6 below).
+A run of letters is one symbol (``east`` is not ``seat``); ``2x`` and ``x(x+1)`` are products.
 """
 
 from __future__ import annotations
@@ -197,9 +200,11 @@ def _latex_to_py(s: str) -> str:
 
     s = repl_cmd(s, "\\frac", 2, lambda a, o: f"(({a[0]})/({a[1]}))")
     s = repl_cmd(s, "\\sqrt", 1, lambda a, o: f"(({a[0]})**(1/({o})))" if o else f"sqrt({a[0]})")
-    for a, b in (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", "pi"), ("\\infty", "oo"),
-                 ("\\ln", "log"), ("\\log", "log"), ("\\sin", "sin"), ("\\cos", "cos"), ("\\tan", "tan"),
-                 ("\\exp", "exp"), ("^", "**"), ("{", "("), ("}", ")"), ("\\", " ")):
+    # names spaced out: the normalised answer has no spaces ("2\\pir" -> "2 pi r"), and a run of letters is one
+    # symbol to the parser (no splitting into a product of letters: "seat" must not equal "east")
+    for a, b in (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", " pi "), ("\\infty", " oo "),
+                 ("\\ln", " log "), ("\\log", " log "), ("\\sin", " sin "), ("\\cos", " cos "), ("\\tan", " tan "),
+                 ("\\exp", " exp "), ("^", "**"), ("{", "("), ("}", ")"), ("\\", " ")):
         s = s.replace(a, b)
     return s
 
@@ -222,10 +227,13 @@ def _split_top(s: str) -> list[str]:
 
 def _sympy_equal(a: str, b: str) -> bool:
     import sympy
-    from sympy.parsing.sympy_parser import (convert_xor, implicit_multiplication_application,
-                                            parse_expr, standard_transformations)
+    from sympy.parsing.sympy_parser import (convert_xor, function_exponentiation, implicit_application,
+                                            implicit_multiplication, parse_expr, standard_transformations)
 
-    tr = standard_transformations + (implicit_multiplication_application, convert_xor)
+    # implicit products ("2x", "x(x+1)", "2 pi") but no split_symbols: a word stays one symbol, so a text answer
+    # equals only the same text (split into letters, any anagram was equal: helper 73)
+    tr = standard_transformations + (implicit_multiplication, implicit_application, function_exponentiation,
+                                     convert_xor)
 
     def parse(x: str):
         return parse_expr(_latex_to_py(x), transformations=tr, evaluate=True)
@@ -242,8 +250,12 @@ def _sympy_equal(a: str, b: str) -> bool:
         infinities = (sympy.oo, -sympy.oo, sympy.zoo)
         if ex.has(*infinities) or ey.has(*infinities):
             return bool(ex == ey)  # an infinity equals only the same infinity (a tolerance around it would be inf)
+        if ex.is_Rational and ey.is_Rational:
+            return False  # two exact numbers are equal only exactly (simplify said they differ)
         try:  # in sympy's arbitrary-exponent floats: 10^400 became inf as a Python float, equal to 10^401
-            diff, scale = abs(sympy.N(ex - ey, 30)), max(sympy.Integer(1), abs(sympy.N(ey, 30)))
+            # a decimal answer against an irrational gold (or decimals on either side): within 1e-6, relative for
+            # golds below 1; never looser for a larger gold (relative to 2000000, 2000001 had passed)
+            diff, scale = abs(sympy.N(ex - ey, 30)), min(sympy.Integer(1), abs(sympy.N(ey, 30)))
             return bool(diff <= sympy.Float("1e-6") * scale)
         except Exception:
             return False

@@ -19,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from minicpm4_jax.eval.bench import readers
 from minicpm4_jax.eval.bench.readers import WHERE, DataError, bad, find_files, read_json, read_records, require
@@ -124,17 +124,31 @@ def _mc_text(q: str, choices: list[str], answer_word: str) -> str:
 
 def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob: str, suffixes: tuple[str, str],
                 description: Callable[[str], str], answer_word: str, k_shot: int, limit: int | None,
-                csv_header: bool | None = None) -> Task:
+                csv_header: bool | None = None, known: Mapping[str, str] | None = None) -> Task:
+    """The per-subject layout: ``root/<eval_split>/<subject><suffixes[0]>`` (and ``root/dev/<subject><suffixes[1]>``
+    for the shots). ``known`` (the benchmark's subject names): a folder holding none of them is another
+    benchmark's (MMLU's ``test/*_test.csv`` also matches CMMLU's ``test/*.csv``) and is refused.
+
+    Raises:
+        DataError: no eval files, none of the ``known`` subjects, an empty subject file, missing or short dev files.
+    """
     eval_files = find_files(root / eval_split, [eval_glob])
     if not eval_files:
         raise DataError(f"{root / eval_split}: no files matching {eval_glob}")
+
+    def subject_of(f: Path) -> str:
+        for suf in (suffixes[0] + ".gz", suffixes[0]):
+            if f.name.endswith(suf):
+                return f.name[: -len(suf)]
+        return f.name
+
+    if known is not None and not any(subject_of(f) in known for f in eval_files):
+        raise DataError(f"{root / eval_split}: none of its {len(eval_files)} files is a {name} subject (e.g. "
+                        f"{eval_files[0].name!r}; {name} names them like {next(iter(known))}{suffixes[0]}): "
+                        f"this looks like another benchmark's folder; pass the {name} data")
     items, files, shot_files = [], [], []
     for f in eval_files:
-        subject = f.name
-        for suf in (suffixes[0] + ".gz", suffixes[0]):
-            if subject.endswith(suf):
-                subject = subject[: -len(suf)]
-                break
+        subject = subject_of(f)
         recs = read_records(f, csv_header=csv_header)
         if not recs:  # a broken download would otherwise drop the subject from the score without a word
             raise DataError(f"{f}: no records in this {name} subject file; restore it or remove it from the folder")
@@ -246,7 +260,8 @@ def load_cmmlu(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) -
     except DataError:
         return _single_file_mc("cmmlu", data_dir, "cmmlu", "test", desc, "答案：", k_shot, limit)
 
-    return _subject_mc("cmmlu", root, "test", "*.csv", "*.csv", (".csv", ".csv"), desc, "答案：", k_shot, limit)
+    return _subject_mc("cmmlu", root, "test", "*.csv", "*.csv", (".csv", ".csv"), desc, "答案：", k_shot, limit,
+                       known=CMMLU_SUBJECTS)
 
 
 def load_ceval(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) -> Task:
@@ -259,7 +274,7 @@ def load_ceval(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) -
         return _single_file_mc("ceval", data_dir, "ceval", "val", desc, "答案：", k_shot, limit)
 
     return _subject_mc("ceval", root, "val", "*_val.csv", "*_dev.csv", ("_val.csv", "_dev.csv"), desc, "答案：",
-                       k_shot, limit)
+                       k_shot, limit, known=CEVAL_SUBJECTS)
 
 
 def _arc_fields(rec: dict) -> tuple[str, list[str], int]:
@@ -524,7 +539,10 @@ def load_mbpp(data_dir: Path, limit: int | None = None, k_shot: int = 3, **_) ->
 
 
 def mbpp_program(item: dict, completion: str) -> str:
-    return (item.get("setup") or "") + "\n" + completion + "\n\n" + "\n".join(item["tests"]) + "\n"
+    """The program an MBPP answer is scored by: ``completion + test_setup_code + test_list`` (eval.md §2.2, as the
+    MBPP paper runs it). The setup follows the completion because it may use what the completion defines (task 367's
+    setup builds trees of the answer's ``Node`` class)."""
+    return completion + "\n\n" + (item.get("setup") or "") + "\n" + "\n".join(item["tests"]) + "\n"
 
 
 def build_program(item: dict, completion: str) -> str:
