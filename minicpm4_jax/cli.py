@@ -344,6 +344,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from minicpm4_jax.infer.engine import with_attention
 
         model = with_attention(model, "infllmv2" if args.sparse else "dense")
+    sc = model.cfg.sparse_config if model.cfg.attention == "infllmv2" else None
+    if sc is not None and 0 < sc.dense_len and model.cfg.max_position_embeddings <= sc.dense_len:
+        # as `eval` (helper 73): no request this model takes gets past dense_len, so nothing runs sparse
+        print(f"warning: sparse attention with dense_len={sc.dense_len} >= max_position_embeddings="
+              f"{model.cfg.max_position_embeddings}: a sequence shorter than dense_len runs dense attention, so "
+              "every request to this model runs dense (a model with a lower sparse_config.dense_len decodes sparsely)",
+              file=sys.stderr)
     engine = InferenceEngine(model, prefill_chunk=args.prefill_chunk)
     speculative = _speculative_decoder(args, model, engine, ckpt_dir, tokenizer)
     stream = None
@@ -368,6 +375,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s (compilation included: "
                   f"scripts/bench_decode.py measures warm); attention {attn}, "
                   f"attended fraction {out.attended_fraction:.3f}"
+                  + (f" (dense throughout: {out.prompt_tokens + out.new_tokens} tokens stayed below "
+                     f"dense_len={sc.dense_len})"
+                     if sc is not None and 0 < sc.dense_len and out.prompt_tokens + out.new_tokens <= sc.dense_len
+                     else "")
                   + (f"; acceptance length {out.acceptance_length:.2f} (drafts {speculative.k})"
                      if speculative and math.isfinite(out.acceptance_length) else "")
                   + ("; no speculative round ran (every token was decoded one at a time, e.g. too close to "

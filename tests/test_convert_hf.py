@@ -844,3 +844,16 @@ def test_export_tokenizer_files_for_each_document_start(tmp_path, tiny_tokenizer
     assert load_tokenizer(dest).bos_id == 2  # this kind reads its BOS from tokenizer_config.json
     with pytest.raises(ConvertError, match=r"^document_start 'cls' is not one of \['eos', 'bos', 'none'\]$"):
         write_tokenizer_files(tiny_tokenizer_dir, tmp_path / "eos", "cls")
+
+
+def test_generate_sparse_on_a_model_shorter_than_dense_len_warns(trained_run, capsys):
+    """Helper 73: `generate --sparse` on a model of 128 positions (dense_len 8192 from the MiniCPM4.1 defaults) ran
+    dense throughout and said only "attention infllmv2"; `eval` warned already."""
+    from minicpm4_jax.cli import main
+
+    assert main(["generate", "--checkpoint", str(trained_run), "--prompt", "a", "--max-new-tokens", "2", "--no-stream",
+                 "--sparse"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: sparse attention with dense_len=8192 >= max_position_embeddings=128: a sequence shorter than "
+            "dense_len runs dense attention, so every request to this model runs dense") in err, err
+    assert "(dense throughout: " in err

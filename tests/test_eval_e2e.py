@@ -307,3 +307,14 @@ def test_sparse_that_never_leaves_dense_len_says_so(tiny_run, capsys):
     assert "warning" not in capsys.readouterr().err and m.max_length == 16384
     assert EvalModel.from_checkpoint(tiny_run.run, attention="dense", progress=False).info()["sparse_config"] is None
     assert "warning" not in capsys.readouterr().err
+    # generate --sparse (helper 73): it said "attention infllmv2, attended fraction 1.000" and nothing else
+    from minicpm4_jax.cli import main
+
+    assert main(["generate", "--checkpoint", str(tiny_run.run), "--prompt", "def", "--max-new-tokens", "3",
+                 "--no-stream", "--sparse"]) == 0
+    err = capsys.readouterr().err
+    assert "attention infllmv2" in err and "(dense throughout: " in err and "stayed below dense_len=8192)" in err, err
+    assert "warning" not in err  # 16384 positions: a longer request would reach dense_len
+    assert main(["generate", "--checkpoint", str(tiny_run.run), "--prompt", "def", "--max-new-tokens", "3",
+                 "--no-stream"]) == 0
+    assert "dense throughout" not in capsys.readouterr().err  # a dense model: nothing to say
