@@ -375,10 +375,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         decode = (f"decode {out.decode_tokens_per_second:.1f} tokens/s (compilation included: "
                   f"scripts/bench_decode.py measures warm); attention {attn}, "
                   f"attended fraction {out.attended_fraction:.3f}"
-                  + (f" (dense throughout: {out.prompt_tokens + out.new_tokens} tokens stayed below "
-                     f"dense_len={sc.dense_len})"
-                     if sc is not None and 0 < sc.dense_len and out.prompt_tokens + out.new_tokens <= sc.dense_len
-                     else "")
+                  # the longest cache a step attended, a verify chunk's drafts included (helper 74)
+                  + (f" (dense throughout: the sequence stayed below dense_len={sc.dense_len})"
+                     if sc is not None and 0 < sc.dense_len and out.prompt_tokens + out.new_tokens
+                     + (speculative.k if speculative else 0) <= sc.dense_len else "")
                   + (f"; acceptance length {out.acceptance_length:.2f} (drafts {speculative.k})"
                      if speculative and math.isfinite(out.acceptance_length) else "")
                   + ("; no speculative round ran (every token was decoded one at a time, e.g. too close to "

@@ -213,14 +213,22 @@ def test_math_boxed_extraction_and_equivalence():
                  # a word was split into a product of letters, so any anagram was equal (helper 73; MATH-500 has the
                  # golds \text{east} and \text{even}); an exact gold took a tolerance relative to its size
                  (r"\text{seat}", r"\text{east}"), ("neve", r"\text{even}"), ("yadnoM", r"\text{Monday}"),
-                 ("ab", "ba"), ("2000001", "2000000"), ("123456.1", "123456"), ("3.14", r"\pi"),
-                 ("0.0000001", "0"), ("1414.2", r"1000\sqrt{2}")]
+                 ("2000001", "2000000"), ("123456.1", "123456"), ("3.14", r"\pi"),
+                 ("0.0000001", "0"), ("1414.2", r"1000\sqrt{2}"),
+                 # a matrix read as one expression mixed its entries (helper 74: MATH-500 precalculus/263)
+                 (r"\begin{pmatrix} -14 \\ -2 \\ -7 \end{pmatrix}", r"\begin{pmatrix} -2 \\ -14 \\ -7 \end{pmatrix}"),
+                 (r"\begin{pmatrix} 2 \\ 1 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}"),
+                 (r"\begin{pmatrix} 1 \\ 2 \\ 3 \end{pmatrix}", r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}")]
     equal += [(r"(2,\infty)", r"(2, \infty)"), (r"-\infty", r"-\infty"),
               (r"(-\infty, 2) \cup (3, \infty)", r"(-\infty,2)\cup(3,\infty)"),
               ("10^{400}", "10^{400}"), ("2^{2000}", "4^{1000}"), (r"\infty+1", r"\infty"),
-              # products and names without the letter splitting: spaces are gone after normalising
+              # products of letters commute (helper 74: a fix for words had made "2yx" differ from "2xy"); function
+              # names survive the spaces normalising removes; a unit in \text{} is not a text answer
               ("x(x+1)", "x^2+x"), (r"2\pi r", r"2r\pi"), (r"\sin x", r"\sin(x)"), ("2x+3y", "3y+2x"),
-              (r"\sin^2 x + \cos^2 x", "1"), ("3.1415927", r"\pi"), (r"1414.2135624", r"1000\sqrt{2}")]
+              (r"\sin^2 x + \cos^2 x", "1"), ("3.1415927", r"\pi"), (r"1414.2135624", r"1000\sqrt{2}"),
+              ("2yx", "2xy"), ("ab", "ba"), ("b^2-4ac", "b^2-4ca"), (r"x\cdot y", "xy"), ("a(b+c)", "ab+ac"),
+              (r"\frac{10}{2}", r"5\text{ cm}"),
+              (r"\begin{pmatrix} \frac{1}{2} & 1 \\ 0 & 2 \end{pmatrix}", r"\begin{pmatrix} 0.5 & 1 \\ 0 & 2 \end{pmatrix}")]
     for a, b in equal:
         assert is_equiv(a, b), (a, b)
     for a, b in different:

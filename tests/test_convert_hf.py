@@ -787,6 +787,12 @@ def test_document_start_of_a_folder_without_manifest(tmp_path):
         ({"bos_token": "</s>", "eos_token": "<|im_end|>"}, None, sp, "eos"),
         ({"bos_token": "</s>", "eos_token": "</s>"}, None, None, "eos"),
         ({"bos_token": {"content": "</s>"}, "eos_token": {"content": "</s>"}}, None, None, "eos"),
+        # --no-tokenizer on such a run's export without its manifest: the strings differ, config.json's ids decide
+        # (helper 74: "bos" was final, and a re-export prepended <s>)
+        ({"bos_token": "</s>", "eos_token": "<|im_end|>"}, {"bos_token_id": 2, "eos_token_id": [2, 73440]}, None,
+         "eos"),
+        ({"bos_token": "<s>", "eos_token": "<|im_end|>"}, {"bos_token_id": 1, "eos_token_id": [2, 73440]}, None,
+         "bos"),
         ({"bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": True}, None, sp, "bos"),
         ({"bos_token": "</s>", "eos_token": "</s>", "add_bos_token": False}, None, sp, "none"),
         (None, {"bos_token_id": 2, "eos_token_id": [2, 73440]}, sp, "eos"),

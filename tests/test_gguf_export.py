@@ -155,16 +155,20 @@ def test_gguf_add_space_prefix_follows_the_sentencepiece_model(tmp_path, tiny_to
     assert kv.get("tokenizer.ggml.add_space_prefix") is want
 
 
-@pytest.mark.parametrize("which", ["trained_model_only", "official"])
+@pytest.mark.parametrize("which", ["trained_model_only", "official", "official_trained_here"])
 def test_gguf_special_ids_when_the_eos_is_a_list(tmp_path, tiny_tokenizer_dir, which):
     """A folder without tokenizer.json (an imported official one) and a list model.eos_token_id: gguf.SpecialVocab
     resolves no eos/unk there, and llama.cpp would assume eos 2 only. The GGUF names eos (the tokenizer_config's
     eos_token, as llama.cpp's converter reads our HF export, which has tokenizer.json), unk, and the other eos id as
-    eot, so llama.cpp ends generation on every id of model.eos_token_id."""
-    if which == "official":
+    eot, so llama.cpp ends generation on every id of model.eos_token_id. A run trained here on the official
+    tokenizer (document_start eos: </s> written as the BOS) still stops on </s> (helper 74: it had lost its eot)."""
+    start = "bos"
+    if which.startswith("official"):
         tok_dir, eos = shared_path("data", "minicpm4-0.5b"), (2, 73440)
         cfg = tiny_cfg(vocab=73448, layers=1, eos=eos)
         want = {"eos": 73440, "eot": 2, "unknown": 0, "bos": 1}  # eos_token <|im_end|>; </s> as eot
+        if which == "official_trained_here":
+            start, want["bos"] = "eos", 2
     else:
         tok_dir = tmp_path / "tok"
         tok_dir.mkdir()
@@ -173,13 +177,14 @@ def test_gguf_special_ids_when_the_eos_is_a_list(tmp_path, tiny_tokenizer_dir, w
         eos = (2, 3)
         cfg = tiny_cfg(eos=eos)
         want = {"eos": 2, "eot": 3, "unknown": 0, "bos": 1}
-    warnings = write_gguf(random_params(cfg, seed=21), cfg, tmp_path / "v.gguf", outtype="f16", tokenizer_dir=tok_dir)
+    warnings = write_gguf(random_params(cfg, seed=21), cfg, tmp_path / "v.gguf", outtype="f16", tokenizer_dir=tok_dir,
+                          document_start=start)
     kv, _ = _fields(tmp_path / "v.gguf")
     got = {k: kv.get(f"tokenizer.ggml.{k}_token_id") for k in want}
     assert got == want
     assert {got["eos"], got["eot"]} == set(eos) and not warnings
     toks = kv["tokenizer.ggml.tokens"]
-    assert toks[got["unknown"]] == "<unk>" and toks[got["bos"]] == "<s>"
+    assert toks[got["unknown"]] == "<unk>" and toks[got["bos"]] == ("</s>" if start == "eos" else "<s>")
 
 
 def test_gguf_third_eos_id_is_a_warning(tmp_path, tiny_tokenizer_dir):

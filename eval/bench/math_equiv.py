@@ -7,7 +7,9 @@ they agree numerically. Tuples/intervals/lists are compared element-wise; equati
 side. Anything that does not parse, or takes longer than the timeout, is "not equivalent".
 Two exact numbers (integers, fractions) are equal only exactly; otherwise "numerically" means
 ``|a - b| <= 1e-6 * min(1, |gold|)`` (six decimals for a gold of at least 1, relative 1e-6 below).
-A run of letters is one symbol (``east`` is not ``seat``); ``2x`` and ``x(x+1)`` are products.
+Letters are products (``2xy`` equals ``2yx``), but a text answer (a word in ``\\text{}``, ``\\textbf{}``,
+``\\mbox{}`` on either side, e.g. MATH-500's ``\\text{east}``) equals only the same text. Matrices
+(``pmatrix``, ``bmatrix``, ...) are compared entry by entry.
 """
 
 from __future__ import annotations
@@ -200,8 +202,7 @@ def _latex_to_py(s: str) -> str:
 
     s = repl_cmd(s, "\\frac", 2, lambda a, o: f"(({a[0]})/({a[1]}))")
     s = repl_cmd(s, "\\sqrt", 1, lambda a, o: f"(({a[0]})**(1/({o})))" if o else f"sqrt({a[0]})")
-    # names spaced out: the normalised answer has no spaces ("2\\pir" -> "2 pi r"), and a run of letters is one
-    # symbol to the parser (no splitting into a product of letters: "seat" must not equal "east")
+    # names spaced out: the normalised answer has no spaces, and "2\\pir" / "\\sinx" must read as 2*pi*r / sin(x)
     for a, b in (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", " pi "), ("\\infty", " oo "),
                  ("\\ln", " log "), ("\\log", " log "), ("\\sin", " sin "), ("\\cos", " cos "), ("\\tan", " tan "),
                  ("\\exp", " exp "), ("^", "**"), ("{", "("), ("}", ")"), ("\\", " ")):
@@ -227,13 +228,12 @@ def _split_top(s: str) -> list[str]:
 
 def _sympy_equal(a: str, b: str) -> bool:
     import sympy
-    from sympy.parsing.sympy_parser import (convert_xor, function_exponentiation, implicit_application,
-                                            implicit_multiplication, parse_expr, standard_transformations)
+    from sympy.parsing.sympy_parser import (convert_xor, implicit_multiplication_application,
+                                            parse_expr, standard_transformations)
 
-    # implicit products ("2x", "x(x+1)", "2 pi") but no split_symbols: a word stays one symbol, so a text answer
-    # equals only the same text (split into letters, any anagram was equal: helper 73)
-    tr = standard_transformations + (implicit_multiplication, implicit_application, function_exponentiation,
-                                     convert_xor)
+    # implicit products with names split into letters ("2xy" = 2*x*y = "2yx"); a text answer never gets here
+    # (is_equiv compares it as text: split into letters, any anagram of a word was equal, helper 73)
+    tr = standard_transformations + (implicit_multiplication_application, convert_xor)
 
     def parse(x: str):
         return parse_expr(_latex_to_py(x), transformations=tr, evaluate=True)
@@ -349,17 +349,41 @@ _WORKER = _Worker()
 atexit.register(_WORKER.kill)
 
 
+_TEXT_ARG = re.compile(r"\\(?:text|textbf|textit|mbox)\s*\{([^{}]*)\}")
+
+
+def _is_text_answer(s: str) -> bool:
+    """Whether ``s`` holds a word (2+ letters, not a unit such as ``cm``) inside ``\\text{}`` and the like."""
+    return any(w.lower() not in _UNITS for arg in _TEXT_ARG.findall(s) for w in re.findall(r"[A-Za-z]{2,}", arg))
+_MATRIX = re.compile(r"^\s*\\begin\{([pbvBV]?matrix)\}(.*)\\end\{\1\}\s*$", re.S)
+
+
+def _matrix_entries(s: str) -> list[list[str]] | None:
+    """The entries of an answer that is one ``\\begin{pmatrix} a & b \\\\ c & d \\end{pmatrix}`` (rows, then
+    columns), else None."""
+    m = _MATRIX.match(s.replace("$", ""))
+    if m is None:
+        return None
+    rows = [r for r in re.split(r"\\\\", m.group(2)) if r.strip()]
+    return [[c.strip() for c in r.split("&")] for r in rows]
+
+
 def is_equiv(pred: str | None, gold: str | None, *, timeout: float = 5.0, use_sympy: bool = True) -> bool:
     """Whether a predicted MATH answer equals the gold one (see the module docstring)."""
     if pred is None or gold is None:
         return False
+    mp, mg = _matrix_entries(str(pred)), _matrix_entries(str(gold))
+    if mp is not None and mg is not None:  # entry by entry (as one expression, entries mixed into sums/products)
+        return ([len(r) for r in mp] == [len(r) for r in mg]
+                and all(is_equiv(x, y, timeout=timeout, use_sympy=use_sympy)
+                        for rp, rg in zip(mp, mg) for x, y in zip(rp, rg)))
     a, b = normalize(pred), normalize(gold)
     if not a or not b:
         return False
     if a == b:
         return True
-    if not use_sympy:
-        return False
+    if not use_sympy or _is_text_answer(str(pred)) or _is_text_answer(str(gold)):
+        return False  # a text answer equals only the same text
     if len(a) > 400 or len(b) > 400:
         return False
     return _WORKER.equal(a, b, timeout)

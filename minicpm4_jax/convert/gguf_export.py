@@ -383,7 +383,9 @@ def _add_vocab(w: Any, cfg: ModelConfig, tokenizer_dir: Path, document_start: st
     if "unk" not in ids and 0 <= unk < len(tokens) and types[unk] in (int(gguf.TokenType.UNKNOWN),
                                                                        int(gguf.TokenType.CONTROL)):
         ids["unk"] = unk
-    others = [i for i in dict.fromkeys(eos_list) if i != ids.get("eos") and i != ids.get("bos")]
+    # the BOS too when it is an eos id: a run trained here written with its document separator as the BOS
+    # (document_start eos) must still stop there (helper 74: with the official tokenizer, eos <|im_end|>, </s> was lost)
+    others = [i for i in dict.fromkeys(eos_list) if i != ids.get("eos")]
     warnings = []
     if others and "eot" not in ids:
         ids["eot"] = others[0]

@@ -222,9 +222,9 @@ def _document_start(folder: Path, tok: Any = None) -> str:
     prepends, as a runtime reads it: ``"none"`` when ``tokenizer_config.json`` says ``add_bos_token: false``,
     ``"eos"`` when its ``bos_token`` is the EOS token (an export of a run trained here whose manifest was not
     copied: the tokenizer's ``eos_id``, or without a tokenizer its ``eos_token``), else ``"bos"`` (the official
-    MiniCPM4 tokenizers; ``add_bos_token`` is true when absent). Without ``tokenizer_config.json``: ``"eos"`` when
-    ``config.json``'s ``bos_token_id`` is one of its ``eos_token_id``, else ``"bos"``. ``"none"`` also when the
-    tokenizer lacks the token (``tokenizer.usable_document_start``)."""
+    MiniCPM4 tokenizers; ``add_bos_token`` is true when absent). Without ``tokenizer_config.json``, or without a
+    tokenizer when its two token strings differ (the official tokenizer's eos_token is ``<|im_end|>``): ``"eos"``
+    when ``config.json``'s ``bos_token_id`` is one of its ``eos_token_id``, else ``"bos"``. ``"none"`` also when the tokenizer lacks the token (``tokenizer.usable_document_start``)."""
     from minicpm4_jax.tokenizer import DOCUMENT_STARTS, _token_str, usable_document_start
 
     def read(name: str) -> Any:
@@ -237,21 +237,23 @@ def _document_start(folder: Path, tok: Any = None) -> str:
     def from_manifest(d: dict) -> Any:
         return d["source"].get("document_start") if isinstance(d.get("source"), dict) else None
 
-    def from_tokenizer_config(d: dict) -> str:
+    def config_eos_ids(d: dict) -> list:
+        eos = d.get("eos_token_id")
+        return eos if isinstance(eos, list) else [eos]
+
+    def from_tokenizer_config(d: dict) -> str | None:
         if not d.get("add_bos_token", True):
             return "none"
         bos, eos = _token_str(d.get("bos_token")), _token_str(d.get("eos_token"))
-        if tok is not None:
-            eos_id = getattr(tok, "eos_id", None)
-            is_eos = bos is not None and eos_id is not None and tok.token_to_id(bos) == eos_id
-        else:
-            is_eos = bos is not None and bos == eos
-        return "eos" if is_eos else "bos"
+        if tok is None:  # the strings, else config.json's ids decide (an official tokenizer's eos is <|im_end|>)
+            return "eos" if bos is not None and bos == eos else None
+        # the tokenizer's own EOS only: "eos" means "put tok.eos_id first", and a tokenizer.json-only official
+        # tokenizer's eos is <|im_end|> where the document separator was </s> (then "bos", i.e. its bos </s>, is right)
+        eos_id = getattr(tok, "eos_id", None)
+        return "eos" if bos is not None and eos_id is not None and tok.token_to_id(bos) == eos_id else "bos"
 
     def from_config(d: dict) -> str:
-        eos = d.get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [eos]
-        return "eos" if d.get("bos_token_id") is not None and d.get("bos_token_id") in eos else "bos"
+        return "eos" if d.get("bos_token_id") is not None and d.get("bos_token_id") in config_eos_ids(d) else "bos"
 
     for name, pick in (("minicpm4_manifest.json", from_manifest), ("tokenizer_config.json", from_tokenizer_config),
                        ("config.json", from_config)):
