@@ -1144,9 +1144,14 @@ def part_summary(out_dir: str) -> int:
         for r in dec[1:]:
             goals[f"decode_128k_speedup_batch{r['batch']}"] = r["speedup_full_vs_dense"]
     lines.append("\nissue-4 stretch goals at 128K (informational, not a PASS/FAIL): prefill >= 5x, decode >= 7x")
-    lines.append("  prefill kernel " + _fmt(goals.get("prefill_128k_kernel_speedup"), ".2f") + "x, end to end "
-                 + _fmt(goals.get("prefill_128k_end_to_end_speedup"), ".2f") + "x; decode "
-                 + _fmt(goals.get("decode_128k_speedup"), ".2f") + f"x at batch {goals.get('decode_128k_batch', '?')}"
+
+    def times(v) -> str:  # "n/a" without the "x" (helper 75: the dry run printed "n/ax")
+        text = _fmt(v, ".2f")
+        return text if text == "n/a" else text + "x"
+
+    lines.append("  prefill kernel " + times(goals.get("prefill_128k_kernel_speedup")) + ", end to end "
+                 + times(goals.get("prefill_128k_end_to_end_speedup")) + "; decode "
+                 + times(goals.get("decode_128k_speedup")) + f" at batch {goals.get('decode_128k_batch', '?')}"
                  + "".join(f", {v:.2f}x at batch {k.rsplit('batch', 1)[1]}" for k, v in goals.items()
                            if k.startswith("decode_128k_speedup_batch")))
     skipped = [f"{p} {r.get('T', r.get('N'))}" for p, d in parts.items() for r in d.get("bench", []) if "skipped" in r]

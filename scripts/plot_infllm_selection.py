@@ -60,7 +60,7 @@ def _checkpoint_inputs(args):
         sys.exit("--checkpoint needs --text FILE (the input whose selection is drawn)")
     ckpt = find_checkpoint_dir(args.checkpoint)
     cfg, model = load_params_for_inference(ckpt)
-    sc = cfg.model.sparse_config
+    sc = _sparse_cfg(args) if args.config else cfg.model.sparse_config  # --config's geometry wins (helper 75)
     if sc is None:
         sys.exit(f"{args.checkpoint} was not trained with model.sparse_config; pass --config for the geometry")
     tok = load_tokenizer(str(next(p for p in (Path(args.checkpoint) / "tokenizer", ckpt.parent / "tokenizer")
@@ -184,8 +184,6 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.checkpoint:
         q, k, cfg = _checkpoint_inputs(args)
-        if args.config:
-            cfg = _sparse_cfg(args)
         cfg = dataclasses.replace(cfg, dense_len=-1)
     else:
         cfg = _sparse_cfg(args)
@@ -199,4 +197,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from minicpm4_jax.config import ConfigError
+
+    try:
+        main()
+    except ConfigError as e:  # a bad preset, override or run: one line, no traceback
+        sys.exit(f"error: {e}")

@@ -152,4 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minicpm4_jax.config import ConfigError
+
+    try:
+        sys.exit(main())
+    except ConfigError as e:  # a bad preset, override or run: one line, no traceback
+        sys.exit(f"error: {e}")
