@@ -626,7 +626,6 @@ def test_document_start_follows_the_model_through_export_and_import(imported_run
     after EOS, which it never saw): BOS for an import of a folder whose tokenizer adds BOS, EOS for a run trained
     here (documents joined with EOS), carried by the export's manifest through a re-import; `generate --prefix`
     and `EvalModel.from_checkpoint` use it unless told otherwise."""
-    from minicpm4_jax import generate as generate_module
     from minicpm4_jax.eval.model import EvalModel
     from minicpm4_jax.tokenizer import document_start
 
@@ -671,14 +670,7 @@ def test_document_start_follows_the_model_through_export_and_import(imported_run
     assert main(["import", "hf", str(tmp_path / "export_run"), "--out", str(tmp_path / "nobos")]) == 0
     assert read_json(tmp_path / "nobos" / MANIFEST_NAME)["document_start"] == "none"
 
-    seen = []
-    real_generate = generate_module.generate
-
-    def recording_generate(*a, **kw):
-        seen.append(list(kw["prefix_ids"]))
-        return real_generate(*a, **kw)
-
-    monkeypatch.setattr(generate_module, "generate", recording_generate)
+    seen = _record_prefixes(monkeypatch)
     tok = EvalModel.from_checkpoint(run, batch_size=1, progress=False).tokenizer
     for args, want in (([], [tok.bos_id]), (["--prefix", "eos"], [tok.eos_id]), (["--prefix", "none"], [])):
         rc = main(["generate", "--checkpoint", str(run), "--prompt", "a", "--max-new-tokens", "1", "--no-stream", *args])
@@ -737,7 +729,6 @@ def test_reimport_of_a_trained_run_export_keeps_the_eos_start_without_the_manife
     were copied, from tokenizer_config.json's bos_token being the EOS; the imported model.bos_token_id is the
     tokenizer's <s> again (the export's bos_token_id 2 is the runtimes' view), so the run's special ids agree
     with its tokenizer, generate prompts after [eos], and a second export writes the same files."""
-    from minicpm4_jax import generate as generate_module
     from minicpm4_jax.tokenizer import document_start, load_run_tokenizer, special_id_mismatches
 
     exported = tmp_path / "hf"
@@ -745,14 +736,7 @@ def test_reimport_of_a_trained_run_export_keeps_the_eos_start_without_the_manife
     copied = tmp_path / "copied"
     shutil.copytree(exported, copied)
     (copied / MANIFEST_NAME).unlink()
-    seen = []
-    real_generate = generate_module.generate
-
-    def recording_generate(*a, **kw):
-        seen.append(list(kw["prefix_ids"]))
-        return real_generate(*a, **kw)
-
-    monkeypatch.setattr(generate_module, "generate", recording_generate)
+    seen = _record_prefixes(monkeypatch)
     for src in (exported, copied):
         run = tmp_path / f"run_{src.name}"
         assert main(["import", "hf", str(src), "--out", str(run)]) == 0, capsys.readouterr().err
@@ -863,3 +847,18 @@ def test_generate_sparse_on_a_model_shorter_than_dense_len_warns(trained_run, ca
     assert ("warning: sparse attention with dense_len=8192 >= max_position_embeddings=128: a sequence shorter than "
             "dense_len runs dense attention, so every request to this model runs dense") in err, err
     assert "(dense throughout: " in err
+
+
+def _record_prefixes(monkeypatch) -> list:
+    """Make ``minicpm4 generate`` record the ``prefix_ids`` of every call (the list returned) and go on."""
+    from minicpm4_jax import generate as generate_module
+
+    seen = []
+    real_generate = generate_module.generate
+
+    def recording_generate(*a, **kw):
+        seen.append(list(kw["prefix_ids"]))
+        return real_generate(*a, **kw)
+
+    monkeypatch.setattr(generate_module, "generate", recording_generate)
+    return seen
