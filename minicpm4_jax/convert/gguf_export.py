@@ -480,7 +480,6 @@ def write_gguf(params: Any, cfg: ModelConfig, path: str | Path, *, outtype: str 
     import gguf
 
     from minicpm4_jax.convert.hf_export import check_dense_only
-
     from minicpm4_jax.tokenizer import DOCUMENT_STARTS
 
     if document_start not in DOCUMENT_STARTS:
@@ -600,7 +599,7 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
     Raises:
         ConvertError: as :func:`export_gguf`.
     """
-    from minicpm4_jax.convert.hf_export import ExportResult, check_dense_only, check_tokenizer, with_document_start
+    from minicpm4_jax.convert.hf_export import ExportResult, check_dense_only, check_tokenizer, export_document_start
 
     plan = _plan(cfg, outtype)
     _check_out_is_a_folder_name(out, outtype)
@@ -613,11 +612,7 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
         raise ConvertError(f"{tok_dir} has no tokenizer.model; the GGUF vocabulary is read from a SentencePiece "
                            "model (llama.cpp's minicpm path): pass --tokenizer with one")
     _tok, warnings = check_tokenizer(tok_dir, cfg)
-    given = document_start if document_start is not None else (provenance or {}).get("document_start")
-    start = with_document_start(cfg, "bos" if given is None else given, _tok)[1]
-    source = dict(provenance or {})
-    if given is not None:
-        source["document_start"] = start
+    _run_cfg, start, source = export_document_start(cfg, document_start, provenance, _tok)
     check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)  # before anything is written
     if outtype in TERNARY_OUTTYPES:  # the weight-level check runs in write_gguf, before its file is opened
         check_ternary_outtype(cfg, outtype, ternary)

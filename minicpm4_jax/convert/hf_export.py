@@ -401,6 +401,24 @@ def with_document_start(cfg: ModelConfig, document_start: str, tokenizer: Any = 
     return cfg, start
 
 
+def export_document_start(cfg: ModelConfig, document_start: str | None, provenance: Mapping[str, Any] | None,
+                          tokenizer: Any = None) -> tuple[ModelConfig, str, dict[str, Any]]:
+    """What an export writes for its document start: ``(config for runtimes, effective start, manifest source)``.
+
+    ``document_start`` defaults to ``provenance["document_start"]``, else ``"bos"``; when either gives one, the
+    returned source (a copy of ``provenance``) records the effective start (:func:`with_document_start`).
+
+    Raises:
+        ConvertError: a start other than eos/bos/none.
+    """
+    given = document_start if document_start is not None else (provenance or {}).get("document_start")
+    run_cfg, start = with_document_start(cfg, "bos" if given is None else given, tokenizer)
+    source = dict(provenance or {})
+    if given is not None:
+        source["document_start"] = start
+    return run_cfg, start, source
+
+
 def write_tokenizer_files(tokenizer_dir: Path, dest: Path, document_start: str = "bos") -> tuple[list[str], list[str]]:
     """Put the tokenizer of ``tokenizer_dir`` into ``dest`` as transformers must read it to give our ids.
 
@@ -627,11 +645,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         raise ConvertError(f"--tokenizer {tok_dir} and --no-tokenizer contradict each other; pass one of them")
     _tok, warnings = check_tokenizer(tok_dir, cfg)
     # the ids a runtime reads (bos_token_id = the EOS for a model trained here); cfg itself keeps the tokenizer's
-    given = document_start if document_start is not None else (provenance or {}).get("document_start")
-    run_cfg, start = with_document_start(cfg, "bos" if given is None else given, _tok)
-    source = dict(provenance or {})
-    if given is not None:
-        source["document_start"] = start
+    run_cfg, start, source = export_document_start(cfg, document_start, provenance, _tok)
     sparse = cfg.attention == "infllmv2" and cfg.sparse_config is not None
     if layout == "llama":
         warnings += check_dense_only(cfg, "--layout llama (LlamaForCausalLM)", allow_dense,
