@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from minicpm4_jax.argtypes import int_range
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.infllm.select import select_blocks, select_params
@@ -185,17 +186,21 @@ def _attended(t, q, k, cfg):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--lengths", type=int_range(1), nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--bwd-max", type=int, default=16384, help="forward+backward for lengths up to this")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--attn-q-tile", type=int, default=64, help="stage-2 query tile (dense forced part)")
-    ap.add_argument("--gather-tile", type=int, default=None,
+    ap.add_argument("--repeats", type=int_range(1), default=3)
+    ap.add_argument("--attn-q-tile", type=int_range(1), default=64, help="stage-2 query tile (dense forced part)")
+    ap.add_argument("--gather-tile", type=int_range(1), default=None,
                     help="stage-2 sub-tile of the gathered top-k part (default: automatic, 2 for this layout)")
     ap.add_argument("--impl", default="auto", choices=["auto", "xla", "native", "pallas"],
                     help="sparse implementation: auto = what attention_impl=auto runs here (ops.dispatch.sparse_impl)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     a = ap.parse_args(argv)
+    for t in a.lengths:  # the dense baseline's tiles (causal_flash_attention: 128 queries x 512 keys) must divide T
+        if t % min(128, t) or t % min(512, t):
+            ap.error(f"--lengths {t}: the dense baseline tiles T by 128 and 512; give a length up to 128, a multiple "
+                     f"of 128 up to 512, or a multiple of 512")
     dtype = jnp.dtype(a.dtype)
     impl = sparse_impl("auto", dtype) if a.impl == "auto" else a.impl
     cfg = dataclasses.replace(SparseConfig(), dense_len=-1)  # MiniCPM4.1 defaults, always sparse

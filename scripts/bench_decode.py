@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from minicpm4_jax.argtypes import int_range
 from minicpm4_jax.config import load_config
 from minicpm4_jax.infer.cache import KVCache, cache_capacity, init_cache
 from minicpm4_jax.infer.engine import InferenceEngine, decode_mode, with_attention
@@ -210,6 +211,11 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     # each document's first prompt_len + gen_len held-out tokens: the prompt, then the text it continues
     texts = np.asarray([val[s_:s_ + prompt_len + gen_len] for s_ in starts
                         if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs])
+    if not len(texts):
+        from minicpm4_jax.config import ConfigError
+
+        raise ConfigError(f"no held-out document of {run} has --prompt-len {prompt_len} + --gen-len {gen_len} tokens "
+                          f"(the run trained on {tcfg.data.seq_len}-token windows): give shorter lengths")
     prompts = [t[:prompt_len].tolist() for t in texts]
     eng = InferenceEngine(model)
     variants = {"plain": None, f"spec k={k}": SpeculativeDecoder(eng, model.mtp, num_draft=k)}
@@ -296,33 +302,32 @@ def generate_loop(cfg, batches: list[int], prompt_len: int, gen_len: int, rounds
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="cpu_tiny", help="preset or YAML whose model architecture is used")
-    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768],
+    ap.add_argument("--lengths", type=int_range(1), nargs="*", default=[4096, 16384, 32768],
                     help="context lengths (none: with --checkpoint, only the trained-length measurement)")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed round")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per variant (alternating)")
-    ap.add_argument("--warmup", type=int, default=16,
+    ap.add_argument("--steps", type=int_range(1), default=32, help="decode steps per timed round")
+    ap.add_argument("--rounds", type=int_range(1), default=5, help="timed rounds per variant (alternating)")
+    ap.add_argument("--warmup", type=int_range(0), default=16,
                     help="untimed decode steps per round before the timed ones (module docstring; default 16)")
-    ap.add_argument("--batch", type=int, default=1,
+    ap.add_argument("--batch", type=int_range(1), default=1,
                     help="sequences decoded together in the dense/sparse rows (tok/s counts all of them); the "
                          "speculative columns are measured at batch 1 only and left out for B > 1; the trained-length "
                          "part always runs at batch 1")
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--checkpoint", default=None,
                     help="a run trained with its MTP head: its weights, and the speculative measurements")
-    ap.add_argument("--num-draft", type=int, default=3, help="tokens drafted per speculative round (default 3)")
-    ap.add_argument("--fr-spec-vocab", type=int, default=None,
+    ap.add_argument("--num-draft", type=int_range(1), default=3,
+                    help="tokens drafted per speculative round (default 3)")
+    ap.add_argument("--fr-spec-vocab", type=int_range(1), default=None,
                     help="also FR-Spec with <checkpoint>/fr_spec/freq_N.txt or .pt (scripts/build_fr_spec.py)")
-    ap.add_argument("--prompt-len", type=int, default=128, help="trained-length prompts: prompt tokens")
-    ap.add_argument("--gen-len", type=int, default=128, help="trained-length prompts: generated tokens")
-    ap.add_argument("--docs", type=int, default=32, help="trained-length prompts: held-out documents")
-    ap.add_argument("--passes", type=int, default=2,
+    ap.add_argument("--prompt-len", type=int_range(1), default=128, help="trained-length prompts: prompt tokens")
+    ap.add_argument("--gen-len", type=int_range(1), default=128, help="trained-length prompts: generated tokens")
+    ap.add_argument("--docs", type=int_range(1), default=32, help="trained-length prompts: held-out documents")
+    ap.add_argument("--passes", type=int_range(1), default=2,
                     help="trained-length prompts: passes over the documents (variants interleaved per document)")
     ap.add_argument("--generate-loop", action="store_true",
                     help="instead: the engine's generate() at --prompt-len + --gen-len, pipelined decode loop against "
                          "reading every step's tokens before the next (random --config weights, batch 1 and --batch)")
     args = ap.parse_args(argv)
-    if args.batch < 1:
-        ap.error(f"--batch {args.batch}: give at least 1 sequence")
     if not args.lengths and not args.checkpoint and not args.generate_loop:
         ap.error("--lengths without any length measures nothing; give context lengths, or --checkpoint RUN for the "
                  "trained-length measurement alone")

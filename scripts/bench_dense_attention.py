@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from minicpm4_jax.argtypes import int_range  # noqa: E402
 from minicpm4_jax.ops.attention_ref import dense_attention  # noqa: E402
 from minicpm4_jax.ops.flash_xla import flash_attention  # noqa: E402
 
@@ -77,14 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--shape", type=_shape, action="append", help="batch,T,heads,kv_heads,head_dim (repeatable)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per program (best kept; default 3)")
-    p.add_argument("--block-q", type=int, default=64)
-    p.add_argument("--block-k", type=int, default=128)
+    p.add_argument("--repeats", type=int_range(1), default=3, help="timed calls per program (best kept; default 3)")
+    p.add_argument("--block-q", type=int_range(1), default=64)
+    p.add_argument("--block-k", type=int_range(1), default=128)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats {args.repeats} must be >= 1")
     shapes = args.shape or [_shape(s) for s in DEFAULT_SHAPES]
     print(f"jax {jax.__version__} ({jax.default_backend()}), {args.dtype}, blocks {args.block_q} x {args.block_k}, "
           f"best of {args.repeats}; forward + backward (q, k, v)", flush=True)

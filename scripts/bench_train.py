@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from minicpm4_jax.argtypes import int_range
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -185,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="cpu_tiny", help="preset name in configs/ or a YAML path")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="dotted config overrides")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per framework")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--steps", type=int_range(1), default=10, help="timed steps per framework")
+    p.add_argument("--warmup", type=int_range(0), default=2, help="untimed steps after compilation")
+    p.add_argument("--threads", type=int_range(0), default=0, help="torch intra-op threads (0: torch default)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch side")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--mesh", type=_parse_mesh, metavar="D,F,T",
@@ -199,11 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-preset", default="minicpm4_8b", help="preset of --memory-8b")
     p.add_argument("--memory-mesh", type=_parse_mesh, default=(4, 32, 2), metavar="D,F,T",
                    help="mesh of --memory-8b (default 4,32,2 = 256 devices)")
-    p.add_argument("--memory-batch", type=int, default=None,
+    p.add_argument("--memory-batch", type=int_range(1), default=None,
                    help="global batch of --memory-8b (default: one sequence per data*fsdp shard)")
     p.add_argument("--memory-set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="overrides of the --memory-8b preset")
     args = p.parse_args(argv)
+    if args.no_jax and args.mesh:
+        p.error("--mesh runs the JAX step on a mesh, which --no-jax skips: drop one of them")
+    if args.no_jax and not args.memory_8b:
+        p.error("--no-jax skips the JAX run and with it the PyTorch comparison: nothing is measured; add --memory-8b "
+                "or drop --no-jax")
 
     import math
 

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main(argv=None) -> int:
+    from minicpm4_jax.argtypes import int_range
     from minicpm4_jax.config import ConfigError, DataConfig, config_from_dict
     from minicpm4_jax.infer.spec import build_frequency_ranking, save_frequency_ranking
     from minicpm4_jax.tokenizer import load_tokenizer
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="a run folder (holding tokenizer/ and config.json)")
     ap.add_argument("--sources", nargs="+", default=None, help="corpus paths (default: the run's data.sources)")
-    ap.add_argument("--size", type=int, default=8192, help="V', the draft vocabulary size (default 8192)")
+    ap.add_argument("--size", type=int_range(1), default=8192, help="V', the draft vocabulary size (default 8192)")
     ap.add_argument("--out", default=None, help="output folder (default <checkpoint>/fr_spec)")
     ap.add_argument("--no-pt", action="store_true", help="do not write the official torch .pt file")
     ap.add_argument("--torch-python", default=str(REPO / ".venv-torch" / "bin" / "python"),

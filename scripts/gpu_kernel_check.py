@@ -107,6 +107,7 @@ def _package_layout() -> bool:
 PLAIN_IMPORT_OK = _package_layout()
 from bench_attention import _fwd_bwd, _inputs, _time, causal_flash_attention  # noqa: E402  (shared helpers)
 
+from minicpm4_jax.argtypes import float_range, int_range  # noqa: E402
 from minicpm4_jax.config import SparseConfig  # noqa: E402
 from minicpm4_jax.infllm.attention import attended_keys, stage2_forced_split  # noqa: E402
 from minicpm4_jax.infllm.compress import compress_keys  # noqa: E402
@@ -1179,21 +1180,23 @@ def _parse(argv):
     ap.add_argument("--quick", action="store_true", help="fewer correctness cases and iterations")
     ap.add_argument("--cpu-dry-run", action="store_true", help="CPU, interpret=True, tiny sizes (checks the script)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="benchmark dtype")
-    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="prefill forward lengths")
-    ap.add_argument("--bwd-lengths", type=int, nargs="+", default=None, help="prefill forward+backward lengths")
-    ap.add_argument("--decode-lengths", type=int, nargs="+", default=None)
-    ap.add_argument("--decode-batch", type=int, default=1, help="decode batch at every length (default 1)")
-    ap.add_argument("--decode-big-batch", type=int, default=None,
+    ap.add_argument("--lengths", type=int_range(1), nargs="+", default=None, help="prefill forward lengths")
+    ap.add_argument("--bwd-lengths", type=int_range(1), nargs="+", default=None,
+                    help="prefill forward+backward lengths")
+    ap.add_argument("--decode-lengths", type=int_range(1), nargs="+", default=None)
+    ap.add_argument("--decode-batch", type=int_range(1), default=1, help="decode batch at every length (default 1)")
+    ap.add_argument("--decode-big-batch", type=int_range(0), default=None,
                     help="also time the longest decode length at this batch (default 16; dry run 2; 0 = off)")
-    ap.add_argument("--tune-length", type=int, default=None, help="prefill length of --part tune (default 32768)")
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=None, help="timed prefill calls (median)")
-    ap.add_argument("--decode-iters", type=int, default=None, help="back-to-back decode calls (mean)")
-    ap.add_argument("--decode-layers", type=int, default=None,
+    ap.add_argument("--tune-length", type=int_range(1), default=None,
+                    help="prefill length of --part tune (default 32768)")
+    ap.add_argument("--warmup", type=int_range(0), default=None)
+    ap.add_argument("--iters", type=int_range(1), default=None, help="timed prefill calls (median)")
+    ap.add_argument("--decode-iters", type=int_range(1), default=None, help="back-to-back decode calls (mean)")
+    ap.add_argument("--decode-layers", type=int_range(1), default=None,
                     help="layers (separate KV caches) per timed decode call, unrolled in one jit (default 8)")
-    ap.add_argument("--xla-dense-max", type=int, default=16384,
+    ap.add_argument("--xla-dense-max", type=int_range(0), default=16384,
                     help="longest T for the XLA dense fallback when cuDNN is unavailable ([heads, T, T] scores)")
-    ap.add_argument("--deadline-s", type=float, default=1e9,
+    ap.add_argument("--deadline-s", type=float_range(0, lo_open=True), default=1e9,
                     help="a part starts no new case after this many seconds (its driver timeout kills it later)")
     ap.add_argument("--allow-cpu", action="store_true", help="run compiled kernels on a non-GPU backend (debug)")
     a = ap.parse_args(argv)

@@ -49,24 +49,25 @@ def _overrides(width: int, base: int, mup: bool, lr: float, a: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
+    from minicpm4_jax.argtypes import float_range, int_range
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--widths", type=int, nargs="+", default=[64, 256],
+    ap.add_argument("--widths", type=int_range(64), nargs="+", default=[64, 256],
                     help="hidden sizes, multiples of 64; the smallest is μP's base width (default 64 256)")
-    ap.add_argument("--lrs", type=float, nargs="+", default=[2 ** -k for k in (9, 8, 7, 6, 5, 4)],
+    ap.add_argument("--lrs", type=float_range(0, lo_open=True), nargs="+",
+                    default=[2 ** -k for k in (9, 8, 7, 6, 5, 4)],
                     help="learning rates to sweep (default 2^-9 ... 2^-4)")
-    ap.add_argument("--steps", type=int, default=150, help="steps per run (default 150)")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int_range(1), default=150, help="steps per run (default 150)")
+    ap.add_argument("--layers", type=int_range(1), default=4, help="decoder layers (default 4)")
+    ap.add_argument("--seq-len", type=int_range(1), default=128)
+    ap.add_argument("--batch-size", type=int_range(1), default=16)
+    ap.add_argument("--seed", type=int_range(0), default=0)
     ap.add_argument("--out", default="runs/mup_transfer", help="folder of the runs and results.json")
     ap.add_argument("--plot", default="docs/img/mup_transfer.png", help="plot file ('' for none)")
     ap.add_argument("--fresh", action="store_true", help="retrain runs even if a finished one exists")
     a = ap.parse_args(argv)
     if any(w % 64 for w in a.widths) or len(set(a.widths)) < 2:
         sys.exit(f"--widths {a.widths}: give at least two different multiples of 64")
-    if any(lr <= 0 for lr in a.lrs):
-        sys.exit(f"--lrs {a.lrs}: learning rates must be > 0")
 
     import jax
 

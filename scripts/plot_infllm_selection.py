@@ -42,9 +42,16 @@ def _sparse_cfg(args):
         if cfg is None:
             sys.exit(f"{args.config} has no model.sparse_config section")
         return cfg
-    return SparseConfig(kernel_size=args.kernel_size, kernel_stride=args.kernel_stride, block_size=args.block_size,
-                        init_blocks=args.init_blocks, window_size=args.window, topk=args.topk, variant=args.variant,
-                        dense_len=-1)
+    from minicpm4_jax.infllm import select_params
+
+    cfg = SparseConfig(kernel_size=args.kernel_size, kernel_stride=args.kernel_stride, block_size=args.block_size,
+                       init_blocks=args.init_blocks, window_size=args.window, topk=args.topk, variant=args.variant,
+                       dense_len=-1)
+    try:
+        select_params(cfg)
+    except ValueError as e:  # geometry that does not fit (--block-size, --kernel-size/--kernel-stride, --window)
+        sys.exit(f"error: {e} (--block-size, --kernel-size, --kernel-stride, --window)")
+    return cfg
 
 
 def _checkpoint_inputs(args):
@@ -60,6 +67,8 @@ def _checkpoint_inputs(args):
         sys.exit("--checkpoint needs --text FILE (the input whose selection is drawn)")
     ckpt = find_checkpoint_dir(args.checkpoint)
     cfg, model = load_params_for_inference(ckpt)
+    if args.layer >= cfg.model.num_hidden_layers:
+        sys.exit(f"error: --layer {args.layer} is outside this model's layers 0..{cfg.model.num_hidden_layers - 1}")
     sc = _sparse_cfg(args) if args.config else cfg.model.sparse_config  # --config's geometry wins (helper 75)
     if sc is None:
         sys.exit(f"{args.checkpoint} was not trained with model.sparse_config; pass --config for the geometry")
@@ -159,29 +168,33 @@ def plot(grid: np.ndarray, out: str, *, title: str, block_size: int) -> None:
 
 
 def main(argv=None) -> None:
+    from minicpm4_jax.argtypes import int_range
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--npz", help="file with arrays q [T, heads, d] and k [T, kv_heads, d] of one layer")
-    src.add_argument("--random", type=int, metavar="T", help="synthetic inputs of T tokens")
+    src.add_argument("--random", type=int_range(1), metavar="T", help="synthetic inputs of T tokens")
     src.add_argument("--checkpoint", metavar="RUN", help="a trained run (out_dir) to draw one layer of")
     ap.add_argument("--text", help="with --checkpoint: the input text file")
-    ap.add_argument("--layer", type=int, default=0, help="with --checkpoint: decoder layer (0-based)")
-    ap.add_argument("--tokens", type=int, default=1536, help="with --checkpoint: tokens of --text to use")
+    ap.add_argument("--layer", type=int_range(0), default=0, help="with --checkpoint: decoder layer (0-based)")
+    ap.add_argument("--tokens", type=int_range(1), default=1536, help="with --checkpoint: tokens of --text to use")
     ap.add_argument("--out", default="infllm_selection.png")
     ap.add_argument("--config", help="YAML preset whose model.sparse_config is used")
     ap.add_argument("--variant", default="gen2", choices=["gen1", "gen2"])
-    ap.add_argument("--topk", type=int, default=64)
-    ap.add_argument("--window", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--kernel-size", type=int, default=32)
-    ap.add_argument("--kernel-stride", type=int, default=16)
-    ap.add_argument("--init-blocks", type=int, default=1)
+    ap.add_argument("--topk", type=int_range(1), default=64)
+    ap.add_argument("--window", type=int_range(0), default=2048)
+    ap.add_argument("--block-size", type=int_range(1), default=64)
+    ap.add_argument("--kernel-size", type=int_range(1), default=32)
+    ap.add_argument("--kernel-stride", type=int_range(1), default=16)
+    ap.add_argument("--init-blocks", type=int_range(0), default=1)
     ap.add_argument("--quirk", action="store_true", help="official stage-1 off-by-one (spec §5.2)")
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heads", type=int_range(1), default=8)
+    ap.add_argument("--kv-heads", type=int_range(1), default=2)
+    ap.add_argument("--head-dim", type=int_range(1), default=64)
+    ap.add_argument("--seed", type=int_range(0), default=0)
     args = ap.parse_args(argv)
+    if args.random and args.heads % args.kv_heads:
+        ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.checkpoint:
         q, k, cfg = _checkpoint_inputs(args)
         cfg = dataclasses.replace(cfg, dense_len=-1)

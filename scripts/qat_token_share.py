@@ -38,18 +38,48 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _split_shares(ap: argparse.ArgumentParser, a: argparse.Namespace, argv: list[str]) -> None:
+    """``--shares 0.1 0.2 steps=40``: nargs="+" takes the KEY=VALUE overrides that follow the shares too; move them
+    back to ``a.overrides`` (in command-line order) and parse the shares, each in (0, 1)."""
+    from minicpm4_jax.argtypes import float_range
+
+    share = float_range(0, 1, lo_open=True, hi_open=True)
+    shares, moved = [], []
+    for text in a.shares:
+        if "=" in text:
+            moved.append(text)
+        elif moved:
+            ap.error(f"argument --shares: {text!r} follows the override {moved[-1]!r}: give the shares first, then "
+                     f"the KEY=VALUE overrides")
+        else:
+            try:
+                shares.append(share(text))
+            except argparse.ArgumentTypeError as e:
+                ap.error(f"argument --shares: {e}")
+    if not shares:
+        ap.error("argument --shares: give at least one share before the KEY=VALUE overrides")
+    a.shares = shares
+    a.overrides = sorted([*a.overrides, *moved], key=argv.index)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from minicpm4_jax.argtypes import float_range, int_range
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="cpu_tiny_qat", help="preset name or YAML path (default cpu_tiny_qat)")
-    ap.add_argument("--steps", type=int, default=None, help="N, the steps of every run (default: the preset's)")
-    ap.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.2, 0.4, 0.6], help="QAT token shares s")
-    ap.add_argument("--qat-warmup", type=float, default=0.1,
+    ap.add_argument("--steps", type=int_range(1), default=None,
+                    help="N, the steps of every run (default: the preset's)")
+    ap.add_argument("--shares", nargs="+", default=["0.1", "0.2", "0.4", "0.6"], metavar="S",
+                    help="QAT token shares s, each in (0, 1); KEY=VALUE overrides may follow them")
+    ap.add_argument("--qat-warmup", type=float_range(0, 1), default=0.1,
                     help="re-warmup length of a QAT stage as a fraction of its steps (default 0.1)")
     ap.add_argument("--out", default="runs/qat_token_share", help="folder of the runs and results.json")
     ap.add_argument("--plot", default="docs/img/qat_token_share.png", help="plot file ('' for none)")
     ap.add_argument("--fresh", action="store_true", help="retrain runs even if a finished one exists")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
+    _split_shares(ap, a, argv)
 
     import jax
 

@@ -347,7 +347,7 @@ def test_sparse_run_logs_attended_fraction(corpus, cache_dir, tmp_path):
     assert curves.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit, match="--checkpoint needs --text"):
         _run_script(scripts / "plot_infllm_selection.py", ["--checkpoint", str(tmp_path / "sparse")])
-    with pytest.raises(ValueError, match="layer=7 is outside"):
+    with pytest.raises(SystemExit, match="--layer 7 is outside this model's layers 0..1"):  # one line
         _run_script(scripts / "plot_infllm_selection.py", ["--checkpoint", str(tmp_path / "sparse"), "--text",
                                                             str(text), "--layer", "7", "--out", str(png)])
 
