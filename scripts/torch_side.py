@@ -33,7 +33,9 @@ Subcommands:
     CPU, eager attention, ``trust_remote_code=False``; missing/unexpected weights are an error), and
     write to ``--out``: ``logits_<key>`` (float32 ``[batch, seq, vocab]``) for every int array of
     ``--inputs``, and for its ``prompt`` array (``[1, T]``) ``greedy`` = the ``N`` tokens of
-    ``generate(do_sample=False)``. Prints a JSON line with the model class and versions.
+    ``generate(do_sample=False)``, ``padded_batch_ok`` (the prompt batched with its tail left-padded by
+    ``min(3, T - 1)`` pads generates what each row does alone; ``T >= 2``), ``static_cache_ok`` and
+    ``hidden_states``. Prints a JSON line with the model class and versions.
 
 ``prompt-logits MODEL_DIR --texts FILE --out NPZ [--trust-remote-code]``
     A consumer's default path from text to logits: ``AutoTokenizer.from_pretrained(MODEL_DIR)`` encodes each
@@ -81,6 +83,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its standard-library-only helper
+from minicpm4_jax.argtypes import float_range, int_range  # noqa: E402
 
 
 def _load_llama(model_dir: Path, *, weights: bool = True):
@@ -229,18 +234,22 @@ def cmd_hf_check(args: argparse.Namespace) -> int:
             out[f"logits_{key}"] = model(input_ids=ids, use_cache=False).logits.to(torch.float32).numpy()
         if "prompt" in inputs.files and args.new_tokens > 0:
             ids = torch.from_numpy(np.asarray(inputs["prompt"], dtype=np.int64))
+            if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 2:
+                raise SystemExit(f"error: {args.inputs}: 'prompt' has shape {tuple(ids.shape)}; the padded-batch check "
+                                 f"needs [1, T] with T >= 2 (its second row is the prompt's tail after pads)")
+            pads = min(3, ids.shape[1] - 1)  # a 2- or 3-token prompt keeps a 1-token tail
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                  eos_token_id=None, pad_token_id=0)
             out["greedy"] = gen[0, ids.shape[1]:].numpy()
-            # a left-padded batch (the prompt, and its last tokens after 3 pads) equals each row generated alone
-            short = ids[:, 3:]
+            # a left-padded batch (the prompt, and its last tokens after `pads` pads) equals each row generated alone
+            short = ids[:, pads:]
             alone = model.generate(short, attention_mask=torch.ones_like(short), do_sample=False,
                                    max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                    eos_token_id=None, pad_token_id=0)[0, short.shape[1]:]
-            batch = torch.cat([ids, torch.cat([torch.zeros_like(ids[:, :3]), short], 1)])
+            batch = torch.cat([ids, torch.cat([torch.zeros_like(ids[:, :pads]), short], 1)])
             mask = torch.ones_like(batch)
-            mask[1, :3] = 0
+            mask[1, :pads] = 0
             both = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=args.new_tokens,
                                   min_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
             out["padded_batch_ok"] = np.asarray(bool(torch.equal(both[0], gen[0, ids.shape[1]:])
@@ -410,17 +419,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     lg = sub.add_parser("logits", help="float32 logits of folded Llama model dirs (one process for all)")
     lg.add_argument("case_dirs", nargs="+", help="directories with config.json, model.safetensors, inputs.npz")
-    lg.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    lg.add_argument("--threads", type=int_range(0), default=0, help="torch intra-op threads (0: torch default)")
     lg.set_defaults(func=cmd_logits)
     tb = sub.add_parser("train-bench", help="time AdamW training steps of a folded Llama; prints JSON")
     tb.add_argument("--model-dir", required=True, help="directory with config.json (+ model.safetensors)")
-    tb.add_argument("--batch", type=int, required=True, help="sequences per step")
-    tb.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    tb.add_argument("--steps", type=int, default=10, help="timed steps")
-    tb.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
-    tb.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    tb.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
-    tb.add_argument("--seed", type=int, default=0, help="seed of init and random batches")
+    tb.add_argument("--batch", type=int_range(1), required=True, help="sequences per step")
+    tb.add_argument("--seq", type=int_range(1), required=True, help="tokens per sequence")
+    tb.add_argument("--steps", type=int_range(1), default=10, help="timed steps")
+    tb.add_argument("--warmup", type=int_range(0), default=2, help="untimed warm-up steps")
+    tb.add_argument("--lr", type=float_range(0, lo_open=True), default=1e-3, help="AdamW learning rate")
+    tb.add_argument("--threads", type=int_range(0), default=0, help="torch intra-op threads (0: torch default)")
+    tb.add_argument("--seed", type=int_range(0), default=0, help="seed of init and random batches")
     tb.add_argument("--grad-checkpointing", action="store_true", help="enable activation checkpointing")
     tb.set_defaults(func=cmd_train_bench)
     tk = sub.add_parser("tokenize", help="encode texts with transformers' AutoTokenizer (fast and slow)")
@@ -435,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="load the folder's own code (auto_map; an official-layout export's modeling_minicpm.py)")
     hc.add_argument("--inputs", required=True, help="npz of int token arrays [batch, seq] (+ 'prompt' [1, T])")
     hc.add_argument("--out", required=True, help="npz to write")
-    hc.add_argument("--new-tokens", type=int, default=16, help="greedy tokens generated after 'prompt'")
+    hc.add_argument("--new-tokens", type=int_range(0), default=16, help="greedy tokens generated after 'prompt'")
     hc.set_defaults(func=cmd_hf_check)
     pl = sub.add_parser("prompt-logits", help="AutoTokenizer(text) ids and AutoModelForCausalLM logits of an HF folder")
     pl.add_argument("model_dir", help="a Hugging Face model folder with its tokenizer files")

@@ -150,3 +150,39 @@ def test_trained_run_export_is_prompted_after_the_eos_in_transformers(trained_ru
         ref = jax_logits(src.cfg, src.params, np.asarray([ids], np.int64))
         err = float(np.max(np.abs(torch_out[f"logits_{i}"] - ref)))
         assert err <= TOL, f"{layout}: transformers vs JAX logits after [eos] differ by {err}"
+
+
+@pytest.mark.torch
+def test_hf_check_short_prompt(tmp_path, tiny_tokenizer_dir):
+    """``torch_side.py hf-check`` with a 2- or 3-token prompt: its padded-batch check pads ``T - 1`` tokens (it
+    padded 3 and generated from an empty tail: transformers' error on a [1, 0] input); 1 token is one line."""
+    import subprocess
+
+    from torch_env import TORCH_SIDE, ensure_torch_env, run_torch_side
+
+    cfg = tiny_cfg(tied=True, max_pos=128)
+    params = random_params(cfg, seed=41)
+    write_hf(params, cfg, tmp_path / "export", layout="llama", tokenizer_dir=tiny_tokenizer_dir)
+    r = np.random.default_rng(3)
+    for t in (3, 2, 1):
+        inputs, out = tmp_path / f"in{t}.npz", tmp_path / f"out{t}.npz"
+        prompt = r.integers(3, cfg.vocab_size, (1, t)).astype(np.int64)
+        np.savez(inputs, prompt=prompt)
+        args = ["hf-check", str(tmp_path / "export"), "--inputs", str(inputs), "--out", str(out), "--new-tokens", "4"]
+        if t > 1:
+            run_torch_side(*args)
+            res = np.load(out)
+            assert bool(res["padded_batch_ok"]) and bool(res["static_cache_ok"])
+            assert [int(x) for x in res["greedy"]] == greedy(cfg, params, [int(x) for x in prompt[0]], 4)
+        else:
+            proc = subprocess.run([str(ensure_torch_env()), str(TORCH_SIDE), *args], capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+            assert proc.stderr.strip().splitlines()[-1] == (
+                f"error: {inputs}: 'prompt' has shape (1, 1); the padded-batch check needs [1, T] with T >= 2 (its "
+                "second row is the prompt's tail after pads)")
+    # its numeric options are bounded like the other scripts' (minicpm4_jax.argtypes): one line, exit 2
+    proc = subprocess.run([str(ensure_torch_env()), str(TORCH_SIDE), "train-bench", "--model-dir", str(tmp_path),
+                           "--batch", "0", "--seq", "8"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "error: argument --batch: 0 is out of range: give an integer >= 1"), proc.stderr
