@@ -802,13 +802,18 @@ def _iter_texts(corpus: Iterable[str | os.PathLike]) -> Iterable[str]:
             raise TypeError(f"train_tokenizer corpus items must be str texts or paths, got {type(item).__name__}")
 
 
-def special_id_mismatches(tok: Any, model_cfg: Any) -> list[str]:
+def special_id_mismatches(tok: Any, model_cfg: Any, document_start: str | None = None) -> list[str]:
     """How the tokenizer's bos / eos ids disagree with ``model.bos_token_id`` / ``model.eos_token_id`` (empty when
     they agree or the tokenizer has none): the data pipeline ends documents with the tokenizer's eos, while an
     export writes the model's ids into ``config.json`` / ``generation_config.json`` (a runtime then stops on
-    another token)."""
+    another token).
+
+    With ``document_start="eos"`` a ``model.bos_token_id`` equal to the tokenizer's eos id is no mismatch: it is the
+    id an export writes as the BOS for such a model anyway (``hf_export.with_document_start``), and what ``import
+    hf --no-tokenizer`` of such an export keeps, not knowing the tokenizer's own BOS."""
     out = []
-    if getattr(tok, "bos_id", None) is not None and tok.bos_id != model_cfg.bos_token_id:
+    runtime_bos = document_start == "eos" and model_cfg.bos_token_id == getattr(tok, "eos_id", None)
+    if getattr(tok, "bos_id", None) is not None and tok.bos_id != model_cfg.bos_token_id and not runtime_bos:
         out.append(f"tokenizer bos id {tok.bos_id} != model.bos_token_id {model_cfg.bos_token_id}")
     if getattr(tok, "eos_id", None) is not None and tok.eos_id not in tuple(model_cfg.eos_token_id):
         out.append(f"tokenizer eos id {tok.eos_id} is not in model.eos_token_id {list(model_cfg.eos_token_id)}")

@@ -862,3 +862,30 @@ def _record_prefixes(monkeypatch) -> list:
 
     monkeypatch.setattr(generate_module, "generate", recording_generate)
     return seen
+
+
+def test_no_tokenizer_import_of_a_trained_run_export_reexports_without_warnings(trained_run, tmp_path, capsys):
+    """`import hf --no-tokenizer` of a run-trained-here export cannot know the tokenizer's own <s>: it keeps
+    config.json's bos_token_id (the EOS, 2) with document_start eos. Re-exported with the run's tokenizer, that id is
+    what the export writes as BOS anyway; it warned "tokenizer bos id 1 != model.bos_token_id 2" about a value the
+    import itself produced. The files equal the first export's; another document start still warns."""
+    from minicpm4_jax.tokenizer import load_tokenizer, special_id_mismatches
+
+    exported = tmp_path / "hf"
+    assert main(["export", "hf", "--checkpoint", str(trained_run), "--out", str(exported)]) == 0
+    run = tmp_path / "run"
+    assert main(["import", "hf", str(exported), "--out", str(run), "--no-tokenizer"]) == 0
+    model_cfg = load_config(run / "config.json").model
+    assert model_cfg.bos_token_id == 2 and read_json(run / MANIFEST_NAME)["document_start"] == "eos"
+    capsys.readouterr()
+    for name, extra in (("with_tok", ["--tokenizer", str(trained_run / "tokenizer")]), ("no_tok", ["--no-tokenizer"])):
+        again = tmp_path / name
+        assert main(["export", "hf", "--checkpoint", str(run), "--out", str(again), *extra]) == 0
+        assert "warning" not in capsys.readouterr().err
+        assert read_json(again / MANIFEST_NAME)["warnings"] == [], name
+        for f in ("config.json", "generation_config.json") + (("tokenizer.json", "tokenizer_config.json")
+                                                             if name == "with_tok" else ()):
+            assert (again / f).read_bytes() == (exported / f).read_bytes(), (name, f)
+    tok = load_tokenizer(trained_run / "tokenizer")
+    assert special_id_mismatches(tok, model_cfg, "bos") == ["tokenizer bos id 1 != model.bos_token_id 2"]
+    assert special_id_mismatches(tok, model_cfg, "eos") == []

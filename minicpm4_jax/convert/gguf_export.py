@@ -599,7 +599,8 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
     Raises:
         ConvertError: as :func:`export_gguf`.
     """
-    from minicpm4_jax.convert.hf_export import ExportResult, check_dense_only, check_tokenizer, export_document_start
+    from minicpm4_jax.convert.hf_export import (ExportResult, check_dense_only, check_tokenizer, export_document_start,
+                                                requested_document_start)
 
     plan = _plan(cfg, outtype)
     _check_out_is_a_folder_name(out, outtype)
@@ -611,7 +612,7 @@ def write_gguf_dir(params: Any, cfg: ModelConfig, out: str | Path, *, outtype: s
     if not (tok_dir / "tokenizer.model").is_file():
         raise ConvertError(f"{tok_dir} has no tokenizer.model; the GGUF vocabulary is read from a SentencePiece "
                            "model (llama.cpp's minicpm path): pass --tokenizer with one")
-    _tok, warnings = check_tokenizer(tok_dir, cfg)
+    _tok, warnings = check_tokenizer(tok_dir, cfg, document_start=requested_document_start(document_start, provenance))
     _run_cfg, start, source = export_document_start(cfg, document_start, provenance, _tok)
     check_dense_only(cfg, _GGUF_TARGET, allow_dense, _GGUF_KEEP_HINT)  # before anything is written
     if outtype in TERNARY_OUTTYPES:  # the weight-level check runs in write_gguf, before its file is opened

@@ -87,6 +87,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "write_tokenizer_files",
     "with_document_start",
+    "requested_document_start",
     "np_dtype",
     "LAYOUTS",
     "DTYPES",
@@ -330,13 +331,15 @@ def check_dense_only(cfg: ModelConfig, target: str, allow_dense: bool, keep_hint
 
 def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
                     fix: str = "pass --tokenizer with the folder of the model's tokenizer (a run's tokenizer/ folder)",
-                    record_dir: Path | None = None) -> tuple[Any, list[str]]:
+                    record_dir: Path | None = None, document_start: str | None = None) -> tuple[Any, list[str]]:
     """Load the tokenizer of ``tokenizer_dir`` and check it against ``cfg`` (and the run's record).
 
     Args:
         fix: the hint appended when the tokenizer cannot be read.
         record_dir: the run folder whose ``data.json`` / import manifest records the tokenizer it was trained
             (imported) with; the tokenizer must be that one (``tokenizer.check_tokenizer_record``).
+        document_start: the start the export is asked for (:func:`requested_document_start`): with ``"eos"``, a
+            ``bos_token_id`` that is the EOS is not warned about (``tokenizer.special_id_mismatches``).
 
     Returns:
         ``(tokenizer or None, warnings)``.
@@ -364,7 +367,7 @@ def check_tokenizer(tokenizer_dir: Path | None, cfg: ModelConfig,
         )
     from minicpm4_jax.tokenizer import special_id_mismatches
 
-    return tok, special_id_mismatches(tok, cfg)
+    return tok, special_id_mismatches(tok, cfg, document_start)
 
 
 def with_document_start(cfg: ModelConfig, document_start: str, tokenizer: Any = None) -> tuple[ModelConfig, str]:
@@ -401,6 +404,12 @@ def with_document_start(cfg: ModelConfig, document_start: str, tokenizer: Any = 
     return cfg, start
 
 
+def requested_document_start(document_start: str | None, provenance: Mapping[str, Any] | None) -> str | None:
+    """The document start an export is asked for: ``document_start``, else ``provenance["document_start"]`` (the
+    run's record), else ``None`` (:func:`export_document_start` then writes ``"bos"``)."""
+    return document_start if document_start is not None else (provenance or {}).get("document_start")
+
+
 def export_document_start(cfg: ModelConfig, document_start: str | None, provenance: Mapping[str, Any] | None,
                           tokenizer: Any = None) -> tuple[ModelConfig, str, dict[str, Any]]:
     """What an export writes for its document start: ``(config for runtimes, effective start, manifest source)``.
@@ -411,7 +420,7 @@ def export_document_start(cfg: ModelConfig, document_start: str | None, provenan
     Raises:
         ConvertError: a start other than eos/bos/none.
     """
-    given = document_start if document_start is not None else (provenance or {}).get("document_start")
+    given = requested_document_start(document_start, provenance)
     run_cfg, start = with_document_start(cfg, "bos" if given is None else given, tokenizer)
     source = dict(provenance or {})
     if given is not None:
@@ -643,7 +652,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
                            "(no_tokenizer=True) to write the weights and config only")
     if tok_dir is not None and no_tokenizer:
         raise ConvertError(f"--tokenizer {tok_dir} and --no-tokenizer contradict each other; pass one of them")
-    _tok, warnings = check_tokenizer(tok_dir, cfg)
+    _tok, warnings = check_tokenizer(tok_dir, cfg, document_start=requested_document_start(document_start, provenance))
     # the ids a runtime reads (bos_token_id = the EOS for a model trained here); cfg itself keeps the tokenizer's
     run_cfg, start, source = export_document_start(cfg, document_start, provenance, _tok)
     sparse = cfg.attention == "infllmv2" and cfg.sparse_config is not None

@@ -271,7 +271,10 @@ def _model_bos(cfg: ModelConfig, start: str, tok: Any) -> ModelConfig:
     """``cfg`` with ``bos_token_id`` = the tokenizer's own BOS when ``config.json`` names the EOS as BOS for a model
     whose documents start after EOS (this project's export of a run trained here, ``hf_export.with_document_start``):
     ``model.bos_token_id`` is the tokenizer's BOS in a run (training and export check it), not the token put before
-    a document (that is ``document_start``). Unchanged otherwise, or without a tokenizer or its BOS."""
+    a document (that is ``document_start``). Unchanged otherwise, or without a tokenizer or its BOS: ``import hf
+    --no-tokenizer`` cannot know the tokenizer's own BOS and keeps ``config.json``'s (the EOS), which a later export
+    of the run writes as its BOS anyway, and does not count as a mismatch with the tokenizer it is given
+    (``tokenizer.special_id_mismatches`` with document start ``eos``)."""
     bos = getattr(tok, "bos_id", None) if tok is not None else None
     if start != "eos" or bos is None or bos < 0 or cfg.bos_token_id != getattr(tok, "eos_id", None):
         return cfg
@@ -302,7 +305,8 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     The manifest records ``document_start`` (what the model's documents start after, :func:`_document_start`).
     An export of a run trained here names the EOS as its BOS (``bos_token_id`` in ``config.json``, ``bos_token``
     in ``tokenizer_config.json``, so runtimes prepend it); the imported ``model.bos_token_id`` is then the
-    tokenizer's own BOS again (``<s>`` of a SentencePiece model), as in the run it was exported from.
+    tokenizer's own BOS again (``<s>`` of a SentencePiece model), as in the run it was exported from; with
+    ``no_tokenizer`` it stays the EOS (:func:`_model_bos`).
 
     Returns:
         :class:`ImportResult`; ``params`` are float32 ``[L, ...]``-stacked ``jax.Array`` (an ``nnx.State``).
