@@ -634,3 +634,31 @@ def test_a_generation_budget_without_room_for_a_prompt_is_refused_before_any_tas
     with pytest.raises(DataError, match=r"^gsm8k generates up to 256 tokens but the model's max_length is 256 "
                                          r"\(prefix included\), so no prompt token fits: leave gsm8k out"):
         evaluate(Short(), ["mmlu", "gsm8k"], _bench_dir(), limit=2, log=None)
+
+
+def test_subject_csv_folders_may_be_gzip_compressed(tmp_path):
+    """CMMLU / C-Eval folders of ``.csv.gz`` files load as their ``.csv`` originals (the readers, MMLU's per-subject
+    files and the other loaders' ``.jsonl.gz`` already accepted gzip; these two were refused as "no cmmlu data"),
+    dev shots included; MMLU's header sniff reads a ``.csv.gz`` too (a gzip-compressed original tarball, without a
+    header row, lost its first question to the header)."""
+    from minicpm4_jax.eval.bench.tasks import load_task
+
+    src = _bench_dir()
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    for task, split, names in (("cmmlu", "test", ("agronomy.csv", "anatomy.csv")),
+                               ("ceval", "val", ("accountant_val.csv", "art_studies_val.csv"))):
+        for sub, name in [(split, n) for n in names] + [("dev", n.replace("_val", "_dev")) for n in names]:
+            data = (src / task / sub / name).read_bytes()
+            for root, fname, body in ((plain, name, data), (packed, name + ".gz", gzip.compress(data))):
+                (root / task / sub).mkdir(parents=True, exist_ok=True)
+                (root / task / sub / fname).write_bytes(body)
+        want, got = load_task(task, plain), load_task(task, packed)
+        assert len(got.items) == len(want.items) > 2 and got.k_shot == 5
+        assert [(i["context"], i["gold"], i["id"]) for i in got.items] == [(i["context"], i["gold"], i["id"])
+                                                                           for i in want.items]
+        assert all(f.name.endswith(".csv.gz") for f in got.files)
+    rows = "What?,a,b,c,d,A\nWhy?,a,b,c,d,B\nHow?,a,b,c,d,C\n"
+    (tmp_path / "mmlu" / "mmlu" / "test").mkdir(parents=True)
+    (tmp_path / "mmlu" / "mmlu" / "test" / "bar_test.csv.gz").write_bytes(gzip.compress(rows.encode()))
+    items = load_task("mmlu", tmp_path / "mmlu", k_shot=0).items
+    assert [i["gold"] for i in items] == [0, 1, 2] and items[0]["context"].split("\n")[2] == "What?"

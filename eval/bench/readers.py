@@ -26,7 +26,9 @@ def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def open_text(path: Path) -> io.TextIOBase:
+    """``path`` opened as UTF-8 text (a BOM dropped, newlines untranslated for :mod:`csv`); a ``.gz`` name is read
+    through gzip."""
     if path.name.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
     return open(path, encoding="utf-8-sig", newline="")
@@ -45,7 +47,7 @@ def _kind(path: Path) -> str:
 def read_jsonl(path: Path) -> list[dict]:
     out = []
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -68,7 +70,7 @@ def read_json(path: Path, field: str | None = None) -> list[dict] | dict:
     Without ``field`` a top-level object is returned as is (e.g. BBH's ``cot_prompts.json``).
     """
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             text = f.read()
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read ({_one_line(e)})") from None
@@ -104,7 +106,7 @@ def read_csv(path: Path, *, header: bool | None = None, fieldnames: Sequence[str
     """
     out = []
     try:
-        with _open_text(path) as f:
+        with open_text(path) as f:
             reader = csv.reader(f, strict=True)
             names: list[str] | None = list(fieldnames) if fieldnames is not None else None
             start = reader.line_num

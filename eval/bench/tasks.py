@@ -41,11 +41,12 @@ class Task:
 
 
 # ------------------------------------------------------------------------------ helpers
-def _bench_dir(data_dir: Path, folder: str, marker: str) -> Path:
-    """``data_dir/folder`` if it exists, else ``data_dir`` itself when it looks like the folder."""
+def _bench_dir(data_dir: Path, folder: str, marker: str, gz: bool = False) -> Path:
+    """``data_dir/folder`` if it exists, else ``data_dir`` itself when it looks like the folder (holds a file
+    matching ``marker``, or with ``gz`` its gzip-compressed ``marker.gz``)."""
     data_dir = Path(data_dir)
     for cand in (data_dir / folder, data_dir):
-        if cand.is_dir() and any(cand.glob(marker)):
+        if cand.is_dir() and any(any(cand.glob(m)) for m in (marker, marker + ".gz")[: 1 + gz]):
             return cand
     raise DataError(f"{data_dir}: no {folder} data (looked for {folder}/{marker} and {marker})")
 
@@ -126,13 +127,13 @@ def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob
                 description: Callable[[str], str], answer_word: str, k_shot: int, limit: int | None,
                 csv_header: bool | None = None, known: Mapping[str, str] | None = None) -> Task:
     """The per-subject layout: ``root/<eval_split>/<subject><suffixes[0]>`` (and ``root/dev/<subject><suffixes[1]>``
-    for the shots). ``known`` (the benchmark's subject names): a folder holding none of them is another
+    for the shots), each file optionally gzip-compressed (``.gz``, as :mod:`readers` reads it). ``known`` (the benchmark's subject names): a folder holding none of them is another
     benchmark's (MMLU's ``test/*_test.csv`` also matches CMMLU's ``test/*.csv``) and is refused.
 
     Raises:
         DataError: no eval files, none of the ``known`` subjects, an empty subject file, missing or short dev files.
     """
-    eval_files = find_files(root / eval_split, [eval_glob])
+    eval_files = find_files(root / eval_split, [eval_glob, eval_glob + ".gz"])
     if not eval_files:
         raise DataError(f"{root / eval_split}: no files matching {eval_glob}")
 
@@ -241,10 +242,10 @@ def load_mmlu(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) ->
         return _single_file_mc("mmlu", data_dir, "mmlu", "test", desc, "Answer:", k_shot, limit)
 
     # The original tarball has no header row; the re-export (and HF parquet) has one.
-    sample = find_files(root / "test", ["*_test.csv"])
+    sample = find_files(root / "test", ["*_test.csv", "*_test.csv.gz"])
     header = None
     if sample:
-        with open(sample[0], encoding="utf-8-sig") as f:
+        with readers.open_text(sample[0]) as f:
             first = f.readline().lower()
         header = None if first.startswith("question,") or first.startswith(",question") else False
     return _subject_mc("mmlu", root, "test", "*_test.*", "*_dev.*", ("_test.csv", "_dev.csv"), desc, "Answer:",
@@ -256,7 +257,7 @@ def load_cmmlu(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) -
         return f"以下是关于{CMMLU_SUBJECTS.get(s, s)}的单项选择题，请直接给出正确答案的选项。\n\n"
 
     try:
-        root = _bench_dir(data_dir, "cmmlu", "test/*.csv")
+        root = _bench_dir(data_dir, "cmmlu", "test/*.csv", gz=True)
     except DataError:
         return _single_file_mc("cmmlu", data_dir, "cmmlu", "test", desc, "答案：", k_shot, limit)
 
@@ -269,7 +270,7 @@ def load_ceval(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) -
         return f"以下是中国关于{CEVAL_SUBJECTS.get(s, s)}的单项选择题，请选出其中的正确答案。\n\n"
 
     try:
-        root = _bench_dir(data_dir, "ceval", "val/*_val.csv")
+        root = _bench_dir(data_dir, "ceval", "val/*_val.csv", gz=True)
     except DataError:
         return _single_file_mc("ceval", data_dir, "ceval", "val", desc, "答案：", k_shot, limit)
 
