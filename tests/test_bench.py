@@ -520,6 +520,44 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
             parse_tasks(spec)
 
 
+def test_fields_of_the_wrong_type_are_one_line_data_errors(tmp_path):
+    """Break test (helper 87): a non-dict ARC choice, a number as a HumanEval prompt or a BBH prompt, an MBPP
+    task_id that is no integer or a test that is no string, and an MMLU file that is not UTF-8 ended in tracebacks
+    (AttributeError, sentencepiece's TypeError, ValueError without the file) instead of naming file and line."""
+    def folder(name, files):
+        root = tmp_path / name
+        for rel, data in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(data) if isinstance(data, bytes) else (root / rel).write_text(data)
+        return root
+
+    def lines(*recs):
+        return "".join(json.dumps(r) + "\n" for r in recs)
+
+    arc = {"question": {"stem": "s", "choices": ["a", "b"]}, "answerKey": "A"}
+    he = {"task_id": "HumanEval/0", "prompt": 5, "test": "t", "entry_point": "f"}
+    shots = [{"task_id": i, "text": "t", "code": "c", "test_list": ["assert 1"]} for i in (2, 3, 4)]
+    cot = "d\n\nQ: a\nA: Let's think step by step.\nSo the answer is (A)."
+    for task, files, what in (
+            ("arc_easy", {"arc/ARC-Easy-Test.jsonl": lines(arc)},
+             r"ARC-Easy-Test\.jsonl:1: each of question\.choices must be an object"),
+            ("humaneval", {"humaneval/HumanEval.jsonl": lines(he)},
+             r"HumanEval\.jsonl:1: field 'prompt' for humaneval must be text, got int 5"),
+            ("mbpp", {"mbpp/mbpp.jsonl": lines(*shots, {"task_id": "x", "text": "t", "code": "c", "test_list": []})},
+             r"mbpp\.jsonl:4: task_id 'x' is not an integer"),
+            ("mbpp", {"mbpp/mbpp.jsonl": lines(*shots, {"task_id": 11, "text": "t", "code": "c", "test_list": [1]})},
+             r"mbpp\.jsonl:4: 'test_list' must be a list of assert strings"),
+            ("bbh", {"bbh/data/x.json": json.dumps({"examples": [{"input": "i", "target": "(A)"}]}),
+                     "bbh/cot_prompts.json": json.dumps({"x": 5})},
+             r"cot_prompts\.json: the prompt of task 'x' must be text, got int"),
+            ("mmlu", {"mmlu/test/x_test.csv": b"\xff\xfe\x00q,a"}, r"x_test\.csv: cannot read \('utf-8' codec")):
+        with pytest.raises(DataError, match=what):
+            load_task(task, folder(f"{task}_{len(what)}", files), k_shot=0)
+    # the same folders with the right types load
+    assert load_task("bbh", folder("bbh_ok", {"bbh/data/x.json": json.dumps({"examples": [{"input": "i", "target": "(A)"}]}),
+                                              "bbh/cot_prompts.json": json.dumps({"x": cot})}), k_shot=1).items
+
+
 def test_cli_run_end_to_end_with_a_scripted_model(tmp_path, capsys, monkeypatch):
     import argparse
 

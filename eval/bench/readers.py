@@ -180,6 +180,17 @@ def require(records: Iterable[dict], fields: Sequence[str], what: str = "") -> N
                                 f"(fields present: {', '.join(have)})")
 
 
+def require_text(records: Iterable[dict], fields: Sequence[str], what: str = "") -> None:
+    """Every record has every field as a string (what a prompt or program is built from); else a one-line error
+    naming file, line and the field's type (a number or list there would fail later, deep in the tokenizer)."""
+    require(records, fields, what)
+    for rec in records:
+        for f in fields:
+            if not isinstance(rec[f], str):
+                raise bad(rec, f"field {f!r}{' for ' + what if what else ''} must be text, got "
+                               f"{type(rec[f]).__name__} {_one_line(repr(rec[f]))[:60]}")
+
+
 def bad(rec: dict, msg: str) -> DataError:
     """A :class:`DataError` for ``rec`` (prefixed with its file:line)."""
     return DataError(f"{rec.get(WHERE, '?')}: {_one_line(msg)}")

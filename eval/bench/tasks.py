@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from minicpm4_jax.eval.bench import readers
-from minicpm4_jax.eval.bench.readers import WHERE, DataError, bad, find_files, read_json, read_records, require
+from minicpm4_jax.eval.bench.readers import (WHERE, DataError, bad, find_files, read_json, read_records, require,
+                                             require_text)
 from minicpm4_jax.eval.bench.subjects import CEVAL_SUBJECTS, CMMLU_SUBJECTS
 
 LETTERS = "ABCDEFGHIJ"
@@ -245,8 +246,11 @@ def load_mmlu(data_dir: Path, k_shot: int = 5, limit: int | None = None, **_) ->
     sample = find_files(root / "test", ["*_test.csv", "*_test.csv.gz"])
     header = None
     if sample:
-        with readers.open_text(sample[0]) as f:
-            first = f.readline().lower()
+        try:
+            with readers.open_text(sample[0]) as f:
+                first = f.readline().lower()
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            raise DataError(f"{sample[0]}: cannot read ({' '.join(str(e).split())})") from None
         header = None if first.startswith("question,") or first.startswith(",question") else False
     return _subject_mc("mmlu", root, "test", "*_test.*", "*_dev.*", ("_test.csv", "_dev.csv"), desc, "Answer:",
                        k_shot, limit, csv_header=header)
@@ -284,6 +288,8 @@ def _arc_fields(rec: dict) -> tuple[str, list[str], int]:
         stem, ch = q.get("stem"), q.get("choices")
         if stem is None or not isinstance(ch, list):
             raise bad(rec, "question must have 'stem' and a 'choices' list")
+        if not all(isinstance(c, dict) for c in ch):
+            raise bad(rec, "each of question.choices must be an object {text, label}")
         texts = [str(c.get("text")) for c in ch]
         labels = [str(c.get("label")) for c in ch]
     else:  # HF layout: question str, choices {text: [], label: []}
@@ -455,6 +461,9 @@ def _load_bbh(data_dir: Path, cot: bool, limit: int | None, k_shot: int = 3, **_
         task = f.stem
         if task not in prompts:
             raise DataError(f"{prompts_file}: no prompt for task {task!r}")
+        if not isinstance(prompts[task], str):
+            raise DataError(f"{prompts_file}: the prompt of task {task!r} must be text, got "
+                            f"{type(prompts[task]).__name__}")
         desc, shots = bbh_prompt_parts(prompts[task])
         if len(shots) < k:
             raise DataError(f"{prompts_file}: prompt of {task!r} has {len(shots)} exemplars, {k} needed")
@@ -492,7 +501,8 @@ def load_humaneval(data_dir: Path, limit: int | None = None, **_) -> Task:
     f = _first(root, ["HumanEval.jsonl.gz", "HumanEval.jsonl", "HumanEval*.jsonl*", "HumanEval*.parquet"],
                "humaneval")
     recs = read_records(f)
-    require(recs, ["task_id", "prompt", "test", "entry_point"], "humaneval")
+    require(recs, ["task_id"], "humaneval")
+    require_text(recs, ["prompt", "test", "entry_point"], "humaneval")
     items = [{"id": r["task_id"], "subtask": "humaneval", "where": r[WHERE], "prompt": r["prompt"],
               "until": HUMANEVAL_STOP, "max_new_tokens": 512, "test": r["test"], "entry_point": r["entry_point"],
               "canonical": r.get("canonical_solution"), "program": "humaneval"} for r in recs]
@@ -513,13 +523,19 @@ def load_mbpp(data_dir: Path, limit: int | None = None, k_shot: int = 3, **_) ->
     root = _bench_dir(data_dir, "mbpp", "*.jsonl")
     f = _first(root, ["mbpp.jsonl", "mbpp.json", "mbpp*.parquet"], "mbpp")
     recs = read_records(f)
-    require(recs, ["task_id", "text", "code", "test_list"], "mbpp")
+    require(recs, ["task_id", "test_list"], "mbpp")
+    require_text(recs, ["text", "code"], "mbpp")
     by_id = {}
     for r in recs:
-        if not isinstance(r["test_list"], list):
+        if not isinstance(r["test_list"], list) or not all(isinstance(t, str) for t in r["test_list"]):
             raise bad(r, "'test_list' must be a list of assert strings")
-        r["code"] = str(r["code"]).replace("\r\n", "\n")
-        by_id[int(r["task_id"])] = r
+        if r.get("test_setup_code") is not None and not isinstance(r["test_setup_code"], str):
+            raise bad(r, "'test_setup_code' must be text")
+        r["code"] = r["code"].replace("\r\n", "\n")
+        try:
+            by_id[int(r["task_id"])] = r
+        except (TypeError, ValueError):
+            raise bad(r, f"task_id {r['task_id']!r} is not an integer") from None
     shot_ids = [2, 3, 4][: min(k_shot, 3)]
     missing = [i for i in shot_ids if i not in by_id]
     if missing:
