@@ -160,6 +160,12 @@ class MiniCPM4LM(TemplateLM):
         return res
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string (and EOS).
+
+        Greedy unless ``do_sample`` with a ``temperature`` > 0; then ``top_p`` / ``top_k`` apply as given (absent:
+        no nucleus / top-k cut). ``max_gen_toks`` defaults to the backend's. A context longer than ``max_length -
+        max_gen_toks`` keeps its last tokens (a warning on stderr says how many were cut).
+        """
         out: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         settings: dict[str, dict] = {}
@@ -171,6 +177,12 @@ class MiniCPM4LM(TemplateLM):
             do_sample = bool(kw.get("do_sample", False))
             temp = float(kw.get("temperature", 0.0) or 0.0) if do_sample else 0.0
             s = {"until": until, "max_new_tokens": max_toks, "temperature": temp}
+            if temp > 0:  # a sampling task's nucleus / top-k settings (were dropped: plain temperature sampling)
+                top_p, top_k = float(kw.get("top_p") or 1.0), int(kw.get("top_k") or 0)
+                if top_p != 1.0:
+                    s["top_p"] = top_p
+                if top_k:
+                    s["top_k"] = top_k
             key = json.dumps(s, sort_keys=True)
             settings[key] = s
             groups.setdefault(key, []).append(i)
@@ -179,7 +191,7 @@ class MiniCPM4LM(TemplateLM):
             # a context longer than max_length - max_gen_toks keeps its last tokens, as lm-eval's HF backend does
             prompts = [requests[i].args[0] for i in idx]
             kw = dict(max_new_tokens=s["max_new_tokens"], stop=s["until"], temperature=s["temperature"],
-                      seed=self.seed)
+                      seed=self.seed, **{k: s[k] for k in ("top_p", "top_k") if k in s})
             if can_cut_prompts(self.model):
                 texts, cuts = self.model.generate(prompts, truncate=True, return_cuts=True, **kw)
             else:

@@ -186,6 +186,28 @@ def test_rolling_and_generate_until():
     assert ("generate", 5, ("\n\n",), 0.0) in gens and ("generate", 17, ("apples",), 0.0) in gens
 
 
+class SamplingEvalModel(ScriptedEvalModel):
+    """The protocol with EvalModel's sampling settings, recorded per call."""
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), temperature=0.0, seed=0, top_p=1.0, top_k=0):
+        self.calls.append(("generate", temperature, top_p, top_k))
+        return [" x"] * len(prompts)
+
+
+@needs_lm_eval
+def test_generate_until_passes_top_p_and_top_k_when_sampling():
+    """Break test (helper 87): do_sample with top_p / top_k sampled from the whole distribution (both dropped)."""
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = SamplingEvalModel()
+    lm = MiniCPM4LM(model=m)
+    lm.generate_until([_inst("generate_until", ("Q1", {"do_sample": True, "temperature": 0.7, "top_p": 0.9,
+                                                      "top_k": 40}), 0),
+                       _inst("generate_until", ("Q2", {"do_sample": True, "temperature": 0.5}), 1),
+                       _inst("generate_until", ("Q3", {"do_sample": False, "temperature": 0.7, "top_p": 0.9}), 2)])
+    assert sorted(c[1:] for c in m.calls) == [(0.0, 1.0, 0), (0.5, 1.0, 0), (0.7, 0.9, 40)]
+
+
 class CuttingEvalModel(ScriptedEvalModel):
     """The protocol with EvalModel's left cut of generation prompts: every prompt over 4 characters is cut."""
 
