@@ -285,7 +285,8 @@ class ModelConfig:
             head_dim=get("head_dim", None),
             max_position_embeddings=get("max_position_embeddings", 2048),
             rms_norm_eps=get("rms_norm_eps", 1e-6),
-            rope_theta=get("rope_theta", 10000.0),
+            # transformers 5 configs may keep the base only in rope_parameters (was: silently 10000)
+            rope_theta=get("rope_theta", rp.get("rope_theta", 10000.0) if isinstance(rp, dict) else 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings=get("tie_word_embeddings", True),
             scale_emb=get("scale_emb", 1),

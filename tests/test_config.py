@@ -210,6 +210,22 @@ def test_hf_defaults_when_keys_missing():
     assert m.rms_norm_eps == 1e-6
 
 
+def test_hf_rope_theta_from_rope_parameters():
+    """Break test (helper 87): a transformers-5 style config.json with the RoPE base only in ``rope_parameters``
+    (plain RoPE or LongRoPE, no top-level ``rope_theta``) imported with the default base 10000, silently."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128,
+            "vocab_size": 100}
+    plain = ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}})
+    assert plain.rope_theta == 5e4 and plain.rope_scaling is None
+    f = [1.0] * 8
+    long_ = ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6,
+                                                                    "short_factor": f, "long_factor": f,
+                                                                    "original_max_position_embeddings": 64}})
+    assert long_.rope_theta == 1e6 and long_.rope_scaling.short_factor == tuple(f)
+    # a top-level rope_theta (the released configs) wins
+    assert ModelConfig.from_hf_config({**base, "rope_theta": 2e4, "rope_parameters": {"rope_theta": 5e4}}).rope_theta == 2e4
+
+
 def test_float16_parameters_are_refused_for_training():
     """Sixth break test: model.param_dtype=float16 passed and the loss turned NaN at step 2 (AdamW's state in
     float16 underflows); bfloat16 trains."""
