@@ -382,6 +382,25 @@ def test_import_refuses_architecture_switches_it_would_drop(runs, tmp_path, caps
     assert main(["import", "hf", str(src), "--out", str(tmp_path / "o")]) == 0
 
 
+def test_import_refuses_a_quantized_folder_by_its_method(runs, tmp_path, capsys):
+    """Break test (helper 87): a GPTQ folder (quantization_config, qweight/qzeros/scales/g_idx tensors) was refused
+    as 'a renamed tensor?' naming q_proj.weight missing and g_idx unexpected; the config names the cause."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    shutil.copytree(runs["hf"], src)
+    cfg = read_json(src / "config.json")
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    with SafetensorsSource(src) as s:
+        t = {k: s.get(k) for k in s.entries}
+    w = t.pop("model.layers.0.self_attn.q_proj.weight")
+    t["model.layers.0.self_attn.q_proj.qweight"] = np.zeros((w.shape[1] // 8, w.shape[0]), np.int32)
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    err = _one_line_error(capsys, ["import", "hf", str(src), "--out", str(tmp_path / "o")])
+    assert "quantization_config 'gptq': a quantized checkpoint" in err and "unquantized" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_renamed_tensor_names_missing_and_unexpected(runs, tmp_path):
     from safetensors.numpy import save_file
 

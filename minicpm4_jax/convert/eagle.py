@@ -53,6 +53,7 @@ from minicpm4_jax.convert.io import (
     check_disk_space,
     check_float16_range,
     check_output_target,
+    quantization_method,
     refuse_output_over_source,
     staged_output,
     write_manifest,
@@ -284,9 +285,8 @@ def read_eagle(folder: str | Path, cfg: ModelConfig) -> tuple[Callable[[str, tup
                                "layers), not an EAGLE draft folder; give the draft head's folder")
         raise ConvertError(f"{cpath}: num_hidden_layers {n_layers} draft layers; our MTP module has one (use a "
                            "one-layer EAGLE-1 head such as MiniCPM4-8B-Eagle-FRSpec)")
-    if "quantization_config" in ecfg:
-        q = ecfg["quantization_config"]
-        method = q.get("quant_method", "?") if isinstance(q, dict) else q
+    method = quantization_method(ecfg)
+    if method is not None:
         raise ConvertError(f"{cpath} describes a quantized draft (quantization_config {method!r}); only unquantized "
                            "drafts import (use MiniCPM4-8B-Eagle-FRSpec, not the -QAT variant)")
     for key in _SHARED_SCALARS:

@@ -41,6 +41,7 @@ from minicpm4_jax.convert.io import (
     default_file_mode,
     file_sha256,
     params_sha256,
+    quantization_method,
     refuse_output_over_source,
     staged_output,
     write_manifest,
@@ -100,6 +101,11 @@ def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]
                     f"'minicpm4 import hf BASE --eagle {folder} --out RUN')")
         raise ConvertError(f"{p}: architectures={archs!r} is not ['{OFFICIAL_ARCHITECTURE}']{hint}; "
                            "'minicpm4 import hf' reads official MiniCPM4 folders only")
+    method = quantization_method(raw)
+    if method is not None:  # (was: every quantized tensor named as missing/unexpected, "a renamed tensor?")
+        raise ConvertError(f"{p}: quantization_config {method!r}: a quantized checkpoint (GPTQ/AWQ/Marlin/FP8 "
+                           "tensors); 'minicpm4 import hf' reads unquantized F32/F16/BF16 weights: import the "
+                           "unquantized release (for BitCPM4 ternary models, the bf16 fake-quantized one)")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
         if key not in raw:
             raise ConvertError(f"{p} has no {key!r}; it is not a complete MiniCPM config")

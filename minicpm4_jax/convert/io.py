@@ -49,6 +49,7 @@ __all__ = [
     "plan_shards",
     "parse_size",
     "MANIFEST_NAME",
+    "quantization_method",
 ]
 
 #: name of the manifest every import/export writes
@@ -60,6 +61,15 @@ _ST_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I16"
 class ConvertError(ConfigError):
     """Bad input to an import/export (one line: the bad value and the fix). A :class:`ConfigError`,
     so the CLI prints it as ``error: ...`` with exit status 2."""
+
+
+def quantization_method(hf_config: Mapping[str, Any]) -> str | None:
+    """The ``quant_method`` of a Hugging Face ``config.json``'s ``quantization_config`` (GPTQ, AWQ, Marlin, FP8...),
+    ``"?"`` when it names none, or ``None`` for an unquantized config (no such key)."""
+    q = hf_config.get("quantization_config")
+    if q is None:
+        return None
+    return str(q.get("quant_method", "?")) if isinstance(q, Mapping) else str(q)
 
 
 # ------------------------------------------------------------------------------------------------
