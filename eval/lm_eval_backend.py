@@ -250,7 +250,8 @@ def _check_cli_args(args: Sequence[str]) -> None:
     The arguments are parsed by lm-eval's own parser (its abbreviations, JSON ``--model_args``), then checked.
 
     Raises:
-        ConfigError: ``batch_size``/``max_batch_size``/``device`` inside ``--model_args`` (lm-eval passes its own
+        ConfigError: ``--apply_chat_template`` / ``--fewshot_as_multiturn`` (this backend has no chat template),
+            ``batch_size``/``max_batch_size``/``device`` inside ``--model_args`` (lm-eval passes its own
             ``--batch_size``... to the model as well: "got multiple values for keyword argument"), a ``--limit``
             that is not a finite number > 0, a ``--num_fewshot`` that is not an integer >= 0.
     """
@@ -271,6 +272,11 @@ def _check_cli_args(args: Sequence[str]) -> None:
     if dup:
         raise ConfigError(f"{dup[0]} in --model_args: lm-eval passes its own --{dup[0]} to the model too; give it as "
                           f"--{dup[0]} VALUE instead")
+    chat = [f"--{a}" for a in ("apply_chat_template", "fewshot_as_multiturn") if getattr(ns, a, None)]
+    if chat:  # (was lm-eval's NotImplementedError traceback after the model had loaded)
+        raise ConfigError(f"{chat[0]}: {MODEL_NAME} has no chat template (every prompt is plain text, as runs trained "
+                          "here see them); drop it, or for an imported chat model write its chat format into the task's "
+                          "prompts")
     limit, shots = getattr(ns, "limit", None), getattr(ns, "num_fewshot", None)
     if limit is not None and not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
         raise ConfigError(f"--limit {limit}: give a number > 0 (documents per task, or a fraction below 1)")

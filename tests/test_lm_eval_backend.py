@@ -344,6 +344,9 @@ def test_missing_task_data_file_is_one_line(monkeypatch, capsys):
     (["--num_few", "-1"], "error: --num_fewshot -1: give an integer >= 0"),
     (["--model_arg", "checkpoint=/x,device=cpu"], "error: device in --model_args"),
     (["--model_args", '{"checkpoint": "/x", "batch_size": 2}'], "error: batch_size in --model_args"),
+    # helper 87: lm-eval's NotImplementedError traceback after the model had loaded
+    (["--apply_chat_template"], "error: --apply_chat_template: minicpm4-jax has no chat template"),
+    (["--fewshot_as_multiturn"], "error: --fewshot_as_multiturn: minicpm4-jax has no chat template"),
 ])
 def test_launcher_refuses_bad_arguments_in_one_line(monkeypatch, capsys, args, message):
     """Third break test: these ended in lm-eval tracebacks (a duplicated keyword argument, "did not find any docs")
