@@ -322,6 +322,31 @@ def _pairs(results: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str
     return [(v["dense"], v["sparse"]) for v in by_model.values() if "dense" in v and "sparse" in v]
 
 
+#: run settings that change which items are scored or how (a sparse-vs-dense pair must share them to compare)
+_PAIR_SETTINGS = {"bench": ("data_dir", "seed", "prefix", "pass_k_samples"),
+                  "ruler": ("lengths", "num_samples", "seed", "chat_template", "prefix_tokens", "data_source")}
+
+
+def _pair_differences(dense: dict[str, Any], sparse: dict[str, Any], kind: str) -> list[str]:
+    """What makes a (dense, sparse) pair's scores not like for like: settings of ``_PAIR_SETTINGS`` that differ, and
+    tasks of both scored on a different number of items (``n``) or shots (``k_shot``); ``[]`` when they compare."""
+    cd, cs = dense.get("config") or {}, sparse.get("config") or {}
+    out = [f"{k} {cd.get(k)!r} vs {cs.get(k)!r}" for k in _PAIR_SETTINGS[kind] if cd.get(k) != cs.get(k)]
+    td, ts = ((r.get("scores") or {}).get("tasks") or {} for r in (dense, sparse))
+    for name in sorted(set(td) & set(ts)):
+        for key in ("n", "k_shot"):
+            vd, vs = (t.get(key) if isinstance(t, dict) else None for t in (td[name], ts[name]))
+            if vd != vs:
+                out.append(f"{name} {key} {vd} vs {vs}")
+    return out
+
+
+def _pair_note(dense: dict[str, Any], sparse: dict[str, Any], kind: str) -> list[str]:
+    """report.md lines warning that a sparse-vs-dense pair was run on different items or settings."""
+    diff = _pair_differences(dense, sparse, kind)
+    return [f"\n**Not like for like** (dense vs sparse): {'; '.join(diff)}."] if diff else []
+
+
 def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *, dpi: int = 120) -> list[Path]:
     """Render every plot the results support into ``out_dir``; returns the PNG paths (``report.md`` beside).
 
@@ -357,6 +382,7 @@ def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike
         for d, s in _pairs([r for _, r in ruler]):
             made.append(ruler_sparse_vs_dense(d, s, out / f"ruler_sparse_vs_dense_{_slug(_label(d))}.png", dpi))
             md.append(f"![RULER sparse vs dense]({made[-1].name})")
+            md += _pair_note(d, s, "ruler")
         md.append("")
 
     if bench:
@@ -370,6 +396,7 @@ def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike
         for d, s in _pairs([r for _, r in bench]):
             made.append(bench_sparse_vs_dense(d, s, out / f"bench_sparse_vs_dense_{_slug(_label(d))}.png", dpi))
             md.append(f"![bench sparse vs dense]({made[-1].name})")
+            md += _pair_note(d, s, "bench")
         md.append("")
 
     out.mkdir(parents=True, exist_ok=True)

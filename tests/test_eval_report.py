@@ -30,8 +30,8 @@ def _ruler(out: Path, attention: str, offset: float, lengths=(4096, 8192, 32768)
     return res
 
 
-def _bench(out: Path, attention: str, offset: float) -> Path:
-    tasks = {name: {"score": s - offset, "metric": m, "n": 20} for name, s, m in
+def _bench(out: Path, attention: str, offset: float, n: int = 20) -> Path:
+    tasks = {name: {"score": s - offset, "metric": m, "n": n} for name, s, m in
              [("mmlu", 31.5, "acc"), ("gsm8k", 4.0, "exact_match"), ("humaneval", 0.0, "pass@1"),
               ("bbh", 22.2, "exact_match"), ("ceval", 27.0, "acc")]}
     res, _ = write_results(out, kind="bench", config={"attention": attention},
@@ -69,6 +69,27 @@ def test_report_renders_all_plots(tmp_path):
     assert sizes["ruler_sparse_vs_dense_tiny_dense_abc123ab.png"][0] > sizes["ruler_heatmap_tiny_dense_abc123ab.png"][0]
     md = (tmp_path / "report" / "report.md").read_text()
     assert all(n in md for n in names) and "4K: " in md
+
+
+def test_a_sparse_vs_dense_pair_on_different_items_is_flagged(tmp_path):
+    """Break test (helper 87): a dense run with --limit 4 and a sparse one with --limit 2 were drawn side by side as a
+    comparison (different questions), with no word; so were RULER runs of different sample counts or seeds."""
+    _bench(tmp_path / "dense", "dense", 0.0, n=4)
+    _bench(tmp_path / "sparse", "sparse", 1.5, n=2)
+    _ruler(tmp_path / "dense", "dense", 0.0)
+    res = _ruler(tmp_path / "sparse", "sparse", 4.0)
+    data = json.loads(res.read_text())
+    data["config"]["num_samples"] = 7
+    res.write_text(json.dumps(data))
+    render_report([tmp_path / "dense", tmp_path / "sparse"], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "**Not like for like** (dense vs sparse): bbh n 4 vs 2; ceval n 4 vs 2; gsm8k n 4 vs 2;" in md, md
+    assert "**Not like for like** (dense vs sparse): num_samples None vs 7." in md, md
+    # a like-for-like pair gets no note
+    _bench(tmp_path / "sparse", "sparse", 1.5, n=4)
+    render_report([tmp_path / "dense" / "bench_results.json", tmp_path / "sparse" / "bench_results.json"],
+                  tmp_path / "r3")
+    assert "Not like for like" not in (tmp_path / "r3" / "report.md").read_text()
 
 
 def test_report_rerun_into_the_same_out_removes_only_the_earlier_reports_plots(tmp_path):
