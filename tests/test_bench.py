@@ -125,9 +125,13 @@ def test_k_shot_option():
     assert parse_k_shot(None, names) == {}
     assert parse_k_shot("0", names) == {"mmlu": 0, "gsm8k": 0}
     assert parse_k_shot("mmlu=3,bbh=0", names) == {"mmlu": 3, "bbh": 0}
-    for bad, what in [("x", "expects N"), ("nope=1", "unknown benchmark"), ("-1", ">= 0")]:
+    for bad, what in [("x", "expects N"), ("nope=1", "unknown benchmark"), ("-1", ">= 0"),
+                      # helper 87: BBH silently ran 3 shots for bbh=5 (and HumanEval 0 for humaneval=2)
+                      ("bbh=5", r"^--k-shot bbh=5: bbh has 3 fixed exemplars at most; give bbh=0\.\.3$"),
+                      ("mbpp=4", "mbpp has 3 fixed exemplars"), ("humaneval=2", "humaneval is 0-shot only")]:
         with pytest.raises(ValueError, match=what):
             parse_k_shot(bad, names)
+    assert parse_k_shot("bbh=3,mbpp=0,humaneval=0", names) == {"bbh": 3, "mbpp": 0, "humaneval": 0}
 
 
 # -------------------------------------------------------------------------- extraction, pass@k

@@ -70,6 +70,8 @@ def parse_tasks(spec: str | Sequence[str] | None) -> list[str]:
 #: standard setting unless named (``--k-shot bbh=0``): BBH and MBPP have 3 fixed exemplars,
 #: MATH-500 needs a training file for shots, HumanEval is 0-shot.
 POOL_TASKS = ("mmlu", "cmmlu", "ceval", "arc_challenge", "arc_easy", "gsm8k")
+#: the most shots the tasks with fixed exemplars have (BBH's and MBPP's 3; HumanEval is 0-shot only)
+MAX_SHOTS = {"bbh": 3, "bbh_direct": 3, "mbpp": 3, "humaneval": 0}
 
 
 def parse_k_shot(spec, names: Sequence[str]) -> dict[str, int]:
@@ -99,6 +101,12 @@ def parse_k_shot(spec, names: Sequence[str]) -> dict[str, int]:
     if bad:
         raise ValueError(f"--k-shot must be >= 0 few-shot examples per task, got "
                          f"{', '.join(f'{t}={k}' for t, k in bad.items())}")
+    over = {t: k for t, k in out.items() if t in MAX_SHOTS and k > MAX_SHOTS[t]}
+    if over:  # (was: BBH/MBPP silently ran 3 shots, HumanEval 0, and the results recorded those)
+        t, k = next(iter(over.items()))
+        fix = f"has {MAX_SHOTS[t]} fixed exemplars at most; give {t}=0..{MAX_SHOTS[t]}" if MAX_SHOTS[t] else \
+            "is 0-shot only; drop it"
+        raise ValueError(f"--k-shot {t}={k}: {t} {fix}")
     return out
 
 
