@@ -146,6 +146,10 @@ def _add_interchange_parsers(sub: argparse._SubParsersAction) -> None:
     ih.add_argument("--eagle", default=None, metavar="EAGLE_DIR",
                     help="also import this EAGLE draft folder (e.g. openbmb/MiniCPM4-8B-Eagle-FRSpec, or one written "
                          "by `minicpm4 export eagle`) as the model's MTP module, for generate --spec-decode")
+    ih.add_argument("--sparse-variant", choices=("gen1", "gen2"), default=None,
+                    help="the InfLLM v2 generation of config.json's sparse_config, which official folders do not "
+                         "name: gen1 (MiniCPM4-8B, June 2025) or gen2 (MiniCPM4.1; the default, with a warning, "
+                         "when config.json names none)")
 
     exp = sub.add_parser(
         "export", help="export a trained checkpoint to Hugging Face, GGUF or an EAGLE draft folder",
@@ -221,7 +225,8 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from minicpm4_jax.convert.hf_import import import_hf
 
     res = import_hf(args.dir, args.out, force=args.force, no_tokenizer=args.no_tokenizer,
-                    log=lambda m: print(m, file=sys.stderr), eagle=args.eagle)
+                    log=lambda m: print(m, file=sys.stderr), eagle=args.eagle,
+                    sparse_variant=args.sparse_variant)
     draft = ""
     if args.eagle:
         from minicpm4_jax.convert.eagle import eagle_param_shapes

@@ -495,6 +495,33 @@ def test_sparse_model_exports_with_warnings(tmp_path):
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["allow_dense"] is True
 
 
+def test_import_names_the_sparse_generation(tmp_path, capsys):
+    """An official sparse_config has no variant key (spec §0, §8.1): gen2 with a warning, --sparse-variant picks."""
+    cfg = tiny_cfg(sparse=True)
+    write_hf(random_params(cfg, seed=12), cfg, tmp_path / "m", layout="minicpm", no_tokenizer=True)
+    hf = read_json(tmp_path / "m" / "config.json")
+    assert hf["sparse_config"]["variant"] == "gen2"  # our exports name it: no warning, kept
+    assert not any("names no variant" in w for w in import_hf(tmp_path / "m", tmp_path / "a", no_tokenizer=True).warnings)
+    del hf["sparse_config"]["variant"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    res = import_hf(tmp_path / "m", tmp_path / "b", no_tokenizer=True)
+    assert res.cfg.sparse_config.variant == "gen2"
+    assert any("names no variant" in w and "--sparse-variant gen1" in w for w in res.warnings), res.warnings
+    capsys.readouterr()
+    assert main(["import", "hf", str(tmp_path / "m"), "--out", str(tmp_path / "c"), "--no-tokenizer",
+                 "--sparse-variant", "gen1"]) == 0
+    assert "names no variant" not in capsys.readouterr().err
+    assert read_json(tmp_path / "c" / "config.json")["model"]["sparse_config"]["variant"] == "gen1"
+    # a dense folder has nothing to apply it to
+    dense = tiny_cfg()
+    write_hf(random_params(dense, seed=3), dense, tmp_path / "d", no_tokenizer=True)
+    with pytest.raises(ConvertError, match="has no sparse_config"):
+        import_hf(tmp_path / "d", tmp_path / "e", no_tokenizer=True, sparse_variant="gen1")
+    with pytest.raises(ConvertError, match="--sparse-variant 'gen3'"):
+        import_hf(tmp_path / "m", tmp_path / "f", no_tokenizer=True, sparse_variant="gen3")
+    assert not (tmp_path / "e").exists() and not (tmp_path / "f").exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # field_faults B10 for the official ("runtime applies the μP scalars") layout
 # ------------------------------------------------------------------------------------------------

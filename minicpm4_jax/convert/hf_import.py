@@ -287,10 +287,36 @@ def _model_bos(cfg: ModelConfig, start: str, tok: Any) -> ModelConfig:
     return dataclasses.replace(cfg, bos_token_id=int(bos))
 
 
+def _sparse_variant(raw: dict[str, Any], cfg: ModelConfig, variant: str | None,
+                    folder: Path) -> tuple[ModelConfig, list[str]]:
+    """``cfg`` with the InfLLM v2 generation ``variant`` applied (see :func:`import_hf`), and the warnings.
+
+    Raises:
+        ConvertError: ``variant`` not gen1/gen2, or given while ``config.json`` has no ``sparse_config``.
+    """
+    if variant is not None and variant not in ("gen1", "gen2"):
+        raise ConvertError(f"--sparse-variant {variant!r}; use gen1 (MiniCPM4-8B, June 2025) or gen2 (MiniCPM4.1)")
+    if cfg.sparse_config is None:
+        if variant is not None:
+            raise ConvertError(f"--sparse-variant {variant}: {folder / 'config.json'} has no sparse_config (the model "
+                               "imports dense); add the official sparse_config block to it, or drop --sparse-variant")
+        return cfg, []
+    written = raw["sparse_config"].get("variant")
+    if variant is None:
+        if written is not None:
+            return cfg, []
+        return cfg, ["sparse_config names no variant: imported as gen2 (MiniCPM4.1-8B's remote code); a "
+                     "MiniCPM4-8B checkpoint of June 2025 runs gen1: import it with --sparse-variant gen1"]
+    warns = []
+    if written is not None and written != variant:
+        warns.append(f"sparse_config variant {written!r} in config.json replaced by --sparse-variant {variant}")
+    return dataclasses.replace(cfg, sparse_config=dataclasses.replace(cfg.sparse_config, variant=variant)), warns
+
+
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
               shardings: Callable[[str, tuple[int, ...]], Any] | None = None,
               log: Callable[[str], Any] | None = None, no_tokenizer: bool = False,
-              eagle: str | Path | None = None) -> ImportResult:
+              eagle: str | Path | None = None, sparse_variant: str | None = None) -> ImportResult:
     """Import the official-layout folder ``src`` as a checkpoint of this project in ``out``.
 
     Args:
@@ -307,6 +333,10 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         eagle: an EAGLE draft folder for this base model (``openbmb/MiniCPM4-8B-Eagle-FRSpec`` or one written
             by ``minicpm4 export eagle``, see ``convert/eagle.py``): imported as the MTP module
             (``model.mtp=true``), so ``generate --spec-decode`` drafts with it.
+        sparse_variant: ``"gen1"`` or ``"gen2"``, the InfLLM v2 generation of the imported ``sparse_config``
+            (spec ``minicpm4_model.md`` §0, §8.1): the official block has no ``variant`` key, so a folder without
+            one is read as gen2 (MiniCPM4.1-8B's remote code) with a warning; MiniCPM4-8B's June-2025 remote code
+            is gen1. ``None``: the folder's ``variant`` (this project's exports write it), else gen2.
 
     The manifest records ``document_start`` (what the model's documents start after, :func:`_document_start`).
     An export of a run trained here names the EOS as its BOS (``bos_token_id`` in ``config.json``, ``bos_token``
@@ -318,7 +348,8 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         :class:`ImportResult`; ``params`` are float32 ``[L, ...]``-stacked ``jax.Array`` (an ``nnx.State``).
 
     Raises:
-        ConvertError: every bad input listed in the module docstring, before anything is written.
+        ConvertError: every bad input listed in the module docstring, before anything is written; a
+            ``sparse_variant`` other than gen1/gen2, or given for a folder without a ``sparse_config``.
     """
     import jax
     import jax.numpy as jnp
@@ -334,7 +365,9 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     out_abs = Path(out).expanduser().absolute()
     refuse_output_over_source(out_abs, [("model folder", folder)])
     check_output_target(out_abs, force, importing=True)
-    _raw, cfg, warnings = read_hf_config(folder)
+    raw, cfg, warnings = read_hf_config(folder)
+    cfg, variant_warnings = _sparse_variant(raw, cfg, sparse_variant, folder)
+    warnings += variant_warnings
     source = SafetensorsSource(folder)
     warnings += check_hf_tensors(source, cfg)
     read_draft = None
