@@ -187,7 +187,7 @@ def _attended(t, q, k, cfg):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int_range(1), nargs="+", default=[4096, 8192, 16384, 32768])
-    ap.add_argument("--bwd-max", type=int, default=16384, help="forward+backward for lengths up to this")
+    ap.add_argument("--bwd-max", type=int_range(0), default=16384, help="forward+backward for lengths up to this")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int_range(1), default=3)
     ap.add_argument("--attn-q-tile", type=int_range(1), default=64, help="stage-2 query tile (dense forced part)")

@@ -331,6 +331,9 @@ def main(argv=None) -> int:
     if not args.lengths and not args.checkpoint and not args.generate_loop:
         ap.error("--lengths without any length measures nothing; give context lengths, or --checkpoint RUN for the "
                  "trained-length measurement alone")
+    if args.fr_spec_vocab and not args.checkpoint:
+        ap.error(f"--fr-spec-vocab {args.fr_spec_vocab} restricts a trained draft head: give --checkpoint RUN (a run "
+                 "trained with its MTP head and its FR-Spec ranking), or drop --fr-spec-vocab")
     if args.generate_loop:
         generate_loop(load_config(args.config).model, sorted({1, args.batch}), args.prompt_len, args.gen_len,
                       args.rounds)
