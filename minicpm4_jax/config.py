@@ -895,6 +895,14 @@ def _load_yaml_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
+def gen2_topk_reason(s: SparseConfig) -> str:
+    """Why a gen-2 ``topk < init_blocks + 1`` cannot work, and the fix (one line; spec ``minicpm4_model.md`` §1.3)."""
+    local = s.window_size // s.block_size
+    return (f"gen2 forces init_blocks + window_size//block_size + 1 = {s.init_blocks + local + 1} blocks into its "
+            f"topk + window_size//block_size = {s.topk + local}, so a query would lose its own block; use topk >= "
+            f"{s.init_blocks + 1}")
+
+
 def validate_model(m: ModelConfig) -> None:
     """Check a model config's internal consistency. Raises ConfigError with the fix."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -979,6 +987,8 @@ def validate_model(m: ModelConfig) -> None:
             )
         if s.dense_len < -1:
             raise ConfigError(f"model.sparse_config.dense_len={s.dense_len}; use -1 (always sparse) or a length >= 0")
+        if s.variant == "gen2" and s.topk < s.init_blocks + 1:
+            raise ConfigError(f"model.sparse_config.topk={s.topk} with init_blocks={s.init_blocks}: {gen2_topk_reason(s)}")
 
         if m.attention_impl == "pallas" and (s.block_size < 16 or s.block_size & (s.block_size - 1)):
             raise ConfigError(f"model.sparse_config.block_size={s.block_size}: the Pallas kernels need a power of two "

@@ -254,10 +254,29 @@ def test_sparse_topk_beyond_every_block_is_refused(key):
     (run_training calls the check before anything is written; inference keeps any topk)."""
     from minicpm4_jax.config import check_training_selection
 
+    # gen2 needs topk >= init_blocks + 1 (test below); gen1's window holds the query's own block
+    base = ["model.sparse_config.variant=gen1"] if key == "init_blocks" else []
     with pytest.raises(ConfigError, match=rf"model.sparse_config.{key}=257 exceeds the 256 blocks of "
                                           rf"max_position_embeddings=8192 \(block_size=32\); {key}=256 already"):
-        check_training_selection(load_config("cpu_tiny_sparse", [f"model.sparse_config.{key}=257"]))
-    check_training_selection(load_config("cpu_tiny_sparse", [f"model.sparse_config.{key}=256"]))
+        check_training_selection(load_config("cpu_tiny_sparse", base + [f"model.sparse_config.{key}=257"]))
+    check_training_selection(load_config("cpu_tiny_sparse", base + [f"model.sparse_config.{key}=256"]))
+
+
+def test_gen2_topk_must_hold_the_forced_blocks():
+    """Eighteenth-session break test: gen2 with topk <= init_blocks (topk=1 passed) forces init_blocks + window + 1
+    blocks into topk + window, and top-k cut the query's own block (a token at block 3 attended [0, 2])."""
+    from minicpm4_jax.infllm.select import select_params
+
+    with pytest.raises(ConfigError, match=r"model.sparse_config.topk=2 with init_blocks=2: gen2 forces init_blocks \+ "
+                                          r"window_size//block_size \+ 1 = 5 blocks into its topk \+ "
+                                          r"window_size//block_size = 4, .*use topk >= 3"):
+        load_config("cpu_tiny_sparse", ["model.sparse_config.topk=2", "model.sparse_config.init_blocks=2"])
+    load_config("cpu_tiny_sparse", ["model.sparse_config.topk=3", "model.sparse_config.init_blocks=2"])
+    load_config("cpu_tiny_sparse", ["model.sparse_config.topk=1", "model.sparse_config.variant=gen1"])
+    sc = load_config("cpu_tiny_sparse").model.sparse_config
+    with pytest.raises(ValueError, match="sparse_config.topk=1 with init_blocks=1: .*use topk >= 2"):
+        select_params(dataclasses.replace(sc, topk=1))
+    assert select_params(dataclasses.replace(sc, topk=1, init_blocks=0)).topk_cfg == 3
 
 
 def test_b09_unknown_rope_type_is_refused_on_every_path():

@@ -387,8 +387,8 @@ def test_dense_fallback_static_and_per_sequence():
     o = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos,
                            sparse_cfg=dataclasses.replace(TINY, dense_len=257))
     np.testing.assert_array_equal(np.asarray(o), np.asarray(dense))
-    # strict comparison: kv_len == dense_len -> sparse (topk 1 + 1 local block really drops keys)
-    cfg = dataclasses.replace(SMALL, dense_len=256, topk=1, window_size=16)
+    # strict comparison: kv_len == dense_len -> sparse (init + own + previous block of 16: really drops keys)
+    cfg = dataclasses.replace(SMALL, dense_len=256, topk=2, window_size=16)
     o_sparse = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos,
                                   sparse_cfg=dataclasses.replace(cfg, dense_len=-1))
     o_eq = infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos, sparse_cfg=cfg)

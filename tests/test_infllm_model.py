@@ -35,14 +35,14 @@ def test_sparse_equals_dense_when_selection_covers_prefix(dense_model, variant):
 
 def test_dense_fallback_below_dense_len(dense_model):
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 100, (1, 200)), jnp.int32)
-    sp = SparseConfig(window_size=64, topk=1, dense_len=256)  # 200 < 256: dense, bit-identical
+    sp = SparseConfig(window_size=64, topk=2, dense_len=256)  # 200 < 256: dense, bit-identical
     sparse = _with(dense_model, dataclasses.replace(BASE, attention="infllmv2", sparse_config=sp))
     np.testing.assert_array_equal(np.asarray(sparse(ids)), np.asarray(dense_model(ids)))
 
 
 def test_model_causality_sparse_forced(dense_model):
     """B02 for the whole model with the sparse path forced and a selection that really drops blocks."""
-    sp = SparseConfig(window_size=64, topk=1, dense_len=-1)
+    sp = SparseConfig(window_size=64, topk=2, dense_len=-1)
     sparse = _with(dense_model, dataclasses.replace(BASE, attention="infllmv2", sparse_config=sp))
     f = jax.jit(lambda m, x: m(x))
     rng = np.random.default_rng(2)
@@ -58,7 +58,7 @@ def test_model_causality_sparse_forced(dense_model):
 
 
 def test_sparse_model_gradients_finite(dense_model):
-    sp = SparseConfig(window_size=64, topk=1, dense_len=-1)
+    sp = SparseConfig(window_size=64, topk=2, dense_len=-1)
     cfg = dataclasses.replace(BASE, attention="infllmv2", sparse_config=sp)
     sparse = _with(dense_model, cfg)
     gd, params = nnx.split(sparse, nnx.Param)

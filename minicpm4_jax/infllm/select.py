@@ -67,7 +67,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from minicpm4_jax.config import SparseConfig
+from minicpm4_jax.config import SparseConfig, gen2_topk_reason
 from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
 from minicpm4_jax.ops.tiling import query_tiles
 
@@ -120,7 +120,8 @@ def select_params(cfg: SparseConfig, *, kernel_offby1_quirk: bool = False,
     Raises:
         ValueError: unknown ``variant`` / ``score_dtype``, or a geometry the algorithm cannot express
             (block_size or kernel_size not a multiple of kernel_stride, window not a multiple of
-            block_size, no window with gen-1, non-positive sizes).
+            block_size, no window with gen-1, non-positive sizes, a gen-2 ``topk`` below ``init_blocks + 1``:
+            its forced blocks would not fit, and top-k would drop the query's own block).
     """
     if cfg.variant not in ("gen1", "gen2"):
         raise ValueError(f"sparse_config.variant={cfg.variant!r}; use 'gen1' or 'gen2'")
@@ -140,6 +141,8 @@ def select_params(cfg: SparseConfig, *, kernel_offby1_quirk: bool = False,
         # forces the init block (gen-2 without a window is consistent)
         raise ValueError(f"window_size=0 with variant='gen1': gen-1 needs a local window of at least "
                          f"block_size={cfg.block_size} (its own block)")
+    if cfg.variant == "gen2" and cfg.topk < cfg.init_blocks + 1:
+        raise ValueError(f"sparse_config.topk={cfg.topk} with init_blocks={cfg.init_blocks}: {gen2_topk_reason(cfg)}")
     local = cfg.window_size // cfg.block_size
     k_cfg = cfg.topk + local if cfg.variant == "gen2" else cfg.topk
     cks, cst = coarse_geometry(cfg.kernel_size, cfg.kernel_stride)
