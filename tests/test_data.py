@@ -260,6 +260,18 @@ def test_incomplete_cache_is_rebuilt_not_reused(tmp_path, prepared):
     assert any("rebuilding" in m for m in logs)
     assert again.manifest["num_val_tokens"] == data.manifest["num_val_tokens"]
     assert (again.cache_dir / "val.bin").stat().st_size == 2 * data.manifest["num_val_tokens"]
+    # break test 85: bytes changed in place (same size) put ids outside the vocabulary: validation loss nan, then
+    # an IndexError in the n-gram baselines; such an entry is rebuilt too
+    val = again.cache_dir / "val.bin"
+    expected = np.array(again.val_tokens)
+    raw = bytearray(val.read_bytes())
+    raw[100:104] = b"\xff\xff\xff\x7f"
+    val.write_bytes(bytes(raw))
+    logs.clear()
+    rebuilt = prepare_data(cfg, log=logs.append)
+    assert any("rebuilding" in m for m in logs)
+    assert int(np.max(rebuilt.val_tokens)) < rebuilt.manifest["vocab_size"]
+    assert np.array_equal(rebuilt.val_tokens, expected)
     # leftovers of a killed build (dead pid) are removed; they never look like a cache entry
     stale = again.cache_dir.parent / ".tmp-deadbeef-999999999-abc"
     stale.mkdir()

@@ -522,7 +522,8 @@ def _open_tokens(path: Path, dtype: str, count: int) -> np.ndarray:
 
 
 def _load_cached(final: Path, key: str) -> dict | None:
-    """The manifest of a complete cache entry for ``key``, or ``None`` (absent or inconsistent)."""
+    """The manifest of a complete cache entry for ``key``, or ``None`` (absent or inconsistent: a file of another
+    size than the manifest records, or a token id outside the manifest's ``vocab_size``)."""
     mpath = final / "manifest.json"
     if not mpath.is_file():
         return None
@@ -532,6 +533,12 @@ def _load_cached(final: Path, key: str) -> dict | None:
         item = np.dtype(man["dtype"]).itemsize
         ok = ok and (final / "train.bin").stat().st_size == man["num_train_tokens"] * item
         ok = ok and (final / "val.bin").stat().st_size == man["num_val_tokens"] * item
+        # a file of the right size with bytes changed since (bit rot, a stray write) held ids outside the
+        # vocabulary: validation gave loss nan and the end of the run an IndexError (break test 85). One pass over
+        # the memmaps, cheaper than the corpus hashing every start does.
+        for name, n in (("train.bin", man["num_train_tokens"]), ("val.bin", man["num_val_tokens"])):
+            if ok and n:
+                ok = int(_open_tokens(final / name, man["dtype"], n).max()) < int(man["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return man if ok else None
