@@ -1481,3 +1481,20 @@ def test_a_resume_needs_disk_for_one_more_checkpoint_only(tmp_path):
     (d / "4").mkdir()
     (d / "4" / "c").write_bytes(b"x" * 5000)  # a complete step is not reclaimed
     assert _interrupted_save_bytes(d) == 1024 and _interrupted_save_bytes(tmp_path / "none") == 0
+
+
+def test_eval_coverage_note_names_the_rows_of_a_short_split():
+    """Break test 85: a validation split of fewer windows than data.batch_size is evaluated as one smaller batch;
+    the note said a full batch ("1 batch(es) of 64 x 128 tokens" for 11 windows)."""
+    from minicpm4_jax.config import DataConfig
+    from minicpm4_jax.train import data as data_api
+
+    cfg = DataConfig(seq_len=128, batch_size=64)
+    short = data_api.val_batches(types.SimpleNamespace(val_tokens=np.arange(1499, dtype=np.uint16)), cfg, 2)
+    assert [b.shape for b in short] == [(11, 129)]
+    assert loop_mod.eval_coverage_note(2, None, short) == ("eval_batches=2: the validation split holds 1 batch(es) "
+                                                           "of 11 x 128 tokens; evaluating on those")
+    full = data_api.val_batches(types.SimpleNamespace(val_tokens=np.arange(20000, dtype=np.uint16)), cfg, 8)
+    assert loop_mod.eval_coverage_note(8, "code", full) == ("eval_batches=8: the validation split of code holds 2 "
+                                                            "batch(es) of 64 x 128 tokens; evaluating on those")
+    assert loop_mod.eval_coverage_note(2, "code", full) is None

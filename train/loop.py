@@ -249,6 +249,18 @@ def _damaged_run_config(folder: Path) -> bool:
         return holds_checkpoint_steps(folder / "checkpoints")
 
 
+def eval_coverage_note(eval_batches: int, name: str | None, batches: Sequence[np.ndarray]) -> str | None:
+    """The line saying what each evaluation covers when the validation split holds fewer than ``eval_batches``
+    batches (``None`` otherwise). ``batches``: ``data.val_batches``'s int32 ``[rows, seq_len + 1]`` arrays, all of
+    one shape: full batches, or one smaller batch of every window when the split holds fewer than ``batch_size``
+    (break test 85: that case was reported as a full batch, ``64 x 128`` for 11 windows)."""
+    if len(batches) >= eval_batches:
+        return None
+    rows, width = batches[0].shape
+    return (f"eval_batches={eval_batches}: the validation split{f' of {name}' if name else ''} holds {len(batches)} "
+            f"batch(es) of {rows} x {width - 1} tokens; evaluating on those")
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (:func:`~minicpm4_jax.convert.io.atomic_write`)."""
     from minicpm4_jax.convert.io import atomic_write
@@ -790,9 +802,9 @@ def run_training(
         val_sets = ([(m.name, data_api.val_batches(m.data, cfg.data, cfg.eval_batches)) for m in data.components]
                     if data.components else [(None, data_api.val_batches(data, cfg.data, cfg.eval_batches))])
         for name, vbs in val_sets:
-            if len(vbs) < cfg.eval_batches:  # the split is shorter than asked: say what each evaluation covers
-                say(f"eval_batches={cfg.eval_batches}: the validation split{f' of {name}' if name else ''} holds "
-                    f"{len(vbs)} batch(es) of {cfg.data.batch_size} x {cfg.data.seq_len} tokens; evaluating on those")
+            note = eval_coverage_note(cfg.eval_batches, name, vbs)
+            if note:
+                say(note)
         val_names = [name for name, vbs in val_sets for _ in vbs]
         val = [make_global_batch(vb, batch_sh if vb.shape[0] % n_split == 0 else replicated(mesh), vb.shape)
                for _, vbs in val_sets for vb in vbs]
