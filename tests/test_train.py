@@ -1498,3 +1498,30 @@ def test_eval_coverage_note_names_the_rows_of_a_short_split():
     assert loop_mod.eval_coverage_note(8, "code", full) == ("eval_batches=8: the validation split of code holds 2 "
                                                             "batch(es) of 64 x 128 tokens; evaluating on those")
     assert loop_mod.eval_coverage_note(2, "code", full) is None
+
+
+def test_a_new_run_refuses_the_folder_of_a_run_whose_checkpoints_lie_elsewhere(corpus, cache_dir, tmp_path, monkeypatch):
+    """Break test 85: `train out_dir=<finished run> checkpoint.directory=<another folder>` (or `--auto-resume` with a
+    changed checkpoint.directory, which then found no checkpoint) trained a new run over the finished one's
+    summary.json, metrics.jsonl, config.json and TensorBoard events; only the new checkpoint folder was checked for
+    steps. Also the other way round: a run whose config.json records a checkpoint.directory."""
+    a = _fake_run(tmp_path / "a", tiny_cfg(corpus, cache_dir, tmp_path / "a"))
+    ck_b = tmp_path / "ck_b"
+    b = _fake_run(tmp_path / "b", tiny_cfg(corpus, cache_dir, tmp_path / "b", **{"checkpoint.directory": ck_b}),
+                  checkpoints=str(ck_b))
+    before = _tree(a), _tree(b)
+    with monkeypatch.context() as m:
+        m.setattr(loop_mod, "_data_api", lambda: pytest.fail("data prepared for a refused run"))
+        for resume in (False, "auto"):
+            with pytest.raises(ConfigError) as e:
+                run_training(tiny_cfg(corpus, cache_dir, a, **{"checkpoint.directory": tmp_path / "elsewhere"}),
+                             resume=resume, log=lambda _m: None, progress=False)
+            assert str(e.value) == (
+                f"out_dir {str(a)!r} is the folder of a run with checkpoints in {a / 'checkpoints'}, but this run's "
+                f"checkpoint.directory is {str(tmp_path / 'elsewhere')!r}: a new run there would overwrite that run's "
+                "summary.json and metrics.jsonl; continue it with --resume and its checkpoint.directory, or choose "
+                "another out_dir")
+        err = _train_error(tiny_overrides(corpus, cache_dir, b))
+        assert f"is the folder of a run with checkpoints in {ck_b}, but this run's checkpoint.directory is " \
+               f"{str(b / 'checkpoints')!r}" in err, err
+    assert (_tree(a), _tree(b)) == before and not (tmp_path / "elsewhere").exists()

@@ -385,6 +385,16 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
     if cfg_file.is_file() and not _is_training_config(cfg_file) and not _damaged_run_config(out_dir):
         raise ConfigError(f"out_dir {str(out_dir)!r} holds a config.json that is not a training config (a "
                           "Hugging Face model folder?); a run would overwrite it: choose another out_dir")
+    if not resume and ckpt_dir is not None:
+        # break test 85: a new run (or an --auto-resume that found nothing) with another checkpoint.directory
+        # overwrote the summary.json, metrics.jsonl and config.json of the run whose checkpoints out_dir holds
+        for other in _recorded_checkpoint_dirs(out_dir):
+            if other != ckpt_dir and holds_checkpoint_steps(other):
+                raise ConfigError(
+                    f"out_dir {str(out_dir)!r} is the folder of a run with checkpoints in {other}, but this run's "
+                    f"checkpoint.directory is {str(ckpt_dir)!r}: a new run there would overwrite that run's "
+                    "summary.json and metrics.jsonl; continue it with --resume and its checkpoint.directory, or "
+                    "choose another out_dir")
     if not resume and _run_part(out_dir) is None:
         # a folder that is not a run's (out_dir=~ or .): the run's files would spread among the user's, and every
         # later out_dir below it would be refused as inside this run
@@ -399,6 +409,20 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
             raise ConfigError(f"out_dir {str(out_dir)!r} is not empty ({len(other)} entries that are not a run's, "
                               f"e.g. {other[0]!r}) and is not a run folder: a run would mix its files into it; choose "
                               f"a new or empty folder, e.g. out_dir={out_dir / 'NAME'}")
+
+
+def _recorded_checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """The checkpoint folders of the run whose folder ``out_dir`` is: ``out_dir/checkpoints`` and the
+    ``checkpoint.directory`` its ``config.json`` records (absolute, or relative to the working directory as the run
+    read it), resolved; nothing unreadable is an error here."""
+    dirs = [(out_dir / "checkpoints").resolve()]
+    try:
+        recorded = json.loads((out_dir / "config.json").read_text()).get("checkpoint", {}).get("directory")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if isinstance(recorded, str) and recorded.strip():
+        dirs.append(Path(recorded).expanduser().resolve())
+    return dirs
 
 
 def _missing_folders(*paths: Path) -> list[Path]:
