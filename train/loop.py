@@ -356,7 +356,9 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
     Raises:
         ConfigError: ``--resume`` without the folder (nor ``ckpt_dir``); a folder inside another run or
             overlapping a source; an export folder or a ``config.json`` that is not a training config; a new run in
-            a non-empty folder holding anything but :data:`RUN_FOLDER_ENTRIES` (one line, with the fix).
+            a non-empty folder holding anything but :data:`RUN_FOLDER_ENTRIES`; a new run in the folder of a run whose
+            checkpoints (``out_dir/checkpoints`` or the ``checkpoint.directory`` its ``config.json`` records) lie in
+            another folder than ``ckpt_dir`` (one line, with the fix).
     """
     if resume and not out_dir.is_dir() and not (ckpt_dir is not None and ckpt_dir.is_dir()):
         raise ConfigError(f"--resume: no checkpoint found: out_dir {str(out_dir)!r} does not exist; give the folder "
