@@ -1524,4 +1524,10 @@ def test_a_new_run_refuses_the_folder_of_a_run_whose_checkpoints_lie_elsewhere(c
         err = _train_error(tiny_overrides(corpus, cache_dir, b))
         assert f"is the folder of a run with checkpoints in {ck_b}, but this run's checkpoint.directory is " \
                f"{str(b / 'checkpoints')!r}" in err, err
+        # and --resume with the changed checkpoint.directory names where the run's checkpoints are
+        err = _train_error(tiny_overrides(corpus, cache_dir, a, **{"checkpoint.directory": tmp_path / "elsewhere"}),
+                           resume=True)
+        assert err == (f"--resume: no checkpoint found in {tmp_path / 'elsewhere'}, but the run in {a} has its "
+                       f"checkpoints in {a / 'checkpoints'}; resume with checkpoint.directory={a / 'checkpoints'} (or "
+                       "without checkpoint.directory when that is out_dir/checkpoints)"), err
     assert (_tree(a), _tree(b)) == before and not (tmp_path / "elsewhere").exists()

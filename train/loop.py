@@ -640,8 +640,6 @@ def run_training(
     out_dir = Path(cfg.out_dir).expanduser().resolve()
     ckpt_dir = checkpoint_dir_of(cfg)
     if resume == "auto":  # every process reads the same (shared) checkpoint folder: the same answer everywhere
-        from minicpm4_jax.train.checkpoint import holds_checkpoint_steps
-
         resume = holds_checkpoint_steps(ckpt_dir)
         say(f"--auto-resume: {'resuming from' if resume else 'no checkpoint yet in'} {ckpt_dir}"
             + ("" if resume else "; starting the run"))
@@ -677,6 +675,14 @@ def run_training(
         latest = ckpt.latest_step()
         if resume:
             if latest is None:
+                # the run in out_dir has its checkpoints elsewhere (checkpoint.directory changed): name them, since a
+                # new run there is refused (check_run_folder)
+                found = next((d for d in _recorded_checkpoint_dirs(out_dir) if d != ckpt_dir
+                              and holds_checkpoint_steps(d)), None)
+                if found is not None:
+                    raise ConfigError(f"--resume: no checkpoint found in {ckpt_dir}, but the run in {out_dir} has its "
+                                      f"checkpoints in {found}; resume with checkpoint.directory={found} (or without "
+                                      "checkpoint.directory when that is out_dir/checkpoints)")
                 raise ConfigError(f"--resume: no checkpoint found in {ckpt_dir}; train without --resume first")
             for d in ckpt.check_compatible(latest):
                 say(f"resume: {d} (checkpoint != current; allowed)")
