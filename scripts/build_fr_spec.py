@@ -66,7 +66,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else run / "fr_spec"
-    txt = save_frequency_ranking(ids, out / f"freq_{args.size}.txt")
+    try:
+        txt = save_frequency_ranking(ids, out / f"freq_{args.size}.txt")
+    except OSError as e:  # --out a file, an unwritable folder, a full disk: one line, no traceback
+        print(f"error: cannot write the ranking under --out {out}: {e.strerror or e}; pass a writable folder",
+              file=sys.stderr)
+        return 2
     print(f"wrote {txt} ({len(ids)} of {vocab} ids, {len(corpus.documents)} documents)")
     if args.no_pt:
         return 0
