@@ -1084,6 +1084,39 @@ def test_a_shared_checkpoint_directory_names_that_key(corpus, cache_dir, tmp_pat
     assert err.endswith("pass --resume to continue, or choose another checkpoint.directory"), err
 
 
+def test_a_second_process_on_a_running_folder_is_refused(corpus, cache_dir, tmp_path):
+    """Break test 85: a second `train --resume` on the folder of a run still training opened the checkpoint
+    manager, which deleted the first run's save in progress (it died at that save). The run holds a lock on
+    out_dir from its checks to its end: a second process is refused in one line naming the holder."""
+    from minicpm4_jax.train.loop import RUN_LOCK_NAME, RunLock
+
+    out = tmp_path / "a"
+    kw = {"steps": 4, "checkpoint.save_every": 2, "sample_tokens": 0}
+    seen = []
+
+    def hook(step, state):
+        seen.append((out / RUN_LOCK_NAME).read_text())
+        return state
+
+    run_training(tiny_cfg(corpus, cache_dir, out, **kw), log=lambda _m: None, progress=False, step_hook=hook)
+    assert seen and all(t.startswith(f"pid {os.getpid()} on ") for t in seen), seen
+    assert not (out / RUN_LOCK_NAME).exists()  # released at the end
+    other = RunLock(out)  # another process training there (a second open file description conflicts like one)
+    other.acquire(lambda _m: None)
+    try:
+        steps = sorted(p.name for p in (out / "checkpoints").iterdir())
+        err = _train_error(tiny_overrides(corpus, cache_dir, out, **kw), resume=True)
+        assert err.startswith(f"out_dir {str(out)!r} is in use by another training process (pid {os.getpid()} on "), err
+        assert err.endswith("wait for it to end or stop it, or choose another out_dir"), err
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == steps
+        assert (out / RUN_LOCK_NAME).is_file()  # the holder's file is not touched
+    finally:
+        other.release()
+    assert run_training(tiny_cfg(corpus, cache_dir, out, **kw), resume=True, log=lambda _m: None,
+                        progress=False)["step"] == 4  # the lock gone, the resume runs
+    assert not (out / RUN_LOCK_NAME).exists()
+
+
 def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_path, capsys):
     """Found by a fresh-eyes test: a file added under data.sources made --resume retrain the tokenizer and
     overwrite out_dir/tokenizer, then train on ids that meant other pieces."""

@@ -447,6 +447,67 @@ def _remove_empty_folders(folders: list[Path]) -> None:
             pass
 
 
+RUN_LOCK_NAME = ".minicpm4-train.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held by the run's process 0 from its checks to its end.
+
+    A second training process started on the same ``out_dir`` (a ``--resume`` in another shell, a requeued job
+    while the first still runs) would open the checkpoint manager, which deletes the first process's checkpoint
+    save in progress (break test 85: the first died at its next save, the second went on from an older step).
+    :meth:`acquire` takes ``fcntl.flock`` on ``out_dir/.minicpm4-train.lock`` (released by the kernel when the
+    process dies, also by ``kill -9``; held across hosts on filesystems with locks, e.g. NFSv4); the file names
+    the holder (pid, host, start time) and is removed by :meth:`release`. A filesystem without locks gets no
+    lock and a warning.
+    """
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir / RUN_LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self, warn: Callable[[str], None]) -> None:
+        """Take the lock or raise.
+
+        Raises:
+            ConfigError: another process holds it (named, with the fix).
+        """
+        import errno
+        import fcntl
+        import socket
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                try:
+                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
+                finally:
+                    os.close(fd)
+                raise ConfigError(f"out_dir {str(self.path.parent)!r} is in use by another training process "
+                                  f"({holder}); a second one would delete its checkpoint in progress: wait for it "
+                                  "to end or stop it, or choose another out_dir") from None
+            os.close(fd)
+            warn(f"warning: cannot lock {self.path} ({e.strerror}); make sure no other process trains in this folder")
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}, since "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n").encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Remove the file and drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
 class _StepTracer:
     """``jax.profiler`` trace of the steps ``cfg.profile_start_step ..`` (``cfg.profile_steps`` of them) into
     ``<out_dir>/profile/process_<i>``; does nothing without ``profile_start_step`` or when the run resumes past
@@ -647,6 +708,7 @@ def run_training(
         raise ValueError(f"resume={resume!r}; use True, False or 'auto'")
     need = required_free_bytes(cfg, resuming=bool(resume), reclaimable=_interrupted_save_bytes(ckpt_dir))
     created = _missing_folders(out_dir, ckpt_dir)  # made by the checks below; removed again if the run is refused
+    run_lock = RunLock(out_dir)
     try:
         sources = [(k, v) for k, v in (("branch_from", cfg.branch_from),
                                        ("qat.init_from", cfg.qat.init_from if cfg.qat.enabled else None)) if v]
@@ -656,8 +718,11 @@ def run_training(
         check_run_folder(out_dir, resume, ckpt_dir, sources=sources)
         check_output_dir(out_dir, need)
         check_output_dir(ckpt_dir, need, what="checkpoint.directory")
+        if is_main:  # before the checkpoint manager, which clears unfinished saves
+            run_lock.acquire(say)
         ckpt = Checkpointer(cfg, ckpt_dir)
-    except ConfigError:
+    except BaseException:
+        run_lock.release()
         _remove_empty_folders(created)
         raise
     writer: MetricsWriter | None = None
@@ -1194,9 +1259,12 @@ def run_training(
         stop.restore()
         if writer is not None:
             writer.close()
-        if failed:
-            ckpt.close(quiet=True)  # do not mask the error in flight
-        else:
-            ckpt.close()
+        try:
+            if failed:
+                ckpt.close(quiet=True)  # do not mask the error in flight
+            else:
+                ckpt.close()
+        finally:
+            run_lock.release()  # after the last save completed
         if refused:
             _remove_empty_folders(created)
