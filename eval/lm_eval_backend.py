@@ -163,7 +163,8 @@ class MiniCPM4LM(TemplateLM):
         """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string (and EOS).
 
         Greedy unless ``do_sample`` with a ``temperature`` > 0; then ``top_p`` / ``top_k`` apply as given (absent:
-        no nucleus / top-k cut). ``max_gen_toks`` defaults to the backend's. A context longer than ``max_length -
+        no nucleus / top-k cut; ``top_p`` outside (0, 1] or a negative ``top_k``: :class:`ConfigError` before any
+        generation). ``max_gen_toks`` defaults to the backend's. A context longer than ``max_length -
         max_gen_toks`` keeps its last tokens (a warning on stderr says how many were cut).
         """
         out: list[str | None] = [None] * len(requests)
@@ -178,11 +179,7 @@ class MiniCPM4LM(TemplateLM):
             temp = float(kw.get("temperature", 0.0) or 0.0) if do_sample else 0.0
             s = {"until": until, "max_new_tokens": max_toks, "temperature": temp}
             if temp > 0:  # a sampling task's nucleus / top-k settings (were dropped: plain temperature sampling)
-                top_p, top_k = float(kw.get("top_p") or 1.0), int(kw.get("top_k") or 0)
-                if top_p != 1.0:
-                    s["top_p"] = top_p
-                if top_k:
-                    s["top_k"] = top_k
+                s.update(_sampling_cuts(kw))
             key = json.dumps(s, sort_keys=True)
             settings[key] = s
             groups.setdefault(key, []).append(i)
@@ -208,6 +205,27 @@ class MiniCPM4LM(TemplateLM):
                 out[i] = t
                 self.cache_hook.add_partial("generate_until", requests[i].args, t)
         return [o if o is not None else "" for o in out]
+
+
+def _sampling_cuts(gen_kwargs: dict) -> dict:
+    """``{"top_p": p, "top_k": k}`` of a sampling request's ``gen_kwargs``, each left out when absent (``None``) or
+    no cut (``top_p`` 1, ``top_k`` 0).
+
+    Raises:
+        ConfigError: a value :class:`~minicpm4_jax.infer.sampling.SamplingParams` refuses (e.g. ``top_p`` 0, which
+            Hugging Face reads as "the top token only" and vLLM refuses), before any request is generated.
+    """
+    from minicpm4_jax.infer.sampling import SamplingParams
+
+    top_p, top_k = gen_kwargs.get("top_p"), gen_kwargs.get("top_k")
+    try:
+        p = 1.0 if top_p is None else float(top_p)
+        k = 0 if top_k is None else int(top_k) if isinstance(top_k, float) and top_k.is_integer() else top_k
+        SamplingParams(1.0, k, p).validate()
+    except (ConfigError, TypeError, ValueError) as e:
+        raise ConfigError(f"generate_until gen_kwargs: {e}; fix the task's generation_kwargs, or set do_sample: "
+                          "false") from None
+    return {**({"top_p": p} if p != 1.0 else {}), **({"top_k": int(k)} if k else {})}
 
 
 def score_tokens_with_logits(logits_fn: Callable[[list[int]], np.ndarray],

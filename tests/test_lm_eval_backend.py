@@ -208,6 +208,29 @@ def test_generate_until_passes_top_p_and_top_k_when_sampling():
     assert sorted(c[1:] for c in m.calls) == [(0.0, 1.0, 0), (0.5, 1.0, 0), (0.7, 0.9, 40)]
 
 
+@needs_lm_eval
+def test_generate_until_top_p_zero_is_refused_not_dropped():
+    """Break test (helper 88): ``top_p: 0`` (Hugging Face: only the top token; vLLM: refused) was read as absent, so
+    the request sampled from the whole distribution; it is one ConfigError naming the value, before any generation.
+    ``None`` values are absent, a float ``top_k`` of an integer value is that integer."""
+    from minicpm4_jax.config import ConfigError
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = SamplingEvalModel()
+    lm = MiniCPM4LM(model=m)
+    lm.generate_until([_inst("generate_until", ("Q1", {"do_sample": True, "temperature": 0.7, "top_p": None,
+                                                      "top_k": None}), 0),
+                       _inst("generate_until", ("Q2", {"do_sample": True, "temperature": 0.5, "top_k": 40.0}), 1)])
+    assert sorted(c[1:] for c in m.calls) == [(0.5, 1.0, 40), (0.7, 1.0, 0)]
+    for kw, bad in (({"top_p": 0}, r"top_p=0\.0 must be in \(0, 1\]"), ({"top_p": 1.5}, "top_p=1.5 must"),
+                    ({"top_k": -1}, "top_k=-1 must be an integer >= 0")):
+        m.calls.clear()
+        with pytest.raises(ConfigError, match=f"^generate_until gen_kwargs: {bad}.*generation_kwargs") as e:
+            lm.generate_until([_inst("generate_until", ("Q0", {"do_sample": False}), 0),
+                               _inst("generate_until", ("Q1", {"do_sample": True, "temperature": 0.7, **kw}), 1)])
+        assert "\n" not in str(e.value) and m.calls == []
+
+
 class CuttingEvalModel(ScriptedEvalModel):
     """The protocol with EvalModel's left cut of generation prompts: every prompt over 4 characters is cut."""
 
