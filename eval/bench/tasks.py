@@ -128,7 +128,8 @@ def _subject_mc(name: str, root: Path, eval_split: str, eval_glob: str, dev_glob
                 description: Callable[[str], str], answer_word: str, k_shot: int, limit: int | None,
                 csv_header: bool | None = None, known: Mapping[str, str] | None = None) -> Task:
     """The per-subject layout: ``root/<eval_split>/<subject><suffixes[0]>`` (and ``root/dev/<subject><suffixes[1]>``
-    for the shots), each file optionally gzip-compressed (``.gz``, as :mod:`readers` reads it). ``known`` (the benchmark's subject names): a folder holding none of them is another
+    for the shots), each file optionally gzip-compressed (``.gz``, as :mod:`readers` reads it). ``known`` (the
+    benchmark's subject names): a folder holding none of them is another
     benchmark's (MMLU's ``test/*_test.csv`` also matches CMMLU's ``test/*.csv``) and is refused.
 
     Raises:
