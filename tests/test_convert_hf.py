@@ -522,6 +522,27 @@ def test_import_names_the_sparse_generation(tmp_path, capsys):
     assert not (tmp_path / "e").exists() and not (tmp_path / "f").exists()
 
 
+def test_sparse_variant_is_applied_before_the_config_checks(tmp_path):
+    """gen2 needs topk >= init_blocks + 1 (gen1 does not): --sparse-variant was applied after read_hf_config's checks,
+    so an official folder with topk 1 was refused under --sparse-variant gen1 (it fits gen1), and a gen1 folder
+    imported unchecked as gen2 under --sparse-variant gen2 (select_params then failed at the first forward)."""
+    cfg = tiny_cfg(sparse=True)
+    write_hf(random_params(cfg, seed=12), cfg, tmp_path / "m", layout="minicpm", no_tokenizer=True)
+    hf = read_json(tmp_path / "m" / "config.json")
+    hf["sparse_config"].update(topk=1, init_blocks=1)
+    del hf["sparse_config"]["variant"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConvertError, match="topk=1 with init_blocks=1: .*use topk >= 2"):
+        import_hf(tmp_path / "m", tmp_path / "a", no_tokenizer=True)  # read as gen2
+    res = import_hf(tmp_path / "m", tmp_path / "b", no_tokenizer=True, sparse_variant="gen1")
+    assert (res.cfg.sparse_config.variant, res.cfg.sparse_config.topk) == ("gen1", 1)
+    hf["sparse_config"]["variant"] = "gen1"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConvertError, match="topk=1 with init_blocks=1: .*use topk >= 2"):
+        import_hf(tmp_path / "m", tmp_path / "c", no_tokenizer=True, sparse_variant="gen2")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
 # ------------------------------------------------------------------------------------------------
 # field_faults B10 for the official ("runtime applies the μP scalars") layout
 # ------------------------------------------------------------------------------------------------

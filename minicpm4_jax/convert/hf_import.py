@@ -68,11 +68,15 @@ class ImportResult:
     warnings: list[str]
 
 
-def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]]:
+def read_hf_config(folder: Path, *,
+                   sparse_variant: str | None = None) -> tuple[dict[str, Any], ModelConfig, list[str]]:
     """Read and check ``folder/config.json`` of an official MiniCPM folder.
 
+    ``sparse_variant`` (``"gen1"`` / ``"gen2"``, ``import hf --sparse-variant``) replaces the ``sparse_config``'s
+    ``variant`` before the configuration is checked, since the checks depend on it (gen2's ``topk``).
+
     Returns:
-        ``(raw dict, ModelConfig (float32, dense or infllmv2 per sparse_config), warnings)``.
+        ``(raw dict as the file holds it, ModelConfig (float32, dense or infllmv2 per sparse_config), warnings)``.
 
     Raises:
         ConvertError: missing/unparsable config, architecture other than ``MiniCPMForCausalLM``
@@ -118,7 +122,10 @@ def read_hf_config(folder: Path) -> tuple[dict[str, Any], ModelConfig, list[str]
             raise ConvertError(f"{p}: {key}={raw[key]!r} asks for {what}, which MiniCPM4 does not have and this "
                                f"model does not implement; only MiniCPM4-style folders ({key} absent or off) import")
     try:
-        cfg = ModelConfig.from_hf_config(raw, dtype="float32", param_dtype="float32")
+        parsed = raw
+        if sparse_variant is not None and isinstance(raw.get("sparse_config"), dict):
+            parsed = {**raw, "sparse_config": {**raw["sparse_config"], "variant": sparse_variant}}
+        cfg = ModelConfig.from_hf_config(parsed, dtype="float32", param_dtype="float32")
         validate_model(cfg)
     except ConfigError as e:
         raise ConvertError(f"{p}: {e}") from None
@@ -287,30 +294,37 @@ def _model_bos(cfg: ModelConfig, start: str, tok: Any) -> ModelConfig:
     return dataclasses.replace(cfg, bos_token_id=int(bos))
 
 
-def _sparse_variant(raw: dict[str, Any], cfg: ModelConfig, variant: str | None,
-                    folder: Path) -> tuple[ModelConfig, list[str]]:
-    """``cfg`` with the InfLLM v2 generation ``variant`` applied (see :func:`import_hf`), and the warnings.
+def _check_sparse_variant(variant: str | None) -> None:
+    """Refuse a ``--sparse-variant`` other than gen1/gen2 (see :func:`import_hf`).
 
     Raises:
-        ConvertError: ``variant`` not gen1/gen2, or given while ``config.json`` has no ``sparse_config``.
+        ConvertError: naming the value and the choices.
     """
     if variant is not None and variant not in ("gen1", "gen2"):
         raise ConvertError(f"--sparse-variant {variant!r}; use gen1 (MiniCPM4-8B, June 2025) or gen2 (MiniCPM4.1)")
+
+
+def _sparse_variant_warnings(raw: dict[str, Any], cfg: ModelConfig, variant: str | None, folder: Path) -> list[str]:
+    """The warnings on the InfLLM v2 generation of ``cfg`` (read with ``variant`` applied, :func:`read_hf_config`)
+    against what ``raw`` (the file) names.
+
+    Raises:
+        ConvertError: ``variant`` given while ``config.json`` has no ``sparse_config``.
+    """
     if cfg.sparse_config is None:
         if variant is not None:
             raise ConvertError(f"--sparse-variant {variant}: {folder / 'config.json'} has no sparse_config (the model "
                                "imports dense); add the official sparse_config block to it, or drop --sparse-variant")
-        return cfg, []
+        return []
     written = raw["sparse_config"].get("variant")
     if variant is None:
         if written is not None:
-            return cfg, []
-        return cfg, ["sparse_config names no variant: imported as gen2 (MiniCPM4.1-8B's remote code); a "
-                     "MiniCPM4-8B checkpoint of June 2025 runs gen1: import it with --sparse-variant gen1"]
-    warns = []
+            return []
+        return ["sparse_config names no variant: imported as gen2 (MiniCPM4.1-8B's remote code); a "
+                "MiniCPM4-8B checkpoint of June 2025 runs gen1: import it with --sparse-variant gen1"]
     if written is not None and written != variant:
-        warns.append(f"sparse_config variant {written!r} in config.json replaced by --sparse-variant {variant}")
-    return dataclasses.replace(cfg, sparse_config=dataclasses.replace(cfg.sparse_config, variant=variant)), warns
+        return [f"sparse_config variant {written!r} in config.json replaced by --sparse-variant {variant}"]
+    return []
 
 
 def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
@@ -365,9 +379,9 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
     out_abs = Path(out).expanduser().absolute()
     refuse_output_over_source(out_abs, [("model folder", folder)])
     check_output_target(out_abs, force, importing=True)
-    raw, cfg, warnings = read_hf_config(folder)
-    cfg, variant_warnings = _sparse_variant(raw, cfg, sparse_variant, folder)
-    warnings += variant_warnings
+    _check_sparse_variant(sparse_variant)
+    raw, cfg, warnings = read_hf_config(folder, sparse_variant=sparse_variant)
+    warnings += _sparse_variant_warnings(raw, cfg, sparse_variant, folder)
     source = SafetensorsSource(folder)
     warnings += check_hf_tensors(source, cfg)
     read_draft = None
