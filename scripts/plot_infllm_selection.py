@@ -49,8 +49,9 @@ def _sparse_cfg(args):
                        dense_len=-1)
     try:
         select_params(cfg)
-    except ValueError as e:  # geometry that does not fit (--block-size, --kernel-size/--kernel-stride, --window)
-        sys.exit(f"error: {e} (--block-size, --kernel-size, --kernel-stride, --window)")
+    except ValueError as e:  # geometry that does not fit (--block-size, --kernel-size/--kernel-stride, --window,
+        # gen2's --topk against --init-blocks)
+        sys.exit(f"error: {e} (--block-size, --kernel-size, --kernel-stride, --window, --topk, --init-blocks)")
     return cfg
 
 

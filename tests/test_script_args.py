@@ -93,6 +93,9 @@ def test_selection_plot_geometry_is_one_line():
     """A sparse geometry select_params refuses (block 24 is no multiple of stride 16): one line, not a ValueError."""
     with pytest.raises(SystemExit, match=r"^error: .*multiples.*\(--block-size, --kernel-size"):
         _script("plot_infllm_selection").main(["--random", "64", "--block-size", "24", "--out", "/dev/null"])
+    # gen2's topk below init_blocks + 1: the flags to change are named (the hint named the geometry flags only)
+    with pytest.raises(SystemExit, match=r"^error: sparse_config.topk=1 with init_blocks=1: .*use topk >= 2 .*--topk"):
+        _script("plot_infllm_selection").main(["--random", "64", "--topk", "1", "--out", "/dev/null"])
 
 
 def test_qat_overrides_after_shares_reach_the_config():
