@@ -1117,6 +1117,34 @@ def test_a_second_process_on_a_running_folder_is_refused(corpus, cache_dir, tmp_
     assert not (out / RUN_LOCK_NAME).exists()
 
 
+def test_a_run_lock_taken_on_a_released_file_is_retaken(tmp_path, monkeypatch):
+    """The holder releases (unlinks the file, then unlocks) between a second process's open and flock: that flock
+    succeeded on the unlinked file, so a third process created a new file and locked it too (two runs on one
+    folder). The lock is kept only on the file the path names."""
+    import fcntl
+
+    from minicpm4_jax.train.loop import RunLock
+
+    first = RunLock(tmp_path)
+    first.acquire(lambda _m: None)
+    real = fcntl.flock
+
+    def flock_after_release(fd, op):
+        first.release()  # the holder ends just after the second process opened its file
+        monkeypatch.setattr(fcntl, "flock", real)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_release)
+    second = RunLock(tmp_path)
+    second.acquire(lambda _m: None)
+    try:
+        assert os.path.samestat(os.fstat(second.fd), os.stat(second.path))
+        with pytest.raises(ConfigError, match="is in use by another training process"):
+            RunLock(tmp_path).acquire(lambda _m: None)
+    finally:
+        second.release()
+
+
 def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_path, capsys):
     """Found by a fresh-eyes test: a file added under data.sources made --resume retrain the tokenizer and
     overwrite out_dir/tokenizer, then train on ids that meant other pieces."""

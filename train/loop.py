@@ -476,21 +476,32 @@ class RunLock:
         import fcntl
         import socket
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                try:
-                    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
-                finally:
-                    os.close(fd)
-                raise ConfigError(f"out_dir {str(self.path.parent)!r} is in use by another training process "
-                                  f"({holder}); a second one would delete its checkpoint in progress: wait for it "
-                                  "to end or stop it, or choose another out_dir") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    try:
+                        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
+                    finally:
+                        os.close(fd)
+                    raise ConfigError(f"out_dir {str(self.path.parent)!r} is in use by another training process "
+                                      f"({holder}); a second one would delete its checkpoint in progress: wait for "
+                                      "it to end or stop it, or choose another out_dir") from None
+                os.close(fd)
+                warn(f"warning: cannot lock {self.path} ({e.strerror}); make sure no other process trains in this "
+                     "folder")
+                return
+            # the holder may have released (unlinked the file) between our open and flock: then this lock is on
+            # a file no one else opens, and the next process would create a new one and lock that too; retry
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            warn(f"warning: cannot lock {self.path} ({e.strerror}); make sure no other process trains in this folder")
-            return
         os.ftruncate(fd, 0)
         os.pwrite(fd, (f"pid {os.getpid()} on {socket.gethostname()}, since "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n").encode(), 0)
