@@ -1145,6 +1145,28 @@ def test_a_run_lock_taken_on_a_released_file_is_retaken(tmp_path, monkeypatch):
         second.release()
 
 
+def test_a_run_lock_that_cannot_be_opened_is_one_line(corpus, cache_dir, tmp_path, monkeypatch):
+    """A lock file another user's killed run left in a shared folder (0644, theirs) made os.open raise a
+    PermissionError traceback; it is one line naming the file and the fix, and the folder is left as it was."""
+    from minicpm4_jax.train.loop import RUN_LOCK_NAME
+
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / RUN_LOCK_NAME).write_text("pid 1 on other, since 2026-01-01 00:00:00\n")
+    real = os.open
+
+    def deny(path, *a, **kw):
+        if str(path).endswith(RUN_LOCK_NAME):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", deny)
+    err = _train_error(tiny_overrides(corpus, cache_dir, out, steps=4, sample_tokens=0))
+    assert err == (f"cannot open the run lock {str(out / RUN_LOCK_NAME)!r} (Permission denied); if no training process "
+                   "uses this out_dir, remove that file, else choose another out_dir"), err
+    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK_NAME]
+
+
 def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_path, capsys):
     """Found by a fresh-eyes test: a file added under data.sources made --resume retrain the tokenizer and
     overwrite out_dir/tokenizer, then train on ids that meant other pieces."""

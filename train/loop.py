@@ -470,14 +470,19 @@ class RunLock:
         """Take the lock or raise.
 
         Raises:
-            ConfigError: another process holds it (named, with the fix).
+            ConfigError: another process holds it (named, with the fix); the lock file cannot be opened (another
+                user's, left by a killed run).
         """
         import errno
         import fcntl
         import socket
 
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:  # e.g. the file of another user's run killed in a shared folder
+                raise ConfigError(f"cannot open the run lock {str(self.path)!r} ({e.strerror}); if no training "
+                                  "process uses this out_dir, remove that file, else choose another out_dir") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
