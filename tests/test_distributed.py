@@ -257,6 +257,22 @@ def test_two_processes_match_one_process_preempt_and_resume(corpus, tmp_path):
     diff = max(abs(got[k] - ref_losses[k]) for k in got)
     assert diff <= 1e-5, (diff, got, ref_losses)
 
+    # another run holding the folder refuses both processes at once (process 1 used to wait for process 0 at the
+    # checkpoint manager's barrier until it timed out)
+    from minicpm4_jax.train.loop import RunLock
+
+    other = RunLock(mp_out)
+    other.acquire(lambda _m: None)
+    try:
+        res = _launch({**args, "out": str(tmp_path / "c"), "resume": True, "sleep": 0.0, "term_at": None}, 2, 4,
+                      timeout=150)
+    finally:
+        other.release()
+    logs = "\n".join(t for _, t in res)
+    assert [rc for rc, _ in res] == [1, 1], logs[-3000:]
+    assert f"ConfigError: out_dir {str(mp_out)!r} is in use by another training process (pid {os.getpid()}" in res[0][1]
+    assert f"ConfigError: process 0 could not lock {mp_out}" in res[1][1], res[1][1][-2000:]
+
     # the 2-process checkpoint restores in this single process (8 devices) and equals the reference
     mesh = make_mesh(ref_cfg.mesh)
     want, have = {}, {}

@@ -1167,6 +1167,31 @@ def test_a_run_lock_that_cannot_be_opened_is_one_line(corpus, cache_dir, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK_NAME]
 
 
+def test_a_run_on_a_checkpoint_directory_in_use_is_refused(corpus, cache_dir, tmp_path):
+    """Review of the run lock: a run with its own out_dir and another running run's checkpoint.directory passed
+    the out_dir lock, and its checkpoint manager deleted that run's save in progress (<step>.orbax-checkpoint-tmp).
+    A checkpoint.directory outside out_dir is locked too."""
+    from minicpm4_jax.train.loop import RUN_LOCK_NAME, RunLock
+
+    ck = tmp_path / "ck"
+    kw = {"steps": 4, "checkpoint.save_every": 2, "checkpoint.directory": str(ck), "sample_tokens": 0}
+    run_training(tiny_cfg(corpus, cache_dir, tmp_path / "a", **kw), log=lambda _m: None, progress=False)
+    assert not (ck / RUN_LOCK_NAME).exists() and not (tmp_path / "a" / RUN_LOCK_NAME).exists()
+    running = RunLock(ck, "checkpoint.directory")  # run a, still training and saving step 6
+    running.acquire(lambda _m: None)
+    try:
+        (ck / "6.orbax-checkpoint-tmp").mkdir()
+        (ck / "6.orbax-checkpoint-tmp" / "x").write_text("a save in progress")
+        for resume in (False, True):
+            err = _train_error(tiny_overrides(corpus, cache_dir, tmp_path / "b", **kw), resume=resume)
+            assert err.startswith(f"checkpoint.directory {str(ck)!r} is in use by another training process (pid "), err
+            assert err.endswith("or choose another checkpoint.directory"), err
+            assert (ck / "6.orbax-checkpoint-tmp" / "x").read_text() == "a save in progress"
+        assert not (tmp_path / "b" / RUN_LOCK_NAME).exists()  # b released what it took
+    finally:
+        running.release()
+
+
 def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_path, capsys):
     """Found by a fresh-eyes test: a file added under data.sources made --resume retrain the tokenizer and
     overwrite out_dir/tokenizer, then train on ids that meant other pieces."""

@@ -459,11 +459,13 @@ class RunLock:
     :meth:`acquire` takes ``fcntl.flock`` on ``out_dir/.minicpm4-train.lock`` (released by the kernel when the
     process dies, also by ``kill -9``; held across hosts on filesystems with locks, e.g. NFSv4); the file names
     the holder (pid, host, start time) and is removed by :meth:`release`. A filesystem without locks gets no
-    lock and a warning.
+    lock and a warning. A ``checkpoint.directory`` outside ``out_dir`` is locked the same way (``what``), since a
+    run with another ``out_dir`` and that checkpoint folder would clear the same saves.
     """
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, what: str = "out_dir"):
         self.path = out_dir / RUN_LOCK_NAME
+        self.what = what  # the config key naming the folder, for the messages
         self.fd: int | None = None
 
     def acquire(self, warn: Callable[[str], None]) -> None:
@@ -482,7 +484,8 @@ class RunLock:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:  # e.g. the file of another user's run killed in a shared folder
                 raise ConfigError(f"cannot open the run lock {str(self.path)!r} ({e.strerror}); if no training "
-                                  "process uses this out_dir, remove that file, else choose another out_dir") from None
+                                  f"process uses this {self.what}, remove that file, else choose another "
+                                  f"{self.what}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -491,9 +494,9 @@ class RunLock:
                         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
                     finally:
                         os.close(fd)
-                    raise ConfigError(f"out_dir {str(self.path.parent)!r} is in use by another training process "
-                                      f"({holder}); a second one would delete its checkpoint in progress: wait for "
-                                      "it to end or stop it, or choose another out_dir") from None
+                    raise ConfigError(f"{self.what} {str(self.path.parent)!r} is in use by another training "
+                                      f"process ({holder}); a second one would delete its checkpoint in progress: "
+                                      f"wait for it to end or stop it, or choose another {self.what}") from None
                 os.close(fd)
                 warn(f"warning: cannot lock {self.path} ({e.strerror}); make sure no other process trains in this "
                      "folder")
@@ -522,6 +525,32 @@ class RunLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+def _acquire_run_locks(locks: list[RunLock], is_main: bool, say: Callable[[str], None]) -> None:
+    """Process 0 takes ``locks`` (:class:`RunLock`); with several processes every one learns whether it could, so
+    that all are refused together (the others would otherwise wait for process 0 at the checkpoint manager's
+    barrier until it times out).
+
+    Raises:
+        ConfigError: a lock is held by another run (process 0: the holder named; the others: pointing at it).
+    """
+    err: ConfigError | None = None
+    if is_main:
+        try:
+            for lock in locks:
+                lock.acquire(say)
+        except ConfigError as e:
+            err = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        refused = bool(np.asarray(multihost_utils.process_allgather(np.int32(err is not None))).reshape(-1)[0])
+        if refused and err is None:
+            raise ConfigError(f"process 0 could not lock {locks[0].path.parent} (another training process uses the "
+                              "run's folders; process 0's error names it): stop that process or choose another out_dir")
+    if err is not None:
+        raise err
 
 
 class _StepTracer:
@@ -724,7 +753,9 @@ def run_training(
         raise ValueError(f"resume={resume!r}; use True, False or 'auto'")
     need = required_free_bytes(cfg, resuming=bool(resume), reclaimable=_interrupted_save_bytes(ckpt_dir))
     created = _missing_folders(out_dir, ckpt_dir)  # made by the checks below; removed again if the run is refused
-    run_lock = RunLock(out_dir)
+    run_locks = [RunLock(out_dir)]
+    if ckpt_dir != out_dir and out_dir not in ckpt_dir.parents:
+        run_locks.append(RunLock(ckpt_dir, "checkpoint.directory"))
     try:
         sources = [(k, v) for k, v in (("branch_from", cfg.branch_from),
                                        ("qat.init_from", cfg.qat.init_from if cfg.qat.enabled else None)) if v]
@@ -734,11 +765,11 @@ def run_training(
         check_run_folder(out_dir, resume, ckpt_dir, sources=sources)
         check_output_dir(out_dir, need)
         check_output_dir(ckpt_dir, need, what="checkpoint.directory")
-        if is_main:  # before the checkpoint manager, which clears unfinished saves
-            run_lock.acquire(say)
+        _acquire_run_locks(run_locks, is_main, say)  # before the checkpoint manager, which clears unfinished saves
         ckpt = Checkpointer(cfg, ckpt_dir)
     except BaseException:
-        run_lock.release()
+        for lock in run_locks:
+            lock.release()
         _remove_empty_folders(created)
         raise
     writer: MetricsWriter | None = None
@@ -1281,6 +1312,7 @@ def run_training(
             else:
                 ckpt.close()
         finally:
-            run_lock.release()  # after the last save completed
+            for lock in run_locks:  # after the last save completed
+                lock.release()
         if refused:
             _remove_empty_folders(created)
