@@ -35,7 +35,8 @@ def stage2_forced_split(params: SelectParams, k_used: int) -> tuple[int, int, in
       q_blk`` is never in it and is added by stage 2 (window ``L``): at most ``K - init`` other picks.
 
     When the forced blocks do not fit in ``topk_cfg`` the split is off (``init = 0``; gen-2 window 0), which
-    keeps the attended set exactly the selection.
+    keeps the attended set exactly the selection (gen-2: only a hand-built :class:`SelectParams`;
+    :func:`~minicpm4_jax.infllm.select.select_params` refuses ``topk < init_blocks + 1``).
     """
     p = params
     if p.variant == "gen2":
