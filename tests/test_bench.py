@@ -423,6 +423,17 @@ def test_results_files_and_determinism(tmp_path):
     assert ja["kind"] == "bench" and ja["items"] == jb["items"] and untimed(ja["scores"]) == untimed(jb["scores"])
     assert set(ja["scores"]["tasks"]) == {"mmlu", "gsm8k"} and ja["scores"]["tasks"]["mmlu"]["metric"] == "acc"
     assert "| mmlu | acc |" in a["paths"][1].read_text()
+    # helper 88: the data folder is recorded resolved, so a pair run once with a relative and once with an absolute
+    # path to the same folder is not flagged "Not like for like" in the report
+    import os
+
+    cwd = os.getcwd()
+    try:
+        os.chdir(Path(d).parent)
+        c = run_bench(RandomModel(3), Path(d).name, ["gsm8k"], out_dir=tmp_path / "c", limit=2, log=None)
+    finally:
+        os.chdir(cwd)
+    assert json.loads(c["paths"][0].read_text())["config"]["data_dir"] == ja["config"]["data_dir"] == str(Path(d).resolve())
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

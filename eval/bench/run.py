@@ -150,7 +150,7 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
                 raise DataError(f"{task.name} generates up to {budget} tokens but the model's max_length is "
                                 f"{max_length} (prefix included), so no prompt token fits: leave {task.name} out, "
                                 "or evaluate a model with more positions")
-    config = {"tasks": names, "data_dir": str(data_dir), "limit": limit,
+    config = {"tasks": names, "data_dir": str(Path(data_dir).expanduser().resolve()), "limit": limit,
               "k_shot": {t.name: t.k_shot for t in loaded}, "seed": seed,
               "pass_k_samples": n_samples, "pass_ks": list(pass_ks), "code_temperature": code_temperature,
               "math_timeout": math_timeout, "allow_code_execution": allow_code_execution,
