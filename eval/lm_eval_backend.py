@@ -162,10 +162,18 @@ class MiniCPM4LM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Continuations of ``(context, gen_kwargs)`` requests, cut at the first ``until`` string (and EOS).
 
-        Greedy unless ``do_sample`` with a ``temperature`` > 0; then ``top_p`` / ``top_k`` apply as given (absent:
-        no nucleus / top-k cut; ``top_p`` outside (0, 1] or a negative ``top_k``: :class:`ConfigError` before any
-        generation). ``max_gen_toks`` defaults to the backend's. A context longer than ``max_length -
-        max_gen_toks`` keeps its last tokens (a warning on stderr says how many were cut).
+        The sampling settings are those lm-eval's Hugging Face backend (0.4.13: ``normalize_gen_kwargs``,
+        ``HFLM._model_generate``) hands to transformers' ``generate`` for the same ``gen_kwargs``: ``do_sample``
+        absent samples when ``temperature`` > 0 and is greedy otherwise; ``do_sample: false`` is greedy whatever
+        the temperature; ``do_sample: true`` without a ``temperature`` > 0 is a :class:`ConfigError` (transformers
+        raises ``temperature (=0.0) has to be a strictly positive float``). When sampling, an absent ``top_k`` /
+        ``top_p`` takes ``GenerationConfig``'s default (50 / 1.0): this project's checkpoints carry no generation
+        config (an export's ``generation_config.json`` names only the special-token ids), so those are what
+        transformers uses on an exported model; ``None`` or 0 means no cut (as in transformers). An imported
+        official checkpoint's own ``generation_config.json`` (``top_p: 0.8``) is not kept: give ``top_p`` in the
+        task to match transformers on the original folder. ``top_p`` outside (0, 1] or a negative ``top_k``:
+        :class:`ConfigError` before any generation. ``max_gen_toks`` defaults to the backend's. A context longer
+        than ``max_length - max_gen_toks`` keeps its last tokens (a warning on stderr says how many were cut).
         """
         out: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
@@ -175,8 +183,7 @@ class MiniCPM4LM(TemplateLM):
             until = kw.get("until", None)
             until = [until] if isinstance(until, str) else list(until or [])
             max_toks = int(kw.get("max_gen_toks", self.max_gen_toks))
-            do_sample = bool(kw.get("do_sample", False))
-            temp = float(kw.get("temperature", 0.0) or 0.0) if do_sample else 0.0
+            temp = _sampling_temperature(kw)
             s = {"until": until, "max_new_tokens": max_toks, "temperature": temp}
             if temp > 0:  # a sampling task's nucleus / top-k settings (were dropped: plain temperature sampling)
                 s.update(_sampling_cuts(kw))
@@ -207,9 +214,37 @@ class MiniCPM4LM(TemplateLM):
         return [o if o is not None else "" for o in out]
 
 
+# transformers' GenerationConfig default top_k, used when a sampling request gives none (see generate_until)
+HF_DEFAULT_TOP_K = 50
+
+
+def _sampling_temperature(gen_kwargs: dict) -> float:
+    """The temperature a request's ``gen_kwargs`` samples at, 0.0 for greedy, as lm-eval's Hugging Face backend
+    decides (``do_sample`` absent: sample iff ``temperature`` > 0; ``false``: greedy).
+
+    Raises:
+        ConfigError: ``do_sample: true`` without a ``temperature`` > 0 (transformers' ``generate`` refuses it).
+    """
+    try:
+        temp = float(gen_kwargs.get("temperature") or 0.0)
+    except (TypeError, ValueError):
+        raise ConfigError(f"generate_until gen_kwargs: temperature={gen_kwargs.get('temperature')!r} is not a "
+                          "number; fix the task's generation_kwargs") from None
+    do_sample = gen_kwargs.get("do_sample")
+    if do_sample is None:
+        do_sample = temp > 0
+    if not do_sample:
+        return 0.0
+    if not temp > 0:
+        raise ConfigError(f"generate_until gen_kwargs: do_sample: true needs a temperature > 0, got "
+                          f"{gen_kwargs.get('temperature', 'none')} (lm-eval's Hugging Face backend fails there too); "
+                          "set the task's temperature, or do_sample: false for greedy decoding")
+    return temp
+
+
 def _sampling_cuts(gen_kwargs: dict) -> dict:
-    """``{"top_p": p, "top_k": k}`` of a sampling request's ``gen_kwargs``, each left out when absent (``None``) or
-    no cut (``top_p`` 1, ``top_k`` 0).
+    """``{"top_p": p, "top_k": k}`` of a sampling request's ``gen_kwargs``, each left out when no cut (``top_p`` 1 or
+    ``None``, ``top_k`` 0 or ``None``); an absent ``top_k`` is transformers' default, :data:`HF_DEFAULT_TOP_K`.
 
     Raises:
         ConfigError: a value :class:`~minicpm4_jax.infer.sampling.SamplingParams` refuses (e.g. ``top_p`` 0, which
@@ -220,6 +255,8 @@ def _sampling_cuts(gen_kwargs: dict) -> dict:
     top_p, top_k = gen_kwargs.get("top_p"), gen_kwargs.get("top_k")
     try:
         p = 1.0 if top_p is None else float(top_p)
+        if "top_k" not in gen_kwargs:
+            top_k = HF_DEFAULT_TOP_K
         k = 0 if top_k is None else int(top_k) if isinstance(top_k, float) and top_k.is_integer() else top_k
         SamplingParams(1.0, k, p).validate()
     except (ConfigError, TypeError, ValueError) as e:

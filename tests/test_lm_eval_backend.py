@@ -205,7 +205,30 @@ def test_generate_until_passes_top_p_and_top_k_when_sampling():
                                                       "top_k": 40}), 0),
                        _inst("generate_until", ("Q2", {"do_sample": True, "temperature": 0.5}), 1),
                        _inst("generate_until", ("Q3", {"do_sample": False, "temperature": 0.7, "top_p": 0.9}), 2)])
-    assert sorted(c[1:] for c in m.calls) == [(0.0, 1.0, 0), (0.5, 1.0, 0), (0.7, 0.9, 40)]
+    assert sorted(c[1:] for c in m.calls) == [(0.0, 1.0, 0), (0.5, 1.0, 50), (0.7, 0.9, 40)]
+
+
+@needs_lm_eval
+def test_generate_until_sampling_settings_follow_lm_evals_hf_backend():
+    """Break test (helper 90): ``temperature`` without ``do_sample`` was greedy (lm-eval's HF backend samples),
+    ``do_sample: true`` without a temperature was silently greedy (transformers raises), and an absent ``top_k`` was
+    no cut (transformers' GenerationConfig default is 50; ``None`` / 0 is no cut there too)."""
+    from minicpm4_jax.config import ConfigError
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = SamplingEvalModel()
+    lm = MiniCPM4LM(model=m)
+    lm.generate_until([_inst("generate_until", ("Q1", {"temperature": 0.6}), 0),
+                       _inst("generate_until", ("Q2", {"temperature": 0.0}), 1),
+                       _inst("generate_until", ("Q3", {"do_sample": True, "temperature": 0.4, "top_k": 0}), 2),
+                       _inst("generate_until", ("Q4", {"do_sample": False, "temperature": 0.9}), 3)])
+    assert sorted(c[1:] for c in m.calls) == [(0.0, 1.0, 0), (0.4, 1.0, 0), (0.6, 1.0, 50)]
+    for kw in ({"do_sample": True}, {"do_sample": True, "temperature": 0.0}, {"temperature": "warm"}):
+        m.calls.clear()
+        with pytest.raises(ConfigError, match="^generate_until gen_kwargs: .*temperature") as e:
+            lm.generate_until([_inst("generate_until", ("Q0", {"do_sample": False}), 0),
+                               _inst("generate_until", ("Q1", kw), 1)])
+        assert "\n" not in str(e.value) and m.calls == []
 
 
 @needs_lm_eval
