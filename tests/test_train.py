@@ -27,7 +27,7 @@ from conftest import SUBPROCESS_XLA_FLAGS
 
 from minicpm4_jax.config import ConfigError, config_to_dict, load_config
 from minicpm4_jax.train import loop as loop_mod
-from minicpm4_jax.train.checkpoint import Checkpointer, load_params_for_inference
+from minicpm4_jax.train.checkpoint import Checkpointer, holds_checkpoint_steps, load_params_for_inference
 from minicpm4_jax.train.loop import TrainingDiverged, run_training
 from minicpm4_jax.train.step import abstract_train_state
 
@@ -1639,3 +1639,26 @@ def test_a_new_run_refuses_the_folder_of_a_run_whose_checkpoints_lie_elsewhere(c
                        f"checkpoints in {a / 'checkpoints'}; resume with checkpoint.directory={a / 'checkpoints'} (or "
                        "without checkpoint.directory when that is out_dir/checkpoints)"), err
     assert (_tree(a), _tree(b)) == before and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_relative_checkpoint_directory_is_recorded_where_the_run_put_it(corpus, cache_dir, tmp_path, monkeypatch):
+    """Helper 90: config.json recorded a relative checkpoint.directory as given, and the check for a run whose
+    checkpoints lie elsewhere resolved it against the working directory of the *next* run: started from another
+    folder, a new run into the finished run's out_dir (with another checkpoint.directory) found no checkpoints there
+    and would overwrite its summary.json and metrics.jsonl. The recorded folder is the one the Checkpointer wrote to
+    (resolved when the run started), whatever the working directory of the run that reads it."""
+    home, other = tmp_path / "home", tmp_path / "other"
+    home.mkdir(), other.mkdir()
+    out = tmp_path / "run"
+    monkeypatch.chdir(home)
+    run_training(tiny_cfg(corpus, cache_dir, out, steps=4, **{"checkpoint.save_every": 4, "eval_every": 4,
+                                                               "sample_tokens": 0, "checkpoint.directory": "ck"}),
+                 log=lambda _m: None, progress=False)
+    assert holds_checkpoint_steps(home / "ck")
+    assert json.loads((out / "config.json").read_text())["checkpoint"]["directory"] == str(home / "ck")
+    monkeypatch.chdir(other)
+    assert loop_mod._recorded_checkpoint_dirs(out) == [out / "checkpoints", home / "ck"]
+    monkeypatch.setattr(loop_mod, "_data_api", lambda: pytest.fail("data prepared for a refused run"))
+    err = _train_error(tiny_overrides(corpus, cache_dir, out, **{"checkpoint.directory": "ck"}))
+    assert err.startswith(f"out_dir {str(out)!r} is the folder of a run with checkpoints in {home / 'ck'}, but this "
+                          f"run's checkpoint.directory is {str(other / 'ck')!r}"), err

@@ -415,8 +415,9 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
 
 def _recorded_checkpoint_dirs(out_dir: Path) -> list[Path]:
     """The checkpoint folders of the run whose folder ``out_dir`` is: ``out_dir/checkpoints`` and the
-    ``checkpoint.directory`` its ``config.json`` records (absolute, or relative to the working directory as the run
-    read it), resolved; nothing unreadable is an error here."""
+    ``checkpoint.directory`` its ``config.json`` records (absolute: a run records the folder its Checkpointer
+    resolved against its working directory; a relative one, from a run before that, is read against the current
+    working directory), resolved; nothing unreadable is an error here."""
     dirs = [(out_dir / "checkpoints").resolve()]
     try:
         recorded = json.loads((out_dir / "config.json").read_text()).get("checkpoint", {}).get("directory")
@@ -865,7 +866,10 @@ def run_training(
             check_init_tokenizer(init_src, tok, say)
         if is_main:
             tok.save(out_dir / "tokenizer")
-            write_json_atomic(out_dir / "config.json", config_to_dict(cfg))
+            saved = config_to_dict(cfg)
+            if cfg.checkpoint.directory:  # where the Checkpointer writes, whatever the cwd of a later run reading it
+                saved["checkpoint"]["directory"] = str(ckpt_dir)
+            write_json_atomic(out_dir / "config.json", saved)
             # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one is
             # stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
             (out_dir / "summary.json").unlink(missing_ok=True)
