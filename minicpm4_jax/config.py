@@ -637,6 +637,20 @@ def inactive_qat_options(cfg: TrainConfig) -> list[str]:
             if f.name != "enabled" and getattr(cfg.qat, f.name) != getattr(default, f.name)]
 
 
+def qat_warmup_warning(cfg: TrainConfig) -> str | None:
+    """A warning line when ``qat.token_share`` leaves a high-precision stage shorter than ``optimizer.warmup_steps``
+    (the stage ends inside its warmup: its last update runs at ``hp / warmup_steps`` of the peak learning rate, and
+    QAT starts from a model never trained at the peak), else ``None``. The QAT stage's own re-warmup is checked by
+    :func:`validate` (an error when it does not fit)."""
+    hp, warm = cfg.qat_start_step or 0, cfg.optimizer.warmup_steps
+    if not 0 < hp < warm:
+        return None
+    return (f"warning: qat.token_share={cfg.qat.token_share} x steps={cfg.steps} leaves {hp} high-precision steps, "
+            f"fewer than optimizer.warmup_steps={warm}: that stage ends inside its warmup (at {hp / warm:.0%} of "
+            f"the peak learning rate) before QAT starts; lower optimizer.warmup_steps to {hp} or less, lower "
+            "qat.token_share, or set qat.token_share=1 for a QAT-only run")
+
+
 # ------------------------------------------------------------------------------------------------
 # dict <-> dataclass
 # ------------------------------------------------------------------------------------------------

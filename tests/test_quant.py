@@ -452,6 +452,39 @@ def test_qat_settings_of_a_run_without_qat_are_named_as_inactive():
     assert inactive_qat_options(load_config("cpu_tiny")) == []
 
 
+def test_a_high_precision_stage_shorter_than_the_warmup_is_warned_about(tmp_path, monkeypatch):
+    """Helper 90: ``qat.token_share`` leaving fewer high-precision steps than ``optimizer.warmup_steps`` trained
+    silently (the stage ended mid-warmup, at hp / warmup of the peak learning rate, and QAT started from there);
+    the log now says so with the values and the fix, before the data are prepared. A stage that reaches the peak,
+    a QAT-only run and a run without QAT are not warned about."""
+    import minicpm4_jax.train.loop as loop_mod
+    from minicpm4_jax.config import qat_warmup_warning
+
+    short = load_config(None, _overrides(tmp_path, "r", **{"steps": 100, "optimizer.warmup_steps": 10,
+                                                           "qat.enabled": True, "qat.token_share": 0.96,
+                                                           "qat.warmup_steps": 2}))
+    assert qat_warmup_warning(short) == (
+        "warning: qat.token_share=0.96 x steps=100 leaves 4 high-precision steps, fewer than "
+        "optimizer.warmup_steps=10: that stage ends inside its warmup (at 40% of the peak learning rate) before QAT "
+        "starts; lower optimizer.warmup_steps to 4 or less, lower qat.token_share, or set qat.token_share=1 for a "
+        "QAT-only run")
+    for share, enabled in ((0.9, True), (1.0, True), (0.96, False)):
+        assert qat_warmup_warning(dataclasses.replace(short, qat=dataclasses.replace(
+            short.qat, token_share=share, enabled=enabled))) is None, (share, enabled)
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    said: list[str] = []
+    monkeypatch.setattr(loop_mod, "_data_api", stop)
+    with pytest.raises(Stop):
+        run_training(short, log=said.append, progress=False)
+    assert qat_warmup_warning(short) in said, said
+
+
 # ------------------------------------------------------------------------------------------------
 # export: fake-quant HF folder, TQ1_0/TQ2_0 GGUF
 # ------------------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ import jax
 import numpy as np
 
 from minicpm4_jax.config import (ConfigError, TrainConfig, check_training_selection, config_to_dict,
-                                 inactive_draft_options, inactive_qat_options)
+                                 inactive_draft_options, inactive_qat_options, qat_warmup_warning)
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
@@ -833,6 +833,9 @@ def run_training(
             say("warning: a decay of 1 step changes nothing: its one update runs at the peak learning rate (the "
                 "schedule reaches min_lr_ratio x peak after the last update, spec B12); use 2 or more decay steps "
                 "(optimizer.decay_steps / decay_fraction), or 0 for none")
+        warning = qat_warmup_warning(cfg)
+        if warning:
+            say(warning)
         inactive = inactive_draft_options(cfg)
         if inactive:
             say(f"model.mtp=false: {', '.join(inactive)} shape the MTP draft head, which this run does not have; "
