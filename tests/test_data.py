@@ -280,6 +280,43 @@ def test_incomplete_cache_is_rebuilt_not_reused(tmp_path, prepared):
     assert not stale.exists()
 
 
+def test_an_unchanged_cache_is_not_rescanned_and_one_changed_in_place_is_caught(tmp_path, prepared, monkeypatch):
+    """Helper 90: every start read the whole token cache for its largest id (minutes for a multi-GB cache). The
+    largest id is now recorded with each file's stamp (size, mtime, ctime, inode) and read again only when the stamp
+    changed, or when the file was written too shortly before the record to tell a later write in the same
+    timestamp tick apart; bytes changed in place (same size) are still caught and rebuilt."""
+    import os
+
+    import minicpm4_jax.train.data as data_mod
+
+    cfg, data = prepared
+    scans: list[str] = []
+    real = data_mod._max_token
+    monkeypatch.setattr(data_mod, "_max_token", lambda path, *a: scans.append(path.name) or real(path, *a))
+    prepare_data(cfg, log=_quiet)  # files just written: scanned, and their record is not trusted yet
+    prepare_data(cfg, log=_quiet)
+    assert scans == ["train.bin", "val.bin"] * 2
+    old = data.cache_dir.stat().st_mtime_ns - 10 * 10**9  # as if written 10 s before
+    for name in ("train.bin", "val.bin"):
+        os.utime(data.cache_dir / name, ns=(old, old))
+    scans.clear()
+    logs: list[str] = []
+    first = prepare_data(cfg, log=logs.append)
+    again = prepare_data(cfg, log=logs.append)
+    assert scans == ["train.bin", "val.bin"]  # once, then from the record
+    assert sum("reusing token cache" in m for m in logs) == 2 and again.manifest == first.manifest
+    val = data.cache_dir / "val.bin"
+    expected = np.array(again.val_tokens)
+    with open(val, "r+b") as f:  # in place: same size, same inode
+        f.seek(100)
+        f.write(b"\xff\xff\xff\x7f")
+    scans.clear()
+    logs.clear()
+    rebuilt = prepare_data(cfg, log=logs.append)
+    assert scans[0] == "val.bin" and any("rebuilding" in m for m in logs)
+    assert np.array_equal(rebuilt.val_tokens, expected)
+
+
 def test_tokenizer_path_source(tmp_path, prepared):
     cfg, data = prepared
     tok_dir = tmp_path / "tok"

@@ -51,6 +51,7 @@ first validation windows in order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -521,9 +522,45 @@ def _open_tokens(path: Path, dtype: str, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
+# per token file of a cache entry: its stat stamp and largest id when last scanned
+_VERIFIED = "verified.json"
+# a record is trusted only for a file last written this long before it was made: a write within the same
+# timestamp tick as the scan (coarse mtime clocks, 2 s on FAT) would leave the stamp unchanged ("racily clean")
+_STAMP_MARGIN_NS = 2_000_000_000
+
+
+def _file_stamp(path: Path) -> list[int]:
+    """``[size, mtime_ns, ctime_ns, inode]`` of ``path``: any write (or a copy put in its place) changes one."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _max_token(path: Path, dtype: str, count: int) -> int:
+    """The largest id of a token file: one pass over its memmap (minutes for a multi-GB cache)."""
+    return int(_open_tokens(path, dtype, count).max())
+
+
+def _record_verified(final: Path, tops: dict[str, int]) -> None:
+    """Write ``final/verified.json`` (``{file: {"stamp", "max_id", "at"}}``, ``at`` the time of the record in ns)
+    atomically; a cache folder this process may not write keeps none (its files are then scanned at each start)."""
+    tmp = final / f".{_VERIFIED}.{os.getpid()}"
+    try:
+        at = time.time_ns()
+        tmp.write_text(json.dumps({name: {"stamp": _file_stamp(final / name), "max_id": top, "at": at}
+                                   for name, top in tops.items()}))
+        os.replace(tmp, final / _VERIFIED)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
 def _load_cached(final: Path, key: str) -> dict | None:
     """The manifest of a complete cache entry for ``key``, or ``None`` (absent or inconsistent: a file of another
-    size than the manifest records, or a token id outside the manifest's ``vocab_size``)."""
+    size than the manifest records, or a token id outside the manifest's ``vocab_size``).
+
+    The largest id of each token file is read from ``verified.json`` while the file's stamp (size, mtime, ctime,
+    inode: :func:`_file_stamp`) is the one recorded there and its mtime lies :data:`_STAMP_MARGIN_NS` before the
+    record, else scanned again and recorded."""
     mpath = final / "manifest.json"
     if not mpath.is_file():
         return None
@@ -534,11 +571,25 @@ def _load_cached(final: Path, key: str) -> dict | None:
         ok = ok and (final / "train.bin").stat().st_size == man["num_train_tokens"] * item
         ok = ok and (final / "val.bin").stat().st_size == man["num_val_tokens"] * item
         # a file of the right size with bytes changed since (bit rot, a stray write) held ids outside the
-        # vocabulary: validation gave loss nan and the end of the run an IndexError (break test 85). One pass over
-        # the memmaps, cheaper than the corpus hashing every start does.
+        # vocabulary: validation gave loss nan and the end of the run an IndexError (break test 85). A pass over
+        # the memmaps only when a file changed since the last one (was at every start: minutes for a large cache)
+        try:
+            seen = json.loads((final / _VERIFIED).read_text())
+        except (OSError, ValueError):
+            seen = {}
+        tops, scanned = {}, False
         for name, n in (("train.bin", man["num_train_tokens"]), ("val.bin", man["num_val_tokens"])):
             if ok and n:
-                ok = int(_open_tokens(final / name, man["dtype"], n).max()) < int(man["vocab_size"])
+                rec = seen.get(name) if isinstance(seen, dict) else None
+                stamp = _file_stamp(final / name)
+                if (isinstance(rec, dict) and rec.get("stamp") == stamp and isinstance(rec.get("max_id"), int)
+                        and isinstance(rec.get("at"), int) and stamp[1] < rec["at"] - _STAMP_MARGIN_NS):
+                    tops[name] = rec["max_id"]
+                else:
+                    tops[name], scanned = _max_token(final / name, man["dtype"], n), True
+                ok = tops[name] < int(man["vocab_size"])
+        if ok and scanned:
+            _record_verified(final, tops)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return man if ok else None
