@@ -116,15 +116,37 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temp
     return out.tokens[0]
 
 
+def continuation_decoder(tokenizer: _Tokenizer, context_ids: Sequence[int], tail: int = 16
+                         ) -> Callable[[Sequence[int]], str]:
+    """``new_ids -> text``: the text ``new_ids`` add after ``context_ids``, ``decode(last + new)`` minus
+    ``decode(last)`` with ``last`` the context's last ``tail`` ids (the whole context's decode would cost O(prompt)
+    per streamed token).
+
+    ``decode(new)`` alone loses the space a first new piece starts with when the tokenizer's decode strips the
+    leading space of its text (SentencePiece ``add_dummy_prefix``, Llama-style: ``"import"`` + ``▁os`` showed
+    ``importos``). Falls back to ``decode(new)`` when ``decode(last)`` is not a prefix of ``decode(last + new)``.
+    """
+    last = [int(i) for i in context_ids][-tail:] if tail > 0 else []
+    base = tokenizer.decode(last)
+
+    def decode(new_ids: Sequence[int]) -> str:
+        full = tokenizer.decode(last + [int(i) for i in new_ids])
+        return full[len(base):] if full.startswith(base) else tokenizer.decode(list(new_ids))
+
+    return decode
+
+
 class _StreamPrinter:
-    """``on_token`` callback emitting the newly decoded text of row 0 as it grows.
+    """``on_token`` callback emitting the newly decoded text of row 0 as it grows (``decode``: new ids -> text).
 
     Holds back an incomplete UTF-8 character and the last ``len(longest stop string) - 1`` characters (which
     may start a stop string); :meth:`finish` emits the rest of the final, cut text.
     """
 
-    def __init__(self, tokenizer: _Tokenizer, emit: Callable[[str], None], stop_strings: Sequence[str]):
+    def __init__(self, tokenizer: _Tokenizer, emit: Callable[[str], None], stop_strings: Sequence[str],
+                 decode: Callable[[Sequence[int]], str] | None = None):
         self.tokenizer, self.emit = tokenizer, emit
+        self.decode = tokenizer.decode if decode is None else decode
         self.stops = [s for s in stop_strings if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
@@ -135,7 +157,7 @@ class _StreamPrinter:
         if row != 0 or tok == self.eos:
             return
         self.ids.append(tok)
-        text = self.tokenizer.decode(self.ids)
+        text = self.decode(self.ids)
         if text.endswith("\ufffd"):
             return
         cut = [text.index(s) for s in self.stops if s in text]
@@ -161,7 +183,8 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     ``[tokenizer.eos_id]``: a new document follows an EOS there. Generation stops early at
     ``tokenizer.eos_id``, which is not included in the returned text, or at the first of ``stop_strings``
     (the text is cut before it); ids at or above ``tokenizer.vocab_size`` (model vocabulary padding) are
-    never sampled. ``stream``: called with each new piece of text as it is generated. ``speculative``: a
+    never sampled. The text is that of the new tokens as it reads after the prompt
+    (:func:`continuation_decoder`). ``stream``: called with each new piece of text as it is generated. ``speculative``: a
     :class:`~minicpm4_jax.infer.spec.SpeculativeDecoder` to draft and verify with (same output for greedy; the
     target distribution when sampling). ``return_output``: also return the
     :class:`~minicpm4_jax.infer.engine.GenerationOutput` (timings, attended fraction, acceptance length).
@@ -182,15 +205,16 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     stop = (eos,) if eos is not None and eos >= 0 else ()
     limit = getattr(tokenizer, "vocab_size", None)
     eng = InferenceEngine(model) if engine is None else engine
-    printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings)
+    detokenize = continuation_decoder(tokenizer, ids)  # the new text as it reads after the prompt
+    printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings, detokenize)
     gen = eng.generate if speculative is None else speculative.generate
     out = gen([ids], max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seeds=[seed],
-                       stop_ids=stop, stop_strings=tuple(stop_strings), detokenize=tokenizer.decode,
+                       stop_ids=stop, stop_strings=tuple(stop_strings), detokenize=detokenize,
                        vocab_limit=limit, on_token=printer)
     new = out.tokens[0]
     if new and new[-1] in stop:
         new = new[:-1]
-    text = tokenizer.decode(new)
+    text = detokenize(new)
     cut = [text.index(s) for s in stop_strings if s and s in text]
     if cut:
         text = text[:min(cut)]

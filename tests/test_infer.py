@@ -75,6 +75,15 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def official_tok():
+    from conftest import shared_path
+
+    from minicpm4_jax.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(shared_path("data", "minicpm4-0.5b")))
+
+
 def _free_picks(cfg) -> int:
     """Blocks per query row that the stage-1 scores choose (not forced) in ``cfg``'s sparse layout."""
     p = select_params(cfg.sparse_config)
@@ -281,6 +290,58 @@ def test_text_generate_stream_and_stop_cut(weights):
     text = generate(model, Tok(), "t5 t6 t7", 8, temperature=1.0, seed=2, stop_strings=[stop], stream=pieces.append)
     assert text == full[:full.index(stop)]
     assert "".join(pieces) == text  # the stream never showed the stop string
+
+
+class _FixedEngine:
+    """The engine protocol ``generate`` uses, emitting fixed new tokens (as InferenceEngine does, via on_token)."""
+
+    def __init__(self, new):
+        self.new = list(new)
+
+    def generate(self, prompts, max_new_tokens, *, on_token=None, **_kw):
+        import types
+
+        for t in self.new:
+            if on_token is not None:
+                on_token(0, t)
+        return types.SimpleNamespace(tokens=[list(self.new)])
+
+
+def test_generated_text_is_what_the_new_tokens_add_after_the_prompt():
+    """Helper 90: ``generate`` decoded the new tokens alone, so a tokenizer whose decode drops the leading space of
+    its text (SentencePiece add_dummy_prefix, Llama-style) streamed and returned ``os`` for ``import`` + ``▁os``
+    ("importos"). The text (streamed and returned) is now decode(prompt + new) minus decode(prompt)."""
+    from minicpm4_jax.generate import generate
+
+    class DummyPrefixTok:  # SentencePiece with add_dummy_prefix: "▁" is a space, and decode strips the first one
+        bos_id, eos_id, vocab_size = 0, None, 5
+        pieces = ["<s>", "▁import", "▁os", "\n", "▁sys"]
+
+        def encode(self, text):
+            return [self.pieces.index(w) for w in ("▁" + text.replace(" ", " ▁")).split(" ")]
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids if i).replace("▁", " ").removeprefix(" ")
+
+    tok = DummyPrefixTok()
+    pieces: list[str] = []
+    text = generate(None, tok, "import", 3, stream=pieces.append, engine=_FixedEngine([2, 3, 4]))
+    assert text == "".join(pieces) == " os\n sys" == tok.decode([0, 1, 2, 3, 4])[len("import"):]
+
+
+def test_a_prompt_ending_in_a_space_streams_the_tokens_text(official_tok):
+    """Helper 90 (checked, not a fault of ours): with the official tokenizer, the prompt "import " ends in its own
+    "▁" token and a model continuing it with "▁os" (the token of " os" after "import") shows two spaces, which
+    are in the tokens: decode(prompt + new) is "import  os". The streamed text is exactly what the tokens add."""
+    from minicpm4_jax.generate import generate
+
+    tok = official_tok
+    prompt_ids = [tok.bos_id] + tok.encode("import ")
+    new = tok.encode("import os")[1:] + tok.encode("数据")  # "▁os", then multi-byte text
+    pieces: list[str] = []
+    text = generate(None, tok, "import ", len(new), stream=pieces.append, engine=_FixedEngine(new))
+    want = tok.decode(prompt_ids + new)[len(tok.decode(prompt_ids)):]
+    assert text == "".join(pieces) == want == " os数据"
 
 
 def test_sampler_matches_softmax_distribution():
