@@ -888,6 +888,19 @@ def test_logged_tokens_per_second_not_inflated_by_eval_or_save(corpus, cache_dir
     assert len(tps) == 3 and all(0 < x <= 1.05 * bound for x in tps), (tps, bound)
 
 
+def test_mfu_above_100_percent_is_explained_once(corpus, cache_dir, tmp_path, monkeypatch):
+    """Helper 94: a matmul peak measured while other jobs held the cores (25.5 GFLOP/s) made a sparse run log
+    "MFU 121.6%" with no word. Now the first row above 100% warns, naming both rates; later rows do not repeat it."""
+    monkeypatch.setattr(loop_mod, "measure_matmul_peak_flops", lambda: 1e3)  # 1 kFLOP/s: any run exceeds it
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "mfu", steps=4, log_every=2, eval_every=4,
+                   **{"checkpoint.save_every": 4, "optimizer.decay_steps": 2, "sample_tokens": 0})
+    logs: list[str] = []
+    s = run_training(cfg, log=logs.append, progress=False)
+    warned = [m for m in logs if m.startswith("warning: MFU ")]
+    assert len(s["history"]) == 2 and all(h["mfu"] > 1 for h in s["history"]), s["history"]
+    assert len(warned) == 1, logs
+    assert "at step 2:" in warned[0] and "(0.0 GFLOP/s)" in warned[0] and "compare runs by tokens/s" in warned[0]
+
 def test_disk_full_during_async_checkpoint_write_cli(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     import logging
 

@@ -82,7 +82,8 @@ from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, t
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
                                            params_all_finite, sharded_abstract_state)
-from minicpm4_jax.train.metrics import MetricsWriter, measure_matmul_peak_flops, mfu, ternary_scalars
+from minicpm4_jax.train.metrics import (MetricsWriter, measure_matmul_peak_flops, mfu, model_flops_per_second,
+                                        ternary_scalars)
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
 from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, init_train_state,
@@ -1060,6 +1061,7 @@ def run_training(
         window_vals: list[dict[str, float]] = []
         multi = jax.process_count() > 1
         tracer = _StepTracer(cfg, out_dir, say, start)
+        mfu_warned: list[int] = []  # the step of the one warning that MFU passed 100% (a peak measured too low)
 
         def log_row(step: int) -> None:
             """One logged row: each value the mean over the steps since the previous row (losses, gradient norm,
@@ -1067,6 +1069,12 @@ def run_training(
             learning rate the row's step's, this window's tokens/s."""
             tps = meter.take()
             util = mfu(cfg.model, t, tps, peak)
+            if util > 1 and not mfu_warned:
+                mfu_warned.append(step)  # once per run: the peak is measured once, at the start
+                say(f"warning: MFU {100 * util:.0f}% at step {step}: the model computes "
+                    f"{model_flops_per_second(cfg.model, t, tps) / 1e9:.1f} GFLOP/s, more than the matmul peak "
+                    f"measured at the start ({peak / 1e9:.1f} GFLOP/s), so the machine was busier then (other "
+                    "jobs on its cores) and this run's MFU figures are too high; compare runs by tokens/s")
             means = {k_: float(np.mean([v_[k_] for v_ in window_vals if k_ in v_]))
                      for k_ in set().union(*window_vals) if k_ != "lr"}
             window_vals.clear()

@@ -277,7 +277,9 @@ def model_flops_per_second(model_cfg: ModelConfig, seq_len: int, tokens_per_seco
 
 
 def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation in [0, 1]: achieved model FLOP/s over the measured peak."""
+    """Model FLOPs utilisation: achieved model FLOP/s over the measured peak, in [0, 1] when the machine ran as fast
+    while the peak was measured as while training (above 1 when other jobs slowed the measurement: the train loop
+    then warns once)."""
     if peak_flops <= 0:
         return float("nan")
     return model_flops_per_second(model_cfg, seq_len, tokens_per_second) / peak_flops
