@@ -4,7 +4,7 @@
 two items each, code executed in the sandbox) and ``minicpm4 eval report`` run on a checkpoint trained by the
 module fixture (a clean clone has none) from a small corpus written here; the results files are checked for
 what issue 6's "Reports" section lists. The benchmark and RULER input files come from
-``../shared/data/benchmarks`` (the tests skip when it is absent).
+``../shared/data/benchmarks`` (the tests that read them skip when it is absent; the others run on the checkpoint alone).
 
 The model is tiny and barely trained, so its scores are meaningless: these tests prove the plumbing (every task
 runs and is scored, the files are complete and consistent), not the model.
@@ -110,7 +110,6 @@ def _train(root: Path) -> Path:
 @dataclass(frozen=True)
 class TinyRun:
     run: Path  #: the training run's out_dir (checkpoints/, tokenizer/)
-    benchmarks: Path  #: ../shared/data/benchmarks
     train_seconds: float
 
 
@@ -120,7 +119,7 @@ def benchmarks() -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(benchmarks, tmp_path_factory) -> TinyRun:
+def tiny_run(tmp_path_factory) -> TinyRun:
     """A checkpoint trained now (well under a minute). Under pytest-xdist the workers of one session share it:
     the first trains under a file lock in the session's common temp folder, the others reuse its run."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -137,10 +136,10 @@ def tiny_run(benchmarks, tmp_path_factory) -> TinyRun:
                 seconds = json.loads(done.read_text())["seconds"]
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-        return TinyRun(root / "run", benchmarks, seconds)
+        return TinyRun(root / "run", seconds)
     t0 = time.monotonic()
     run = _train(tmp_path_factory.mktemp("eval_e2e_tiny_run"))
-    return TinyRun(run, benchmarks, time.monotonic() - t0)
+    return TinyRun(run, time.monotonic() - t0)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
@@ -173,12 +172,12 @@ def _data_files(out: Path) -> dict[str, bytes]:
 
 
 # -- the tests -------------------------------------------------------------------------------------------------
-def test_cli_ruler_bench_report_on_a_checkpoint_trained_here(tiny_run, tmp_path, capsys):
+def test_cli_ruler_bench_report_on_a_checkpoint_trained_here(benchmarks, tiny_run, tmp_path, capsys):
     from minicpm4_jax.eval.model import params_hash
     from minicpm4_jax.tokenizer import load_tokenizer
     from minicpm4_jax.train.checkpoint import load_params_for_inference
 
-    run, bench_dir = tiny_run.run, tiny_run.benchmarks
+    run, bench_dir = tiny_run.run, benchmarks
     print(f"tiny checkpoint trained in {tiny_run.train_seconds:.1f}s")
     _cfg, model = load_params_for_inference(run)
     ckpt_hash = params_hash(model)
@@ -276,10 +275,10 @@ def test_cli_ruler_bench_report_on_a_checkpoint_trained_here(tiny_run, tmp_path,
     assert all(f"]({n})" in md for n in names)
 
 
-def test_ruler_generate_only_same_seed_same_bytes(tiny_run, tmp_path):
+def test_ruler_generate_only_same_seed_same_bytes(benchmarks, tiny_run, tmp_path):
     """``eval ruler --generate-only`` twice with one seed writes identical data; another seed changes it."""
     common = ["--generate-only", "--lengths", RULER_LENGTH, "--tasks", "all", "--num-samples", RULER_SAMPLES,
-              "--data-dir", tiny_run.benchmarks, "--no-progress"]
+              "--data-dir", benchmarks, "--no-progress"]
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         _cli("eval", "ruler", tiny_run.run, *common, "--seed", seed, "--out", tmp_path / name)
     a, b, c = (_data_files(tmp_path / n) for n in "abc")
