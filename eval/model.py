@@ -289,6 +289,9 @@ class EvalModel:
                  truncate: bool = False, return_cuts: bool = False) -> list[str] | tuple[list[str], list[int]]:
         """Continue each prompt; returns the continuation texts (cut before the first stop string, no EOS).
 
+        A sequence ends at the tokenizer's EOS or any other id of the model's ``eos_token_id``
+        (:func:`~minicpm4_jax.generate.stop_token_ids`: an official MiniCPM4 also at ``<|im_end|>``, as transformers).
+
         Prompts are batched longest first (``batch_size`` per batch); prompt ``i`` uses seed ``seed + i``, so
         its text depends only on the prompt and the seed, never on the batching.
 
@@ -303,6 +306,7 @@ class EvalModel:
                 ``truncate``, or when ``max_new_tokens`` alone leaves no room), or bad sampling values (one line
                 naming the prompt index).
         """
+        from minicpm4_jax.generate import stop_token_ids
         from minicpm4_jax.infer.sampling import SamplingParams
 
         stop = tuple(s for s in stop if s)
@@ -322,8 +326,7 @@ class EvalModel:
                 ids = self.prefix_ids + body[cut:]
             encoded.append(ids)
             cuts.append(cut)
-        eos = getattr(self.tokenizer, "eos_id", None)
-        stop_ids = (eos,) if eos is not None and eos >= 0 else ()
+        stop_ids = stop_token_ids(self.model.cfg, self.tokenizer)  # the tokenizer's EOS and the model's end ids
         sampling = SamplingParams(temperature, top_k, top_p)
         order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
         texts: list[str] = [""] * len(encoded)

@@ -19,7 +19,7 @@ from minicpm4_jax.config import ConfigError
 
 from minicpm4_jax.infer.sampling import SamplingParams, greedy_tokens, top_p_filter
 
-__all__ = ["generate", "generate_ids", "generate_ids_uncached", "top_p_filter", "sample_next"]
+__all__ = ["generate", "generate_ids", "generate_ids_uncached", "top_p_filter", "sample_next", "stop_token_ids"]
 
 
 class _Tokenizer(Protocol):
@@ -29,6 +29,19 @@ class _Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+
+def stop_token_ids(model_cfg: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a generation: the tokenizer's ``eos_id`` and every id of ``model_cfg.eos_token_id``.
+
+    An official MiniCPM4 config names two (``[2, 73440]``: ``</s>`` and the chat turn's ``<|im_end|>``, as its
+    ``generation_config.json``, which transformers stops at); a run trained here has its tokenizer's EOS there.
+    Ids outside the tokenizer (``>= tokenizer.vocab_size``) are left out: they are never sampled.
+    """
+    limit = getattr(tokenizer, "vocab_size", None)
+    eos = getattr(tokenizer, "eos_id", None)
+    ids = ([eos] if eos is not None else []) + [int(i) for i in getattr(model_cfg, "eos_token_id", ()) or ()]
+    return tuple(dict.fromkeys(int(i) for i in ids if i >= 0 and (limit is None or i < limit)))
 
 
 def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -144,17 +157,17 @@ class _StreamPrinter:
     """
 
     def __init__(self, tokenizer: _Tokenizer, emit: Callable[[str], None], stop_strings: Sequence[str],
-                 decode: Callable[[Sequence[int]], str] | None = None):
+                 stop_ids: Sequence[int] = (), decode: Callable[[Sequence[int]], str] | None = None):
         self.tokenizer, self.emit = tokenizer, emit
         self.decode = tokenizer.decode if decode is None else decode
         self.stops = [s for s in stop_strings if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
         self.shown = 0
-        self.eos = getattr(tokenizer, "eos_id", None)
+        self.stop_ids = set(stop_ids)
 
     def __call__(self, row: int, tok: int) -> None:
-        if row != 0 or tok == self.eos:
+        if row != 0 or tok in self.stop_ids:
             return
         self.ids.append(tok)
         text = self.decode(self.ids)
@@ -181,7 +194,8 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     ``None`` means ``[tokenizer.bos_id]`` (the official MiniCPM convention, ``add_bos_token``). A
     model trained on EOS-separated documents (this project's data pipeline) is best prompted with
     ``[tokenizer.eos_id]``: a new document follows an EOS there. Generation stops early at
-    ``tokenizer.eos_id``, which is not included in the returned text, or at the first of ``stop_strings``
+    ``tokenizer.eos_id`` or another id of the model's ``eos_token_id`` (:func:`stop_token_ids`; an official
+    MiniCPM4 also ends at ``<|im_end|>``), which is not included in the returned text, or at the first of ``stop_strings``
     (the text is cut before it); ids at or above ``tokenizer.vocab_size`` (model vocabulary padding) are
     never sampled. The text is that of the new tokens as it reads after the prompt
     (:func:`continuation_decoder`). ``stream``: called with each new piece of text as it is generated. ``speculative``: a
@@ -201,12 +215,11 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
         bos = getattr(tokenizer, "bos_id", None)
         prefix_ids = [bos] if bos is not None and bos >= 0 else []
     ids = [int(i) for i in prefix_ids] + list(tokenizer.encode(prompt))
-    eos = getattr(tokenizer, "eos_id", None)
-    stop = (eos,) if eos is not None and eos >= 0 else ()
+    stop = stop_token_ids(model.cfg, tokenizer)
     limit = getattr(tokenizer, "vocab_size", None)
     eng = InferenceEngine(model) if engine is None else engine
     detokenize = continuation_decoder(tokenizer, ids)  # the new text as it reads after the prompt
-    printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings, detokenize)
+    printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings, stop, detokenize)
     gen = eng.generate if speculative is None else speculative.generate
     out = gen([ids], max_new_tokens, sampling=SamplingParams(temperature, top_k, top_p), seeds=[seed],
                        stop_ids=stop, stop_strings=tuple(stop_strings), detokenize=detokenize,

@@ -251,3 +251,22 @@ def test_bad_input_is_one_line(dense_model):
     for option, shown in (("the checkpoint argument", "the checkpoint argument "), ("checkpoint", "checkpoint=")):
         with pytest.raises(ConfigError, match=f"^{shown}{__file__} is a file, not a folder"):
             EvalModel.from_checkpoint(__file__, path_option=option)
+
+
+def test_generation_stops_at_every_eos_id_of_the_model(dense_model):
+    """An official MiniCPM4 config names two end ids (``eos_token_id`` [2, 73440]: ``</s>`` and the chat turn's
+    ``<|im_end|>``), and transformers stops at either. Generation stopped only at the tokenizer's ``</s>``: an
+    imported chat model ran on past ``<|im_end|>`` (RULER scored the extra text; a HumanEval completion got the
+    literal ``<|im_end|>`` and a syntax error)."""
+    kw = dict(temperature=1.0, seed=5)  # sampled: varied tokens (greedy repeats one on these random weights)
+    _, out = generate(dense_model, TOK, "def f", 12, prefix_ids=[TOK.eos_id], return_output=True, **kw)
+    toks = [int(t) for t in out.tokens[0]]
+    k = next(i for i in range(3, len(toks)) if toks[i] not in toks[:i] and toks[i] != TOK.eos_id)
+    two_ends = MiniCPM4(dataclasses.replace(BASE, eos_token_id=(TOK.eos_id, toks[k])), rngs=nnx.Rngs(0))
+    want = TOK.decode(toks[:k])
+    assert len(want) == k
+    assert generate(two_ends, TOK, "def f", 12, prefix_ids=[TOK.eos_id], **kw) == want
+    assert EvalModel(two_ends, TOK, batch_size=1, progress=False).generate(["def f"], max_new_tokens=12, **kw) == [want]
+    # the tokenizer's own EOS still ends generation when the config names other ids only
+    other = MiniCPM4(dataclasses.replace(BASE, eos_token_id=(toks[k],)), rngs=nnx.Rngs(0))
+    assert generate(other, TOK, "def f", 12, prefix_ids=[TOK.eos_id], **kw) == want
