@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import secrets
 import shutil
@@ -57,6 +58,13 @@ class SandboxLimits:
     nproc: int = 4
     nofile: int = 64  #: RLIMIT_NOFILE
     max_output_chars: int = 20_000  #: stdout/stderr kept in the result
+
+    def __post_init__(self) -> None:
+        """Raises ValueError (one line) for a timeout or CPU limit that is not a finite number > 0."""
+        for name in ("timeout_s", "cpu_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"SandboxLimits.{name}={v} must be a finite number of seconds > 0")
 
 
 @dataclass

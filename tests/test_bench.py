@@ -458,6 +458,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--code-temperature", "-1"], "--code-temperature=-1.0 must be"),
         (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--code-temperature", "1e-9"],
          "--code-temperature=1e-09 is below 1e-05"),
+        # a NaN / infinite --exec-timeout passed the check and raised ValueError / OverflowError in the sandbox, after
+        # every completion had been generated
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--exec-timeout", "nan"], "--exec-timeout=nan must be"),
+        (["ckpt", "--data-dir", d, "--tasks", "mmlu", "--exec-timeout", "inf"], "--exec-timeout=inf must be"),
     ]
     if Path("/proc/self").is_dir():  # third break test: a folder that refuses new entries, found only after the run
         cases.append((["ckpt", "--data-dir", d, "--tasks", "mmlu", "--out", "/proc/minicpm4-out"],

@@ -49,6 +49,14 @@ def test_refuses_with_one_line_error_when_it_cannot_isolate(monkeypatch):
         sb._probe.cache_clear()
 
 
+@pytest.mark.parametrize("field", ["timeout_s", "cpu_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -1.0])
+def test_limits_refuse_a_timeout_that_is_not_finite_and_positive(field, value):
+    # nan / inf raised ValueError / OverflowError inside _run (int(timeout)), after a benchmark's generation
+    with pytest.raises(ValueError, match=f"SandboxLimits.{field}={value} must be a finite number"):
+        sb.SandboxLimits(**{field: value})
+
+
 def test_pass_fail_and_identity():
     _isolated_or_skip()
     ok = sb.run_program("import os\nprint(os.getuid(), os.getgroups(), os.getcwd())\n", SMALL)

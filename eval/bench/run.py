@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import signal
 import sys
 import time
@@ -336,8 +337,10 @@ def run(args: argparse.Namespace) -> int:
             raise DataError(f"{args.data_dir}: {what} (--data-dir: the folder holding the benchmark folders, or one "
                             "benchmark's folder)")
         check_out_dir(args.out_dir, owned=("bench_results.json", "bench_summary.md"), overwrite=args.overwrite)
-        if args.exec_timeout <= 0 or args.exec_memory_mb < 64 or args.exec_workers < 1:
-            raise ValueError("--exec-timeout must be > 0, --exec-memory-mb >= 64 and --exec-workers >= 1")
+        if not (math.isfinite(args.exec_timeout) and args.exec_timeout > 0):  # (nan/inf failed in the sandbox, after
+            raise ValueError(f"--exec-timeout={args.exec_timeout} must be a finite number of seconds > 0")  # generation)
+        if args.exec_memory_mb < 64 or args.exec_workers < 1:
+            raise ValueError("--exec-memory-mb must be >= 64 and --exec-workers >= 1")
         ct = args.code_temperature
         if ct is not None:  # checked whatever the tasks (it goes into the results)
             check_temperature(ct, "--code-temperature")
