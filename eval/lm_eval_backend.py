@@ -48,10 +48,28 @@ except ImportError:  # the backend is optional; the scoring helper below is not
 MODEL_NAME = "minicpm4-jax"
 
 
-def _int_or_none(v) -> int | None:
+def _int_arg(name: str, v, minimum: int | None = None) -> int:
+    """``--model_args`` value ``name`` as an int (lm-eval passes ``"abc"`` through as text).
+
+    Raises:
+        ConfigError: not an integer (``"3"``, ``3`` and ``3.0`` are), or below ``minimum``.
+    """
+    bound = "" if minimum is None else f" >= {minimum}"
+    try:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
+        n = int(v)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{name}={v!r} in --model_args must be an integer{bound}") from None
+    if minimum is not None and n < minimum:
+        raise ConfigError(f"{name}={v!r} in --model_args must be an integer{bound}")
+    return n
+
+
+def _int_or_none(name: str, v, minimum: int | None = None) -> int | None:
     if v is None or v == "" or str(v).lower() == "none":
         return None
-    return int(v)
+    return _int_arg(name, v, minimum)
 
 
 def _register(cls):
@@ -76,20 +94,25 @@ class MiniCPM4LM(TemplateLM):
                               "checkpoint, step, attention, prefill_chunk, prefix, max_length, max_gen_toks, seed "
                               "(the batch size is lm-eval's --batch_size)")
         super().__init__()
+        # every number first, before a checkpoint is read (int('abc') was a traceback)
+        max_gen_toks, seed = _int_arg("max_gen_toks", max_gen_toks, 1), _int_arg("seed", seed)
         if model is None:
             if not checkpoint:
                 raise ConfigError(f"--model {MODEL_NAME} needs --model_args checkpoint=PATH")
             from minicpm4_jax.eval.model import EvalModel
 
-            bs = 8 if batch_size in (None, "", "auto") or str(batch_size).startswith("auto") else int(batch_size)
+            bs = (8 if batch_size in (None, "", "auto") or str(batch_size).startswith("auto")
+                  else _int_arg("batch_size", batch_size, 1))
             att = None if attention in (None, "", "none", "None") else str(attention)
-            model = EvalModel.from_checkpoint(checkpoint, step=_int_or_none(step), attention=att, batch_size=bs,
-                                              prefill_chunk=int(prefill_chunk), prefix=str(prefix),
-                                              max_length=_int_or_none(max_length), path_option="checkpoint")
+            step, chunk = _int_or_none("step", step, 0), _int_arg("prefill_chunk", prefill_chunk, 1)
+            max_length = _int_or_none("max_length", max_length, 1)
+            model = EvalModel.from_checkpoint(checkpoint, step=step, attention=att, batch_size=bs,
+                                              prefill_chunk=chunk, prefix=str(prefix),
+                                              max_length=max_length, path_option="checkpoint")
         self.model = model
         self._tok = model.tokenizer
-        self.max_gen_toks = int(max_gen_toks)
-        self.seed = int(seed)
+        self.max_gen_toks = max_gen_toks
+        self.seed = seed
 
     # --- TemplateLM hooks -----------------------------------------------------------
     @property

@@ -435,6 +435,28 @@ def test_constructor_needs_a_checkpoint_and_launcher_registers():
 
 
 @needs_lm_eval
+@pytest.mark.parametrize("arg, message", [
+    ("max_gen_toks=abc", "max_gen_toks='abc' in --model_args must be an integer >= 1"),
+    ("max_gen_toks=-5", "max_gen_toks=-5 in --model_args must be an integer >= 1"),
+    ("max_gen_toks=0", "max_gen_toks=0 in --model_args must be an integer >= 1"),
+    ("seed=x", "seed='x' in --model_args must be an integer"),
+    ("checkpoint=/nonexistent,step=x", "step='x' in --model_args must be an integer >= 0"),
+    ("checkpoint=/nonexistent,prefill_chunk=abc", "prefill_chunk='abc' in --model_args must be an integer >= 1"),
+    ("checkpoint=/nonexistent,max_length=x", "max_length='x' in --model_args must be an integer >= 1"),
+])
+def test_model_args_that_are_not_integers_are_one_config_error(arg, message):
+    """A non-integer value (int('abc')) was a ValueError traceback from the launcher; max_gen_toks <= 0 generated
+    nothing for every request whose task names no max_gen_toks."""
+    from minicpm4_jax.config import ConfigError
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    extra = {} if arg.startswith("checkpoint=") else {"model": ScriptedEvalModel()}
+    with pytest.raises(ConfigError) as e:
+        MiniCPM4LM.create_from_arg_string(arg, {"batch_size": 1, **extra})
+    assert str(e.value).startswith(message), str(e.value)
+
+
+@needs_lm_eval
 def test_backend_over_a_real_tiny_model_equals_a_full_forward():
     """A randomly initialised minicpm4_jax model behind EvalModel: the backend's scores equal one
     unpadded full forward per request (prefix EOS + context + continuation)."""
