@@ -254,6 +254,22 @@ def test_non_utf8_input_file_is_one_line_and_writes_nothing(tmp_path, inputs, tr
     assert not (tmp_path / "r").exists()
 
 
+def test_a_given_word_list_cwe_does_not_read_is_checked_before_generating(tmp_path, inputs, trained_tok):
+    """A --cwe-words that cwe does not need at this length (the wonderwords pool suffices) was opened only to hash
+    it into the results: a missing one was a FileNotFoundError traceback after every sample had been generated,
+    a malformed one was recorded as the fallback list."""
+    missing = tmp_path / "nope.json"
+    kw = dict(out_dir=tmp_path / "r", lengths=[4096], tasks="cwe", num_samples=1, tokenizer=trained_tok,
+              generate_only=True, progress=False)
+    with pytest.raises(ConfigError) as e:
+        run_ruler(None, inputs=RulerInputs(cwe_words=missing), **kw)
+    assert str(e.value).startswith(f"--cwe-words {missing}: no such file"), str(e.value)
+    (tmp_path / "bad.json").write_text('{"a": 1}')
+    with pytest.raises(ConfigError, match="expected a JSON object or list of strings"):
+        run_ruler(None, inputs=RulerInputs(cwe_words=tmp_path / "bad.json"), **kw)
+    assert not (tmp_path / "r").exists()
+
+
 # -- content -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def data4k(inputs, trained_tok):

@@ -116,6 +116,22 @@ class RulerInputs:
             self._cache["large"] = H.large_word_list(self.cwe_words)
         return self._cache["large"]
 
+    def check_given(self, tasks: Sequence[str]) -> None:
+        """Check, before any sample is generated, every input file ``tasks`` would hash into the results: each must
+        be a file, and a given cwe word list must read as one (cwe opens it only at lengths the wonderwords pool
+        cannot fill, but its hash and source are recorded whenever it is given).
+
+        Raises:
+            ConfigError: naming the option and the file.
+        """
+        options = {"essay": "--essay", "squad": "--squad", "hotpotqa": "--hotpotqa", "cwe_words": "--cwe-words"}
+        for name, p in self.files_for(tasks).items():
+            if not p.is_file():
+                what = "a folder, not a file" if p.is_dir() else "no such file"
+                raise ConfigError(f"{options.get(name, '--squad-extra-docs')} {p}: {what}")
+        if "cwe" in tasks and self.cwe_words is not None:
+            self.large_words()
+
     def files_for(self, tasks: Sequence[str]) -> dict[str, Path]:
         """Name -> path of the input files ``tasks`` read (for the results' dataset hashes)."""
         out: dict[str, Path] = {}
@@ -254,6 +270,7 @@ def run_ruler(model: Any = None, *, out_dir: str | os.PathLike, lengths: Sequenc
         if too_long and not generate_only:
             raise ConfigError(f"RULER length {too_long[0]} exceeds the model's max_length {max_len}; prompts are "
                               "never truncated: evaluate shorter lengths or load the model with a longer max_length")
+        inputs.check_given(task_names)
         for n in length_list:
             for t in task_names:
                 td = generate_task(t, n, tok, num_samples=num_samples, seed=seed, inputs=inputs,
