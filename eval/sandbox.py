@@ -5,7 +5,8 @@ This module is a security boundary. Every program runs in its own process tree t
 * sits in new mount, network, PID, IPC and UTS namespaces: the network namespace has only a
   loopback device that is down (no connection to anything, 127.0.0.1 included); every mount is
   re-bound read-only except a private temporary directory, which is the program's cwd, HOME and
-  TMPDIR; ``/proc`` is a fresh one for the PID namespace;
+  TMPDIR, a tmpfs of ``disk_mb`` (all its files together; the file-size limit caps each);
+  ``/proc`` is a fresh one for the PID namespace;
 * runs as a private unprivileged uid (``UID_BASE + pid of its launcher``, no supplementary
   groups, gid ``nogroup``), so the process-count limit holds (root ignores ``RLIMIT_NPROC``) and
   it cannot signal or read anything of the harness;
@@ -58,13 +59,18 @@ class SandboxLimits:
     nproc: int = 4
     nofile: int = 64  #: RLIMIT_NOFILE
     max_output_chars: int = 20_000  #: stdout/stderr kept in the result
+    #: the private directory (cwd, HOME, TMPDIR) is a tmpfs of this size: all the program's files together
+    disk_mb: int = 64
 
     def __post_init__(self) -> None:
-        """Raises ValueError (one line) for a timeout or CPU limit that is not a finite number > 0."""
+        """Raises ValueError (one line) for a timeout or CPU limit that is not a finite number > 0, or a ``disk_mb``
+        below 1."""
         for name in ("timeout_s", "cpu_s"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"SandboxLimits.{name}={v} must be a finite number of seconds > 0")
+        if not (isinstance(self.disk_mb, int) and self.disk_mb >= 1):
+            raise ValueError(f"SandboxLimits.disk_mb={self.disk_mb} must be an integer >= 1 (MiB)")
 
 
 @dataclass
@@ -137,6 +143,7 @@ if pid:
             continue
     os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))
 # --- namespace init (pid 1) ---
+lim0 = cfg["limits"]
 try:
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -158,7 +165,15 @@ try:
             mount(stage, prefix, None, MS_BIND | MS_REC)
             break
         cur = os.path.join(cur, part)
-    mount(work, work, None, MS_BIND)
+    # the private directory: a size-capped tmpfs (files under the file-size limit could otherwise fill the disk),
+    # holding the program, owned by the private uid
+    with open(cfg["program"], "rb") as f:
+        source = f.read()
+    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
+          "size=%dk,nr_inodes=%d,mode=700,uid=%d,gid=%d" % (lim0["disk"] << 10, 8192, uid, gid))
+    with open(cfg["program"], "wb") as f:
+        f.write(source)
+    os.chown(cfg["program"], uid, gid)
     points = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -333,7 +348,7 @@ def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = Fals
             "root": str(root), "prefix": os.path.realpath(sys.base_prefix), "harness_pid": os.getpid(),
             "program": str(prog),
             "limits": {"cpu": max(1, cpu), "as": limits.memory_mb << 20, "fsize": limits.file_size_mb << 20,
-                       "nproc": limits.nproc, "nofile": limits.nofile},
+                       "nproc": limits.nproc, "nofile": limits.nofile, "disk": limits.disk_mb},
         }
         t0 = time.monotonic()
         status_r, status_w = os.pipe()

@@ -130,6 +130,32 @@ def test_writes_outside_the_private_directory_fail(tmp_path):
     assert big.status == "failed"
 
 
+def test_the_private_directory_holds_at_most_disk_mb(tmp_path):
+    """Many files, each under the file-size limit, went to the machine's disk without bound (3 GB in the default
+    10 s here: four workers could fill a disk); the private directory is now a tmpfs of ``disk_mb``."""
+    _isolated_or_skip()
+    prog = (
+        "import errno\nn = 0\ntry:\n"
+        "    for i in range(40):\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            for _ in range(4):\n"
+        "                f.write(b'x' * (1 << 20)); n += 1\n"
+        "except OSError as e:\n"
+        "    print('full', e.errno == errno.ENOSPC, n)\n"
+        "else:\n"
+        "    print('wrote', n)\n"
+    )
+    r = sb.run_program(prog, sb.SandboxLimits(timeout_s=10.0, memory_mb=512, file_size_mb=4, nproc=8, disk_mb=16))
+    assert r.passed, r
+    words = r.stdout.split()
+    assert words[:2] == ["full", "True"] and int(words[2]) <= 16, r.stdout
+    # the program itself still runs from there, and small writes work
+    assert sb.run_program("open('ok.txt', 'w').write('x' * 1000)\nprint(open(__file__).read()[:4])\n",
+                          sb.SandboxLimits(disk_mb=1)).stdout.strip() == "open"
+    with pytest.raises(ValueError, match="disk_mb=0"):
+        sb.SandboxLimits(disk_mb=0)
+
+
 def test_no_network_even_to_localhost():
     _isolated_or_skip()
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
