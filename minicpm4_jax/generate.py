@@ -215,9 +215,9 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
         bos = getattr(tokenizer, "bos_id", None)
         prefix_ids = [bos] if bos is not None and bos >= 0 else []
     ids = [int(i) for i in prefix_ids] + list(tokenizer.encode(prompt))
-    stop = stop_token_ids(model.cfg, tokenizer)
-    limit = getattr(tokenizer, "vocab_size", None)
     eng = InferenceEngine(model) if engine is None else engine
+    stop = stop_token_ids(model.cfg if model is not None else getattr(eng, "cfg", None), tokenizer)
+    limit = getattr(tokenizer, "vocab_size", None)
     detokenize = continuation_decoder(tokenizer, ids)  # the new text as it reads after the prompt
     printer = None if stream is None else _StreamPrinter(tokenizer, stream, stop_strings, stop, detokenize)
     gen = eng.generate if speculative is None else speculative.generate
