@@ -290,14 +290,14 @@ def _quiet_abandoned_writes() -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from minicpm4_jax.config import load_config
     from minicpm4_jax.train.distributed import SecondInterrupt
-    from minicpm4_jax.train.loop import CheckpointWriteError, TrainingDiverged, run_training
+    from minicpm4_jax.train.loop import CheckpointWriteError, RunFileWriteError, TrainingDiverged, run_training
 
     cfg = load_config(args.config, list(args.overrides) + list(args.set_overrides))
     _drop_orbax_tracebacks()
     try:
         summary = run_training(cfg, resume="auto" if args.auto_resume else args.resume,
                                progress=not args.no_progress)
-    except (TrainingDiverged, CheckpointWriteError) as e:
+    except (TrainingDiverged, CheckpointWriteError, RunFileWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         if isinstance(e, CheckpointWriteError):
             _quiet_abandoned_writes()

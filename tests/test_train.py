@@ -1675,3 +1675,43 @@ def test_a_relative_checkpoint_directory_is_recorded_where_the_run_put_it(corpus
     err = _train_error(tiny_overrides(corpus, cache_dir, out, **{"checkpoint.directory": "ck"}))
     assert err.startswith(f"out_dir {str(out)!r} is the folder of a run with checkpoints in {home / 'ck'}, but this "
                           f"run's checkpoint.directory is {str(other / 'ck')!r}"), err
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.model", "summary.json"])
+def test_disk_full_on_a_run_file_is_one_line(corpus, cache_dir, tmp_path, monkeypatch, capsys, name):
+    """A full disk while writing the run folder's own files (tokenizer/, config.json at the start; summary.json after
+    the final checkpoint, when the run's checkpoints have filled the disk) was an OSError traceback (break test 91)."""
+    import minicpm4_jax.convert.io as cio
+    import minicpm4_jax.tokenizer as tokmod
+    from minicpm4_jax import cli
+
+    real = cio.atomic_write
+
+    def full(path, data):
+        if Path(path).name == name:
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(cio, "atomic_write", full)
+    monkeypatch.setattr(tokmod, "atomic_write", full)
+    out = tmp_path / "run"
+    ov = tiny_overrides(corpus, cache_dir, out, steps=2, log_every=2, **{
+        "model.rope_scaling": "null", "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0, "sample_tokens": 0})
+    rc = cli.main(["train", "--no-progress", *ov])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0], err
+    cfg = load_config("cpu_tiny", ov)  # the CLI's default preset under the overrides
+    if name == "summary.json":
+        assert lines[0].startswith(f"error: writing {out / 'summary.json'} failed"), err
+        assert f"checkpoint step 2 in {out / 'checkpoints'} is complete" in lines[0] and "--resume" in lines[0]
+        step, st = _restore(cfg)
+        assert step == 2 and int(st.step) == 2
+        monkeypatch.setattr(cio, "atomic_write", real)
+        monkeypatch.setattr(tokmod, "atomic_write", real)
+        assert cli.main(["train", "--no-progress", "--resume", *ov]) == 0
+        assert json.loads((out / "summary.json").read_text())["step"] == 2
+    else:
+        assert "nothing was trained" in lines[0] and "run the same command again" in lines[0], err
+        assert not (out / "checkpoints").exists() or not Checkpointer(cfg).all_steps()

@@ -32,7 +32,10 @@ Stopping:
   non-finite; nothing after the last good checkpoint is saved (parameters are also checked finite
   before every save);
 * a failed checkpoint write (disk full, I/O error): :class:`CheckpointWriteError` names the step, the
-  cause and the last complete checkpoint, which stays intact.
+  cause and the last complete checkpoint, which stays intact;
+* a failed write of the run folder's own files (``tokenizer/``, ``config.json``, ``data.json`` at the start,
+  ``summary.json`` at the end): :class:`RunFileWriteError` names the file, the cause and what the checkpoints hold
+  (``summary.json`` is written after the last checkpoint, which a full disk there leaves complete).
 
 tokens/s and MFU are measured over pure training time: evaluation and checkpoint saves between two
 log lines are excluded (:class:`_Throughput`).
@@ -90,7 +93,8 @@ from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, i
                                      make_eval_step, make_train_step, print_memory_analysis,
                                      train_state_shardings)
 
-__all__ = ["run_training", "TrainingDiverged", "CheckpointWriteError", "check_output_dir", "required_free_bytes"]
+__all__ = ["run_training", "TrainingDiverged", "CheckpointWriteError", "RunFileWriteError", "check_output_dir",
+           "required_free_bytes"]
 
 #: Minimum free disk space at start on top of the checkpoint estimate.
 MIN_FREE_MB = 64
@@ -98,6 +102,21 @@ MIN_FREE_MB = 64
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became non-finite; the message names the step and the last good checkpoint."""
+
+
+class RunFileWriteError(RuntimeError):
+    """Writing one of the run folder's own files failed (a full disk, an I/O error): one line naming the file, the
+    cause and what the run's checkpoints hold. Checkpoint writes raise :class:`CheckpointWriteError` instead."""
+
+
+@contextmanager
+def _writing(what: Path, then: Callable[[], str]) -> Iterator[None]:
+    """Turn an ``OSError`` raised while writing the run file(s) ``what`` into a :class:`RunFileWriteError` whose
+    message ends with ``then()`` (what was saved and how to go on)."""
+    try:
+        yield
+    except OSError as e:
+        raise RunFileWriteError(f"writing {what} failed ({e.strerror or e}); {then()}") from e
 
 
 def divergence_message(step_no: int, loss: float, grad_norm: float, where: str) -> str:
@@ -738,6 +757,8 @@ def run_training(
             (``out_dir``, the checkpoint folder) are removed again while empty.
         TrainingDiverged: a non-finite loss or gradient norm (the step is named).
         CheckpointWriteError: a checkpoint write failed (e.g. disk full); earlier checkpoints are intact.
+        RunFileWriteError: writing ``tokenizer/``, ``config.json`` or ``data.json`` (before training) or
+            ``summary.json`` (after the final checkpoint) failed; the message says what the checkpoints hold.
     """
     t_start = time.perf_counter()
     from minicpm4_jax.train import distributed as dist
@@ -869,16 +890,23 @@ def run_training(
 
             check_init_tokenizer(init_src, tok, say)
         if is_main:
-            tok.save(out_dir / "tokenizer")
+            def nothing_trained() -> str:
+                kept = (f"the checkpoints in {ckpt_dir} are intact; " if latest is not None else "")
+                return f"nothing was trained; {kept}free disk space and run the same command again"
+
+            with _writing(out_dir / "tokenizer", nothing_trained):
+                tok.save(out_dir / "tokenizer")
             saved = config_to_dict(cfg)
             if cfg.checkpoint.directory:  # where the Checkpointer writes, whatever the cwd of a later run reading it
                 saved["checkpoint"]["directory"] = str(ckpt_dir)
-            write_json_atomic(out_dir / "config.json", saved)
+            with _writing(out_dir / "config.json", nothing_trained):
+                write_json_atomic(out_dir / "config.json", saved)
             # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one is
             # stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
             (out_dir / "summary.json").unlink(missing_ok=True)
             if not resume:  # the record of what the run started with: never rewritten on a resume
-                write_run_data(out_dir, data.manifest, origin)
+                with _writing(out_dir / "data.json", nothing_trained):
+                    write_run_data(out_dir, data.manifest, origin)
 
         if mesh.size > 1:
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
@@ -1297,7 +1325,11 @@ def run_training(
         if qat_summary is not None:
             summary["qat"] = qat_summary
         if is_main:
-            write_json_atomic(out_dir / "summary.json", summary)
+            # a full disk here (the run's checkpoints filled it) leaves the final checkpoint complete: say so in one line
+            with _writing(out_dir / "summary.json", lambda: (
+                    f"the run finished: checkpoint step {summary['checkpoint_step']} in {ckpt_dir} is complete; free "
+                    "disk space and run again with --resume to redo the final evaluation and write summary.json")):
+                write_json_atomic(out_dir / "summary.json", summary)
             say(f"wrote {out_dir / 'summary.json'}; checkpoint step {summary['checkpoint_step']} in {ckpt_dir}")
         return summary
     except dist.SecondInterrupt as e:  # Ctrl-C twice, or a signal once the run was saved: stop now
