@@ -9,7 +9,7 @@ train-bench``), on the same machine, batch and sequence length, and prints the r
 Both sides train on random token batches (the data pipeline is not part of the step).
 
 MFU is measured against a matmul peak measured in the same process (``measure_matmul_peak_flops``),
-with ``ModelConfig.flops_per_token`` (6N + attention) as the model FLOPs.
+with ``ModelConfig.flops_per_token`` (6N + attention, the MTP draft head included) as the model FLOPs.
 
 Sharded runs (issue 5), on fake CPU devices (``JAX_NUM_CPU_DEVICES`` is set by the script):
 
@@ -115,7 +115,7 @@ def bench_jax(cfg, steps: int, warmup: int, mesh_sizes: tuple[int, int, int] | N
         "step_time_s": dt / steps,
         "tokens_per_s": tps,
         "peak_flops": peak,
-        "mfu": mfu(cfg.model, t, tps, peak),
+        "mfu": mfu(cfg.model, t, tps, peak, mtp_depth=cfg.mtp_train_depth, mtp_distill=cfg.mtp_distill > 0),
         "final_loss": float(m["loss"]),
     }
 

@@ -998,7 +998,9 @@ def run_training(
         # abstract, with its sharding: lowering a numpy batch would fail with several processes
         sample_batch = jax.ShapeDtypeStruct((b, t + 1), np.int32, sharding=batch_sh)
         n_params = cfg.model.num_params()
-        say(f"model: {n_params / 1e6:.2f}M params, {cfg.model.flops_per_token(t) / 1e6:.1f} MFLOP/token (train); "
+        draft = {"mtp_depth": cfg.mtp_train_depth, "mtp_distill": cfg.mtp_distill > 0}  # the MTP head's FLOPs count
+        say(f"model: {n_params / 1e6:.2f}M params, {cfg.model.flops_per_token(t, **draft) / 1e6:.1f} MFLOP/token (train"
+            f"{', draft head included' if cfg.model.mtp else ''}); "
             f"batch {global_batch} x {t} tokens; {cfg.steps} steps")
         compiled = print_memory_analysis(train_step, state, sample_batch, log=say)
         step_fn = compiled if compiled is not None else train_step
@@ -1096,12 +1098,12 @@ def run_training(
             attended fraction, draft losses; helper 69: only the loss was, the rest were the last step's), the
             learning rate the row's step's, this window's tokens/s."""
             tps = meter.take()
-            util = mfu(cfg.model, t, tps, peak)
+            util = mfu(cfg.model, t, tps, peak, **draft)
             if util > 1 and not mfu_warned:
                 mfu_warned.append(step)  # once per run: the peak is measured once, at the start
                 say(f"warning: MFU {100 * util:.0f}% at step {step}: the model computes "
-                    f"{model_flops_per_second(cfg.model, t, tps) / 1e9:.1f} GFLOP/s, more than the matmul peak "
-                    f"measured at the start ({peak / 1e9:.1f} GFLOP/s), so the machine was busier then (other "
+                    f"{model_flops_per_second(cfg.model, t, tps, **draft) / 1e9:.1f} GFLOP/s, more than the matmul "
+                    f"peak measured at the start ({peak / 1e9:.1f} GFLOP/s), so the machine was busier then (other "
                     "jobs on its cores) and this run's MFU figures are too high; compare runs by tokens/s")
             means = {k_: float(np.mean([v_[k_] for v_ in window_vals if k_ in v_]))
                      for k_ in set().union(*window_vals) if k_ != "lr"}
@@ -1312,7 +1314,7 @@ def run_training(
             "bigram_heldout_xent": held["bigram"],
             "tokens_per_second": tokens_per_second,
             "step_time_s": global_batch * t / tokens_per_second if tokens_per_second > 0 else float("nan"),
-            "mfu": mfu(cfg.model, t, tokens_per_second, peak),
+            "mfu": mfu(cfg.model, t, tokens_per_second, peak, **draft),
             "peak_flops": peak,
             "num_params": n_params,
             "sample_prompt": cfg.sample_prompt,

@@ -271,18 +271,22 @@ def measure_matmul_peak_flops(n: int | None = None, repeats: int = 5, dtype: Any
     return 2.0 * n**3 / best
 
 
-def model_flops_per_second(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float) -> float:
-    """Achieved model FLOP/s: ``flops_per_token(seq_len) * tokens/s`` (training, fwd+bwd)."""
-    return model_cfg.flops_per_token(seq_len) * tokens_per_second
+def model_flops_per_second(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, *, mtp_depth: int = 1,
+                           mtp_distill: bool = False) -> float:
+    """Achieved model FLOP/s: ``flops_per_token(seq_len, ...) * tokens/s`` (training, fwd+bwd; the MTP draft head's
+    ``mtp_depth`` trained depths and ``mtp_distill`` included when ``model_cfg.mtp``)."""
+    return model_cfg.flops_per_token(seq_len, mtp_depth=mtp_depth, mtp_distill=mtp_distill) * tokens_per_second
 
 
-def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the measured peak, in [0, 1] when the machine ran as fast
-    while the peak was measured as while training (above 1 when other jobs slowed the measurement: the train loop
-    then warns once)."""
+def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flops: float, *, mtp_depth: int = 1,
+        mtp_distill: bool = False) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s (:func:`model_flops_per_second`) over the measured peak, in
+    [0, 1] when the machine ran as fast while the peak was measured as while training (above 1 when other jobs slowed
+    the measurement: the train loop then warns once)."""
     if peak_flops <= 0:
         return float("nan")
-    return model_flops_per_second(model_cfg, seq_len, tokens_per_second) / peak_flops
+    return model_flops_per_second(model_cfg, seq_len, tokens_per_second, mtp_depth=mtp_depth,
+                                  mtp_distill=mtp_distill) / peak_flops
 
 
 def ternary_scalars(stats: dict[str, dict[str, Any]]) -> dict[str, float]:
