@@ -317,6 +317,30 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(corpus, cache_dir,
     assert s["step"] == 8 and np.isfinite(s["val_loss"])
 
 
+@pytest.mark.parametrize("at, last", [(1, "no checkpoint was saved"), (3, "last good checkpoint: step 2 in ")])
+def test_non_finite_parameters_at_a_save_name_the_last_good_checkpoint(corpus, cache_dir, tmp_path, at, last):
+    """An update that leaves the loss and gradient finite but the parameters not (here an infinite Adam state) is
+    caught by the save's check; before the first checkpoint its message said "last good checkpoint: step None"
+    (break test 91)."""
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "inf", **{"checkpoint.save_every": 2, "model.rope_scaling": "null"})
+
+    def poison(step, state):
+        if step == at:  # the moments turn update `at + 1`'s parameters infinite; its loss is computed before that
+            inf = jax.tree.map(lambda x: jnp.full_like(x, jnp.inf) if jnp.issubdtype(x.dtype, jnp.floating)
+                               and x.ndim else x, state.opt_state)
+            return dataclasses.replace(state, opt_state=inf)
+        return state
+
+    with pytest.raises(TrainingDiverged) as e:
+        run_training(cfg, log=lambda _m: None, progress=False, step_hook=poison)
+    msg = str(e.value)
+    assert msg.startswith(f"non-finite parameters after step {at + 1}; not saved; ") and last in msg, msg
+    assert "None" not in msg
+    ck = Checkpointer(cfg)
+    assert ck.all_steps() == ([] if at == 1 else [2])
+    ck.close()
+
+
 def test_sparse_run_logs_attended_fraction(corpus, cache_dir, tmp_path):
     """InfLLM v2 training: every log row carries the mean attended key fraction, and it is really < 1."""
     sparse = {"model.attention": "infllmv2", "model.sparse_config.block_size": 16,

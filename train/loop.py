@@ -1030,19 +1030,22 @@ def run_training(
             return f"val_loss {vl:.4f}" + (" (" + ", ".join(f"{k} {v:.4f}" for k, v in parts.items()) + ")"
                                            if parts else "")
 
+        def last_good() -> str:
+            """The last complete checkpoint, for a divergence message (a save under way is awaited first)."""
+            wait_ckpt()
+            last = ckpt.latest_step()
+            return f"last good checkpoint: step {last} in {ckpt_dir}" if last is not None else "no checkpoint was saved"
+
         def check(step_no: int, m: dict) -> dict[str, float]:
             vals = {k: float(v) for k, v in m.items()}
             if not (math.isfinite(vals["loss"]) and math.isfinite(vals["grad_norm"])):
-                wait_ckpt()
-                last = ckpt.latest_step()
-                where = f"last good checkpoint: step {last} in {ckpt_dir}" if last is not None else "no checkpoint was saved"
-                raise TrainingDiverged(divergence_message(step_no, vals["loss"], vals["grad_norm"], where))
+                raise TrainingDiverged(divergence_message(step_no, vals["loss"], vals["grad_norm"], last_good()))
             return vals
 
         def save(step_no: int) -> None:
             if not params_all_finite(state.params):
-                raise TrainingDiverged(f"non-finite parameters after step {step_no}; not saved; "
-                                       f"last good checkpoint: step {ckpt.latest_step()} in {ckpt_dir}")
+                # (helper 91: with no checkpoint yet this said "last good checkpoint: step None")
+                raise TrainingDiverged(f"non-finite parameters after step {step_no}; not saved; {last_good()}")
             try:
                 with stop.starting_save():
                     ckpt.save(step_no, state, it)
