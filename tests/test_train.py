@@ -1739,3 +1739,27 @@ def test_disk_full_on_a_run_file_is_one_line(corpus, cache_dir, tmp_path, monkey
     else:
         assert "nothing was trained" in lines[0] and "run the same command again" in lines[0], err
         assert not (out / "checkpoints").exists() or not Checkpointer(cfg).all_steps()
+
+
+def test_disk_full_while_caching_the_trained_tokenizer_is_one_line(corpus, tmp_path, monkeypatch, capsys):
+    """The token cache's failed write was one line, the tokenizer cache's beside it a traceback (break test 91)."""
+    import minicpm4_jax.tokenizer as tokmod
+    from minicpm4_jax import cli
+
+    real = tokmod.atomic_write
+
+    def full(path, data):
+        if Path(path).parent.name.startswith(".tmp-spm-"):
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(tokmod, "atomic_write", full)
+    cache = tmp_path / "cache"
+    ov = tiny_overrides(corpus, cache, tmp_path / "run", **{"model.rope_scaling": "null"})
+    rc = cli.main(["train", "--no-progress", *ov])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [f"error: writing the trained tokenizer under {cache / 'tokenizers'} failed (No "
+                                        "space left on device); free disk space or point data.cache_dir at a writable "
+                                        "folder"], err
+    assert not list((cache / "tokenizers").glob("*"))  # nothing half-written is left to be reused

@@ -595,6 +595,12 @@ def _load_cached(final: Path, key: str) -> dict | None:
     return man if ok else None
 
 
+def _cache_write_error(what: str, root: Path, e: OSError) -> ConfigError:
+    """The one-line error of a failed write of ``what`` under the data cache folder ``root`` (a full disk)."""
+    return ConfigError(f"writing {what} under {root} failed ({e.strerror or e}); free disk space or point "
+                       "data.cache_dir at a writable folder")
+
+
 def _remove_stale_tmp(root: Path) -> None:
     for d in root.glob(".tmp-*"):
         try:
@@ -769,8 +775,11 @@ def _tokenizer(cfg: DataConfig, root: Path, corpus_hash: str, train_docs: Callab
         raise ConfigError(f"data.tokenizer_vocab_size={cfg.tokenizer_vocab_size} is too small for the trained "
                           "tokenizer: byte fallback needs >= 260 (256 bytes + specials)")
     t0 = time.perf_counter()
-    tok = train_tokenizer(_LazyDocs(), cfg.tokenizer_vocab_size, root / "tokenizers", cfg.seed, corpus_hash=train_key,
-                          log=log)
+    try:
+        tok = train_tokenizer(_LazyDocs(), cfg.tokenizer_vocab_size, root / "tokenizers", cfg.seed,
+                              corpus_hash=train_key, log=log)
+    except OSError as e:  # a full disk while caching the trained model (helper 91: a traceback)
+        raise _cache_write_error("the trained tokenizer", root / "tokenizers", e) from None
     if hasattr(tok, "train_seconds"):
         timings["tokenizer_train_s"] = round(time.perf_counter() - t0, 3)
     return tok
@@ -841,10 +850,7 @@ def _token_cache(cfg: DataConfig, root: Path, corpus: Corpus, tok: Tokenizer,
             os.rename(tmp, final)
         except OSError as e:
             if _load_cached(final, key) is None:  # not a lost race with a concurrent writer
-                raise ConfigError(
-                    f"writing the token cache under {tokens_root} failed ({e.strerror or e}); free disk space or "
-                    "point data.cache_dir at a writable folder"
-                ) from None
+                raise _cache_write_error("the token cache", tokens_root, e) from None
             man = _load_cached(final, key)
         finally:
             if tmp.exists():
