@@ -196,6 +196,26 @@ def test_training_loop_reports_each_components_loss_and_refuses_new_weights(corp
         run_training(changed, resume=True, log=lambda _m: None, progress=False)
 
 
+@pytest.mark.parametrize("decay", [0, 2])
+def test_decay_weights_without_a_decay_phase_are_reported(corpora, tmp_path, decay):
+    """With no decay phase the mixture never switches: data.decay_weights were ignored without a word (break
+    test 91)."""
+    from minicpm4_jax.train.loop import run_training
+
+    cfg = load_config(None, [
+        "model.vocab_size=512", "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=1",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.max_position_embeddings=64",
+        "model.dim_model_base=16", "model.mtp=false", f"data.sources=[{corpora['a']},{corpora['b']}]",
+        "data.weights=[3,1]", "data.decay_weights=[1,3]", "data.tokenizer_vocab_size=300", "data.seq_len=16",
+        "data.batch_size=4", "data.val_fraction=0.1", f"data.cache_dir={corpora['cache']}", "steps=2",
+        "optimizer.warmup_steps=0", f"optimizer.decay_steps={decay}", "eval_batches=1", "sample_tokens=0",
+        f"out_dir={tmp_path / 'run'}", "tensorboard=false"])
+    said: list[str] = []
+    run_training(cfg, log=said.append, progress=False)
+    warned = [m for m in said if "data.decay_weights=[1.0, 3.0] never apply" in m]
+    assert len(warned) == (1 if decay == 0 else 0), said
+
+
 @pytest.mark.parametrize("ov", [
     [],
     ["optimizer.decay_steps=30"],

@@ -858,6 +858,13 @@ def run_training(
         warning = qat_warmup_warning(cfg)
         if warning:
             say(warning)
+        d_cfg = cfg.data
+        if (d_cfg.decay_weights is not None and d_cfg.weights is not None
+                and list(d_cfg.decay_weights) != list(d_cfg.weights) and decay_start_step(cfg) >= cfg.steps):
+            # the mixture switches at the decay's first step, which a schedule without a decay never reaches
+            say(f"warning: data.decay_weights={list(d_cfg.decay_weights)} never apply: the learning-rate schedule has no "
+                "decay phase (decay length 0), so the mixture stays data.weights; set optimizer.decay_steps / "
+                "decay_fraction, or drop data.decay_weights")
         inactive = inactive_draft_options(cfg)
         if inactive:
             say(f"model.mtp=false: {', '.join(inactive)} shape the MTP draft head, which this run does not have; "
