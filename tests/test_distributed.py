@@ -46,6 +46,14 @@ elif args.get("nproc", 1) > 1:
     ov += ["distributed.mode=explicit", f"distributed.coordinator_address=localhost:{args['port']}",
            f"distributed.num_processes={args['nproc']}", f"distributed.process_id={args['pid']}"]
 cfg = load_config(None, ov)
+if args.get("full_disk") and args.get("pid", 0) == 0:  # this file cannot be written on process 0 (a full disk)
+    import minicpm4_jax.convert.io as cio
+    real = cio.atomic_write
+    def full(path, data):
+        if os.path.basename(path) == args["full_disk"]:
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+    cio.atomic_write = full
 def hook(step, state):
     time.sleep(args.get("sleep", 0.0))
     if step == args.get("term_at") and args.get("term_pid") == args.get("pid", 0):
@@ -202,6 +210,18 @@ def test_process_rows_and_global_batch_on_meshes():
 # -------------------------------------------------------------------------------------------------
 # two real processes
 # -------------------------------------------------------------------------------------------------
+
+
+def test_a_run_file_process_0_cannot_write_stops_every_process(corpus, tmp_path):
+    """Process 0 alone writes config.json; when that failed (a full disk) the other process went on into the first
+    step and waited there for process 0 (break test 91). Both end, before training, with one error naming it."""
+    ov = tiny_overrides(corpus, tmp_path / "cache", tmp_path / "run", **{"mesh.data": 2, "mesh.fsdp": 1, "mesh.tensor": 1})
+    res = _launch({"overrides": ov, "out": str(tmp_path / "a"), "full_disk": "config.json"}, 2, 1, timeout=120.0)
+    logs = "\n".join(t for _, t in res)
+    assert all(rc not in (0, None) for rc, _ in res), logs[-3000:]
+    assert "RunFileWriteError: writing " in res[0][1] and "config.json failed (No space left on device)" in res[0][1]
+    assert "RunFileWriteError: process 0 could not write the run's files" in res[1][1], res[1][1][-2000:]
+    assert "nothing was trained" in res[1][1] and not (tmp_path / "run" / "checkpoints" / "1").exists()
 
 
 def test_two_processes_match_one_process_preempt_and_resume(corpus, tmp_path):

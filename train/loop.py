@@ -896,24 +896,38 @@ def run_training(
             from minicpm4_jax.train.qat import check_init_tokenizer
 
             check_init_tokenizer(init_src, tok, say)
-        if is_main:
-            def nothing_trained() -> str:
-                kept = (f"the checkpoints in {ckpt_dir} are intact; " if latest is not None else "")
-                return f"nothing was trained; {kept}free disk space and run the same command again"
+        def nothing_trained() -> str:
+            kept = (f"the checkpoints in {ckpt_dir} are intact; " if latest is not None else "")
+            return f"nothing was trained; {kept}free disk space and run the same command again"
 
-            with _writing(out_dir / "tokenizer", nothing_trained):
-                tok.save(out_dir / "tokenizer")
-            saved = config_to_dict(cfg)
-            if cfg.checkpoint.directory:  # where the Checkpointer writes, whatever the cwd of a later run reading it
-                saved["checkpoint"]["directory"] = str(ckpt_dir)
-            with _writing(out_dir / "config.json", nothing_trained):
-                write_json_atomic(out_dir / "config.json", saved)
-            # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one is
-            # stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
-            (out_dir / "summary.json").unlink(missing_ok=True)
-            if not resume:  # the record of what the run started with: never rewritten on a resume
-                with _writing(out_dir / "data.json", nothing_trained):
-                    write_run_data(out_dir, data.manifest, origin)
+        write_err: RunFileWriteError | None = None
+        if is_main:
+            try:
+                with _writing(out_dir / "tokenizer", nothing_trained):
+                    tok.save(out_dir / "tokenizer")
+                saved = config_to_dict(cfg)
+                if cfg.checkpoint.directory:  # where the Checkpointer writes, whatever the cwd of a run reading it
+                    saved["checkpoint"]["directory"] = str(ckpt_dir)
+                with _writing(out_dir / "config.json", nothing_trained):
+                    write_json_atomic(out_dir / "config.json", saved)
+                # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one
+                # is stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
+                (out_dir / "summary.json").unlink(missing_ok=True)
+                if not resume:  # the record of what the run started with: never rewritten on a resume
+                    with _writing(out_dir / "data.json", nothing_trained):
+                        write_run_data(out_dir, data.manifest, origin)
+            except RunFileWriteError as e:
+                write_err = e
+        if jax.process_count() > 1:  # all stop together (the others would wait in the first step's collectives)
+            from jax.experimental import multihost_utils
+
+            failed_main = bool(np.asarray(multihost_utils.process_allgather(np.int32(write_err is not None)))
+                               .reshape(-1)[0])
+            if failed_main and write_err is None:
+                raise RunFileWriteError(f"process 0 could not write the run's files into {out_dir} (its error names "
+                                        f"the file and the cause); {nothing_trained()}")
+        if write_err is not None:
+            raise write_err
 
         if mesh.size > 1:
             say(f"mesh: {dict(mesh.shape)} over {mesh.size} {jax.default_backend()} devices (axis types Auto)")
