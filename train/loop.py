@@ -896,6 +896,7 @@ def run_training(
             from minicpm4_jax.train.qat import check_init_tokenizer
 
             check_init_tokenizer(init_src, tok, say)
+
         def nothing_trained() -> str:
             kept = (f"the checkpoints in {ckpt_dir} are intact; " if latest is not None else "")
             return f"nothing was trained; {kept}free disk space and run the same command again"
