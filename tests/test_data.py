@@ -317,6 +317,45 @@ def test_an_unchanged_cache_is_not_rescanned_and_one_changed_in_place_is_caught(
     assert np.array_equal(rebuilt.val_tokens, expected)
 
 
+def test_a_token_file_written_during_its_scan_is_scanned_again(tmp_path, prepared, monkeypatch):
+    """Break test (helper 95): verified.json recorded the stamp taken *after* the scan (minutes on a multi-GB cache),
+    so bytes written into a part the pass had already read (ids outside the vocabulary) were recorded as checked with
+    the file's new stamp, and every later start trusted the stale largest id. The stamp (and time) of the record are
+    those taken before the scan: the file no longer matches them and is scanned again."""
+    import os
+    import time as time_mod
+    import types
+
+    import minicpm4_jax.train.data as data_mod
+
+    cfg, data = prepared
+    old = data.cache_dir.stat().st_mtime_ns - 10 * 10**9  # files written 10 s ago: their record would be trusted
+    for name in ("train.bin", "val.bin"):
+        os.utime(data.cache_dir / name, ns=(old, old))
+    (data.cache_dir / "verified.json").unlink(missing_ok=True)
+    skew = [0]
+    monkeypatch.setattr(data_mod, "time", types.SimpleNamespace(
+        time_ns=lambda: time_mod.time_ns() + skew[0], perf_counter=time_mod.perf_counter))
+    real = data_mod._max_token
+
+    def slow_scan_with_a_write(path, *a):
+        top = real(path, *a)
+        if path.name == "val.bin":  # a stray write into bytes the pass already read; the scan ends 10 s later
+            with open(path, "r+b") as f:
+                f.seek(100)
+                f.write(b"\xff\xff\xff\x7f")
+            skew[0] = 10 * 10**9
+        return top
+
+    monkeypatch.setattr(data_mod, "_max_token", slow_scan_with_a_write)
+    prepare_data(cfg, log=_quiet)
+    monkeypatch.setattr(data_mod, "_max_token", real)
+    logs: list[str] = []
+    again = prepare_data(cfg, log=logs.append)
+    assert any("rebuilding" in m for m in logs), logs
+    assert int(np.max(again.val_tokens)) < again.manifest["vocab_size"]
+
+
 def test_tokenizer_path_source(tmp_path, prepared):
     cfg, data = prepared
     tok_dir = tmp_path / "tok"

@@ -540,14 +540,13 @@ def _max_token(path: Path, dtype: str, count: int) -> int:
     return int(_open_tokens(path, dtype, count).max())
 
 
-def _record_verified(final: Path, tops: dict[str, int]) -> None:
-    """Write ``final/verified.json`` (``{file: {"stamp", "max_id", "at"}}``, ``at`` the time of the record in ns)
-    atomically; a cache folder this process may not write keeps none (its files are then scanned at each start)."""
+def _record_verified(final: Path, records: dict[str, dict]) -> None:
+    """Write ``final/verified.json`` (``{file: {"stamp", "max_id", "at"}}``: the stamp taken before the scan that
+    found ``max_id``, ``at`` the time in ns just before that stamp) atomically; a cache folder this process may not
+    write keeps none (its files are then scanned at each start)."""
     tmp = final / f".{_VERIFIED}.{os.getpid()}"
     try:
-        at = time.time_ns()
-        tmp.write_text(json.dumps({name: {"stamp": _file_stamp(final / name), "max_id": top, "at": at}
-                                   for name, top in tops.items()}))
+        tmp.write_text(json.dumps(records))
         os.replace(tmp, final / _VERIFIED)
     except OSError:
         with contextlib.suppress(OSError):
@@ -577,19 +576,23 @@ def _load_cached(final: Path, key: str) -> dict | None:
             seen = json.loads((final / _VERIFIED).read_text())
         except (OSError, ValueError):
             seen = {}
-        tops, scanned = {}, False
+        records, scanned = {}, False
         for name, n in (("train.bin", man["num_train_tokens"]), ("val.bin", man["num_val_tokens"])):
             if ok and n:
                 rec = seen.get(name) if isinstance(seen, dict) else None
+                at = time.time_ns()  # before the stamp: a write after it changes the stamp, or lies within the margin
                 stamp = _file_stamp(final / name)
-                if (isinstance(rec, dict) and rec.get("stamp") == stamp and isinstance(rec.get("max_id"), int)
-                        and isinstance(rec.get("at"), int) and stamp[1] < rec["at"] - _STAMP_MARGIN_NS):
-                    tops[name] = rec["max_id"]
+                if (isinstance(rec, dict) and rec.get("stamp") == stamp and type(rec.get("max_id")) is int
+                        and type(rec.get("at")) is int and stamp[1] < rec["at"] - _STAMP_MARGIN_NS):
+                    records[name] = rec
                 else:
-                    tops[name], scanned = _max_token(final / name, man["dtype"], n), True
-                ok = tops[name] < int(man["vocab_size"])
+                    # the stamp taken *before* the scan is recorded: a write during a minutes-long scan (after the
+                    # pass read that part) leaves the file unlike the record, so the next start scans it again
+                    records[name] = {"stamp": stamp, "max_id": _max_token(final / name, man["dtype"], n), "at": at}
+                    scanned = True
+                ok = records[name]["max_id"] < int(man["vocab_size"])
         if ok and scanned:
-            _record_verified(final, tops)
+            _record_verified(final, records)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return man if ok else None
