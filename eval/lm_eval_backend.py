@@ -195,7 +195,8 @@ class MiniCPM4LM(TemplateLM):
         transformers uses on an exported model; ``None`` or 0 means no cut (as in transformers). An imported
         official checkpoint's own ``generation_config.json`` (``top_p: 0.8``) is not kept: give ``top_p`` in the
         task to match transformers on the original folder. ``top_p`` outside (0, 1] or a negative ``top_k``:
-        :class:`ConfigError` before any generation. ``max_gen_toks`` defaults to the backend's. A context longer
+        :class:`ConfigError` before any generation. ``max_gen_toks`` (or lm-eval's aliases ``max_new_tokens``,
+        ``max_tokens``, ``max_completion_tokens``, in that priority) defaults to the backend's. A context longer
         than ``max_length - max_gen_toks`` keeps its last tokens (a warning on stderr says how many were cut).
         """
         out: list[str | None] = [None] * len(requests)
@@ -205,7 +206,7 @@ class MiniCPM4LM(TemplateLM):
             ctx, kw = req.args[0], dict(req.args[1] or {})
             until = kw.get("until", None)
             until = [until] if isinstance(until, str) else list(until or [])
-            max_toks = int(kw.get("max_gen_toks", self.max_gen_toks))
+            max_toks = _max_gen_toks(kw, self.max_gen_toks)
             temp = _sampling_temperature(kw)
             s = {"until": until, "max_new_tokens": max_toks, "temperature": temp}
             if temp > 0:  # a sampling task's nucleus / top-k settings (were dropped: plain temperature sampling)
@@ -235,6 +236,32 @@ class MiniCPM4LM(TemplateLM):
                 out[i] = t
                 self.cache_hook.add_partial("generate_until", requests[i].args, t)
         return [o if o is not None else "" for o in out]
+
+
+# lm-eval's names for the number of new tokens, by priority (0.4.13 ``normalize_gen_kwargs``: HF, vLLM, OpenAI)
+MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+
+
+def _max_gen_toks(gen_kwargs: dict, default: int) -> int:
+    """The number of new tokens a request's ``gen_kwargs`` asks for: the first of :data:`MAX_TOKEN_KEYS` that is set
+    (not ``None``), as lm-eval's Hugging Face backend reads it, else ``default`` (the backend's ``max_gen_toks``).
+
+    Raises:
+        ConfigError: a value that is not a whole number >= 1.
+    """
+    for key in MAX_TOKEN_KEYS:
+        value = gen_kwargs.get(key)
+        if value is None:
+            continue
+        try:
+            n = None if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError):
+            n = None
+        if n is None or not n.is_integer() or n < 1:
+            raise ConfigError(f"generate_until gen_kwargs: {key}={value!r} is not a whole number >= 1; fix the "
+                              "task's generation_kwargs")
+        return int(n)
+    return int(default)
 
 
 # transformers' GenerationConfig default top_k, used when a sampling request gives none (see generate_until)

@@ -483,3 +483,27 @@ def test_backend_over_a_real_tiny_model_equals_a_full_forward():
         want = sum(float(logp[n - 1 + j, t]) for j, t in enumerate(x_ids))
         assert lp == pytest.approx(want, abs=1e-3), (c, x)
         assert g == all(int(np.argmax(logp[n - 1 + j])) == t for j, t in enumerate(x_ids))
+
+
+@needs_lm_eval
+def test_generate_until_reads_lm_evals_max_token_aliases():
+    """Break test (helper 95): lm-eval's Hugging Face backend takes the number of new tokens from ``max_gen_toks``,
+    else ``max_new_tokens``, ``max_tokens`` or ``max_completion_tokens`` (``normalize_gen_kwargs``); this backend
+    read only ``max_gen_toks`` and generated its default 17 for the others, and ``max_gen_toks: None`` (lm-eval: the
+    default) was a TypeError traceback."""
+    from minicpm4_jax.config import ConfigError
+    from minicpm4_jax.eval.lm_eval_backend import MiniCPM4LM
+
+    m = ScriptedEvalModel()
+    lm = MiniCPM4LM(model=m, max_gen_toks=17)
+    lm.generate_until([_inst("generate_until", ("Q1", {"until": ["\n\n"], "max_new_tokens": 5}), 0),
+                       _inst("generate_until", ("Q22", {"until": ["\n\n"], "max_tokens": 6}), 1),
+                       _inst("generate_until", ("Q333", {"until": ["\n\n"], "max_completion_tokens": 7.0}), 2),
+                       _inst("generate_until", ("Q1", {"until": ["\n\n"], "max_gen_toks": None, "max_tokens": 8}), 3),
+                       _inst("generate_until", ("Q22", {"until": ["\n\n"], "max_gen_toks": None}), 4)])
+    assert sorted(c[1] for c in m.calls if c[0] == "generate") == [5, 6, 7, 8, 17]
+    for bad in ("many", 0, 2.5, True):
+        with pytest.raises(ConfigError, match=f"^generate_until gen_kwargs: max_new_tokens={bad!r} is not a whole") \
+                as e:
+            lm.generate_until([_inst("generate_until", ("Q1", {"max_new_tokens": bad}), 0)])
+        assert "\n" not in str(e.value)
