@@ -1763,3 +1763,22 @@ def test_disk_full_while_caching_the_trained_tokenizer_is_one_line(corpus, tmp_p
                                         "space left on device); free disk space or point data.cache_dir at a writable "
                                         "folder"], err
     assert not list((cache / "tokenizers").glob("*"))  # nothing half-written is left to be reused
+
+
+def test_a_sweep_reuses_a_finished_run_with_a_relative_checkpoint_directory(corpus, cache_dir, tmp_path, monkeypatch):
+    """Break test (helper 95): config.json records a relative checkpoint.directory resolved (helper 90), but the
+    sweep's reuse check compared it with ``config_to_dict(cfg)`` (the relative one): a finished run never matched, so
+    its folder was removed and the run trained again (into a checkpoint.directory still holding its steps)."""
+    from minicpm4_jax.train import sweep
+
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "runs" / "a", steps=4, **{"checkpoint.directory": "ck"})
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    saved = config_to_dict(cfg)  # what run_training writes (test_a_relative_checkpoint_directory_is_recorded_...)
+    saved["checkpoint"]["directory"] = str(tmp_path / "ck")
+    (run / "config.json").write_text(json.dumps(saved))
+    (run / "summary.json").write_text(json.dumps({"val_loss": 1.5}))
+    monkeypatch.setattr(loop_mod, "run_training", lambda *a, **k: pytest.fail("a finished run trained again"))
+    assert sweep.train_or_reuse("a", cfg, tmp_path / "runs") == {"val_loss": 1.5}
+    assert loop_mod.recorded_config(cfg) == saved

@@ -433,6 +433,16 @@ def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, 
                               f"a new or empty folder, e.g. out_dir={out_dir / 'NAME'}")
 
 
+def recorded_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The dict a run writes to ``out_dir/config.json``: :func:`~minicpm4_jax.config.config_to_dict` of ``cfg`` with a
+    ``checkpoint.directory`` resolved (the folder the Checkpointer writes to, whatever the working directory of a
+    later run or sweep reading it)."""
+    saved = config_to_dict(cfg)
+    if cfg.checkpoint.directory:
+        saved["checkpoint"]["directory"] = str(checkpoint_dir_of(cfg))
+    return saved
+
+
 def _recorded_checkpoint_dirs(out_dir: Path) -> list[Path]:
     """The checkpoint folders of the run whose folder ``out_dir`` is: ``out_dir/checkpoints`` and the
     ``checkpoint.directory`` its ``config.json`` records (absolute: a run records the folder its Checkpointer
@@ -906,11 +916,8 @@ def run_training(
             try:
                 with _writing(out_dir / "tokenizer", nothing_trained):
                     tok.save(out_dir / "tokenizer")
-                saved = config_to_dict(cfg)
-                if cfg.checkpoint.directory:  # where the Checkpointer writes, whatever the cwd of a run reading it
-                    saved["checkpoint"]["directory"] = str(ckpt_dir)
                 with _writing(out_dir / "config.json", nothing_trained):
-                    write_json_atomic(out_dir / "config.json", saved)
+                    write_json_atomic(out_dir / "config.json", recorded_config(cfg))
                 # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one
                 # is stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
                 (out_dir / "summary.json").unlink(missing_ok=True)

@@ -14,15 +14,15 @@ __all__ = ["train_or_reuse"]
 def train_or_reuse(name: str, cfg: Any, out_root: Path, fresh: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into ``out_root/name`` and return its summary, or reuse a finished run of the same config.
 
-    A run folder counts as finished when it holds ``summary.json`` and a ``config.json`` equal to ``cfg``
-    (``cfg.out_dir`` must be that folder); anything else there is removed first. ``fresh`` retrains always.
+    A run folder counts as finished when it holds ``summary.json`` and a ``config.json`` equal to the one a run of
+    ``cfg`` writes (:func:`~minicpm4_jax.train.loop.recorded_config`; ``cfg.out_dir`` must be that folder); anything
+    else there is removed first. ``fresh`` retrains always.
     """
-    from minicpm4_jax.config import config_to_dict
-    from minicpm4_jax.train.loop import run_training
+    from minicpm4_jax.train.loop import recorded_config, run_training
 
     run_dir = out_root / name
     summ, conf = run_dir / "summary.json", run_dir / "config.json"
-    if not fresh and summ.is_file() and conf.is_file() and json.loads(conf.read_text()) == config_to_dict(cfg):
+    if not fresh and summ.is_file() and conf.is_file() and json.loads(conf.read_text()) == recorded_config(cfg):
         print(f"== {name}: reusing {run_dir}", flush=True)
         return json.loads(summ.read_text())
     if run_dir.exists():
