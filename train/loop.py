@@ -85,8 +85,8 @@ from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, t
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
                                            params_all_finite, sharded_abstract_state)
-from minicpm4_jax.train.metrics import (MetricsWriter, measure_matmul_peak_flops, mfu, model_flops_per_second,
-                                        ternary_scalars)
+from minicpm4_jax.train.metrics import (MetricsWriter, measure_matmul_peak_flops, mfu, mfu_above_peak_causes,
+                                        model_flops_per_second, ternary_scalars)
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
 from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, init_train_state,
@@ -1133,10 +1133,13 @@ def run_training(
             util = mfu(cfg.model, t, tps, peak, **draft)
             if util > 1 and not mfu_warned:
                 mfu_warned.append(step)  # once per run: the peak is measured once, at the start
+                causes = mfu_above_peak_causes(cfg.model, t)  # (helper 95: the busy machine was the only one named)
+                why = ("; ".join(causes) + "; or the machine was busier then (other jobs on its cores)" if causes
+                       else "so the machine was busier then (other jobs on its cores)")
                 say(f"warning: MFU {100 * util:.0f}% at step {step}: the model computes "
                     f"{model_flops_per_second(cfg.model, t, tps, **draft) / 1e9:.1f} GFLOP/s, more than the matmul "
-                    f"peak measured at the start ({peak / 1e9:.1f} GFLOP/s), so the machine was busier then (other "
-                    "jobs on its cores) and this run's MFU figures are too high; compare runs by tokens/s")
+                    f"peak measured at the start ({peak / 1e9:.1f} GFLOP/s): {why}; this run's MFU figures are too "
+                    "high, compare runs by tokens/s")
             means = {k_: float(np.mean([v_[k_] for v_ in window_vals if k_ in v_]))
                      for k_ in set().union(*window_vals) if k_ != "lr"}
             window_vals.clear()

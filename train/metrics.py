@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from minicpm4_jax.config import ModelConfig
 
-__all__ = ["METRICS_FILE", "MetricsWriter", "RunHistory", "measure_matmul_peak_flops", "mfu", "model_flops_per_second", "ternary_scalars"]
+__all__ = ["METRICS_FILE", "MetricsWriter", "RunHistory", "measure_matmul_peak_flops", "mfu", "mfu_above_peak_causes",
+           "model_flops_per_second", "ternary_scalars"]
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -276,6 +277,21 @@ def model_flops_per_second(model_cfg: ModelConfig, seq_len: int, tokens_per_seco
     """Achieved model FLOP/s: ``flops_per_token(seq_len, ...) * tokens/s`` (training, fwd+bwd; the MTP draft head's
     ``mtp_depth`` trained depths and ``mtp_distill`` included when ``model_cfg.mtp``)."""
     return model_cfg.flops_per_token(seq_len, mtp_depth=mtp_depth, mtp_distill=mtp_distill) * tokens_per_second
+
+
+def mfu_above_peak_causes(model_cfg: ModelConfig, seq_len: int) -> list[str]:
+    """Why this run's MFU may pass 100% with the machine as fast as when the fp32 peak was measured: clauses naming
+    a sparse attention the FLOP count takes as dense (InfLLM v2 at ``seq_len`` >= ``sparse_config.dense_len``,
+    or ``dense_len`` -1) and a compute ``dtype`` other than float32 (its matmuls outrun the fp32 peak); ``[]`` when
+    neither applies (then only a peak measured on a busier machine explains it)."""
+    out = []
+    sc = model_cfg.sparse_config
+    if model_cfg.attention == "infllmv2" and sc is not None and (sc.dense_len == -1 or seq_len >= sc.dense_len):
+        out.append(f"the FLOP count takes attention as dense over all {seq_len} positions, which InfLLM v2 mostly "
+                   "skips (see the attended fraction), so a sparse run's MFU overstates its work")
+    if str(model_cfg.dtype) != "float32":
+        out.append(f"the model computes in {model_cfg.dtype}, whose matmuls run faster than the fp32 peak measures")
+    return out
 
 
 def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flops: float, *, mtp_depth: int = 1,
