@@ -153,7 +153,10 @@ class _StreamPrinter:
     """``on_token`` callback emitting the newly decoded text of row 0 as it grows (``decode``: new ids -> text).
 
     Holds back an incomplete UTF-8 character and the last ``len(longest stop string) - 1`` characters (which
-    may start a stop string); :meth:`finish` emits the rest of the final, cut text.
+    may start a stop string); :meth:`finish` emits the rest of the final, cut text. ``stop_ids`` (those of
+    :func:`stop_token_ids`) are never shown. Nothing is emitted while the last token is a byte-fallback piece
+    (``<0xNN>``): a Hugging Face ``ByteFallback`` decoder decodes a run of them as a whole (one invalid byte
+    makes every byte of the run U+FFFD), so the text of a run is final only once the run has ended.
     """
 
     def __init__(self, tokenizer: _Tokenizer, emit: Callable[[str], None], stop_strings: Sequence[str],
@@ -170,6 +173,8 @@ class _StreamPrinter:
         if row != 0 or tok in self.stop_ids:
             return
         self.ids.append(tok)
+        if self._byte_piece(tok):
+            return
         text = self.decode(self.ids)
         if text.endswith("\ufffd"):
             return
@@ -178,6 +183,11 @@ class _StreamPrinter:
         if upto > self.shown:
             self.emit(text[self.shown:upto])
             self.shown = upto
+
+    def _byte_piece(self, tok: int) -> bool:
+        piece = getattr(self.tokenizer, "id_to_token", None)
+        p = piece(tok) if piece is not None else None
+        return isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">")
 
     def finish(self, final_text: str) -> None:
         if len(final_text) > self.shown:

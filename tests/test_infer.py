@@ -654,3 +654,84 @@ def test_generate_puts_the_prefix_ids_before_the_prompt():
     for prefix, want in ((None, [1]), ([2], [2]), ([], [])):
         assert generate(None, tok, "ab", 3, prefix_ids=prefix, engine=Engine()) == ""
         assert seen[-1] == want + [42, 41], prefix
+
+
+
+
+def test_generate_stops_at_every_eos_id_of_the_model(weights):
+    """An imported official MiniCPM4 ends a chat turn with ``<|im_end|>`` (73440), the second of its
+    ``eos_token_id`` [2, 73440] (the official ``generation_config.json``; our GGUF export makes llama.cpp stop on
+    both). ``generate`` stopped only at the tokenizer's ``</s>``, so it ran on past the turn's end, streamed the
+    ``<|im_end|>`` text and kept it in the result. A model eos id ends the text, is not shown, not streamed."""
+    from minicpm4_jax.generate import generate
+
+    class Tok:
+        bos_id, eos_id, vocab_size = 1, 2, 97
+
+        def encode(self, text):
+            return [int(w[1:]) for w in text.split()]
+
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    plain = generate(_model(weights, BASE), Tok(), "t5 t6 t7", 8, temperature=1.0, seed=2)
+    ids = [int(x) for x in plain[1:-1].split("><")]
+    end = next(i for i in ids[2:] if i not in (2, ids[0], ids[1]))  # a later token that is not one before it
+    model = _model(weights, dataclasses.replace(BASE, eos_token_id=(2, end)))
+    pieces = []
+    text, out = generate(model, Tok(), "t5 t6 t7", 8, temperature=1.0, seed=2, stream=pieces.append,
+                         return_output=True)
+    cut = ids.index(end)
+    assert out.finish_reasons == ["eos"] and out.tokens[0] == ids[:cut + 1]
+    assert text == plain[:plain.index(f"<{end}>")] and "".join(pieces) == text
+
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
+    """The streamed pieces of ``generate`` concatenate to its returned text with the real MiniCPM4 tokenizer, also when
+    the model spells characters as byte-fallback tokens (a CJK or rare character, or sampled invalid bytes).
+
+    The ``tokenizer.json`` form (an ``import hf`` / ``export hf`` folder) decodes a run of byte tokens as a whole
+    (the ``ByteFallback`` decoder): one invalid byte turns every byte of the run into U+FFFD, also those already
+    decoded to a valid character. The stream had shown ``"ༀ"`` from the first three bytes, the final text held
+    U+FFFD there: the terminal showed other text than ``--no-stream`` prints."""
+    import json
+    from types import SimpleNamespace
+
+    from conftest import shared_path
+
+    from minicpm4_jax.generate import generate
+    from minicpm4_jax.infer.engine import _Collector
+    from minicpm4_jax.tokenizer import Tokenizer, load_tokenizer, sentencepiece_to_hf_json
+
+    folder = shared_path("data", "minicpm4-0.5b")
+    tok = load_tokenizer(folder / "tokenizer.model")
+    if kind == "hf":
+        added = json.loads((folder / "added_tokens.json").read_text())
+        tok = Tokenizer(hf_json=sentencepiece_to_hf_json((folder / "tokenizer.model").read_bytes(),
+                                                         {i: t for t, i in added.items()}))
+    byte = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    runs = [
+        [byte[b] for b in "ༀ".encode()] + [byte[0xE0]] + [byte[b] for b in "你".encode()] + tok.encode(" z\n\nfoo"),
+        tok.encode("ok ") + [byte[b] for b in "€".encode()] + [byte[0xF0], byte[0x9F]] + tok.encode("好 end"),
+        tok.encode("日本") + [byte[b] for b in "𓀀ab".encode()[:4]] + [2],
+    ]
+
+    class Engine:  # replays fixed tokens through the engine's stop rules and streaming
+        def __init__(self, ids):
+            self.ids = ids
+
+        def generate(self, prompts, max_new, *, stop_ids, stop_strings, detokenize, on_token, **kw):
+            col = _Collector(1, max_new, stop_ids, stop_strings, detokenize, on_token)
+            for i in self.ids:
+                if col.active[0]:
+                    col.take(0, i)
+            return SimpleNamespace(tokens=col.out, finish_reasons=col.reasons)
+
+    model = SimpleNamespace(cfg=SimpleNamespace(eos_token_id=(2,)))
+    for ids in runs:
+        for stops in ((), ("foo",), ("end", "z")):
+            pieces = []
+            text = generate(model, tok, "p", len(ids), stop_strings=stops, stream=pieces.append, engine=Engine(ids))
+            assert "".join(pieces) == text, (kind, stops, pieces, text)
