@@ -323,7 +323,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.generate import generate
-    from minicpm4_jax.infer.engine import InferenceEngine
+    from minicpm4_jax.infer.engine import InferenceEngine, without_prefill_quirk
     from minicpm4_jax.config import ConfigError
     from minicpm4_jax.tokenizer import check_tokenizer_vocab, document_start, load_run_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
@@ -349,6 +349,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from minicpm4_jax.infer.engine import with_attention
 
         model = with_attention(model, "infllmv2" if args.sparse else "dense")
+    model, note = without_prefill_quirk(model)
+    if note:
+        print(f"warning: {note}", file=sys.stderr)
     sc = model.cfg.sparse_config if model.cfg.attention == "infllmv2" else None
     if sc is not None and 0 < sc.dense_len and model.cfg.max_position_embeddings <= sc.dense_len:
         # as `eval` (helper 73): no request this model takes gets past dense_len, so nothing runs sparse

@@ -348,6 +348,23 @@ TINY_SPARSE = {"model.attention": "infllmv2", "model.sparse_config.block_size": 
                "model.sparse_config.dense_len": 32, "data.seq_len": 96, "model.max_position_embeddings": 128}
 
 
+def test_run_with_the_official_kernel_quirk_ends_with_its_sample_and_summary(corpus, cache_dir, tmp_path):
+    """``model.sparse_config.kernel_offby1_quirk: true`` (train with the official stage-1 mask) is a valid config,
+    but the cached engine refuses it; the run trained every step, then its final sample raised that refusal, so it
+    ended without ``summary.json``. The sample (decode steps are unaffected by the quirk, spec §5.2) now runs with
+    the clean rule and says so."""
+    sparse = {"model.attention": "infllmv2", "model.sparse_config.block_size": 16,
+              "model.sparse_config.kernel_size": 16, "model.sparse_config.kernel_stride": 8,
+              "model.sparse_config.window_size": 16, "model.sparse_config.topk": 2,
+              "model.sparse_config.dense_len": -1, "model.sparse_config.kernel_offby1_quirk": True,
+              "tensorboard": False, "steps": 2, "log_every": 1, "eval_every": 2, "checkpoint.save_every": 2,
+              "optimizer.warmup_steps": 1, "optimizer.decay_steps": 1, "sample_tokens": 4}
+    logs: list[str] = []
+    s = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "quirk", **sparse), log=logs.append, progress=False)
+    assert s["step"] == 2 and (tmp_path / "quirk" / "summary.json").is_file()
+    assert any(m.startswith("sample (") for m in logs) and any("kernel_offby1_quirk" in m for m in logs), logs
+
+
 def test_sparse_run_logs_attended_fraction(corpus, cache_dir, tmp_path):
     """InfLLM v2 training: every log row carries the mean attended key fraction, and it is really < 1."""
     sparse = {**TINY_SPARSE, "tensorboard": False, "sample_tokens": 0}

@@ -1311,7 +1311,11 @@ def run_training(
 
             from minicpm4_jax.generate import generate
 
-            model = nnx.merge(graphdef, model_params(state.params, step))
+            from minicpm4_jax.infer.engine import without_prefill_quirk
+
+            model, note = without_prefill_quirk(nnx.merge(graphdef, model_params(state.params, step)))
+            if note:
+                say(f"sample: {note}")
             # the data pipeline separates documents with EOS, so a new document follows an EOS
             prefix = [tok.eos_id] if tok.eos_id is not None else []
             n_new = min(cfg.sample_tokens,

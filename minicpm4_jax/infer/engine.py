@@ -50,7 +50,8 @@ from minicpm4_jax.ops.dispatch import native_decode, pallas_target, resolve_impl
 from minicpm4_jax.ops.flash_xla import flash_attention
 from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas
 
-__all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention"]
+__all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention",
+           "without_prefill_quirk"]
 
 
 @jax.tree_util.register_dataclass
@@ -124,17 +125,41 @@ def with_attention(model: Any, attention: str) -> Any:
     Raises:
         ConfigError: an unknown ``attention``, or a sparse geometry the model cannot run (validation message).
     """
-    from minicpm4_jax.config import SparseConfig, validate_model
-    from minicpm4_jax.nn.model import MiniCPM4
+    from minicpm4_jax.config import SparseConfig
 
     if attention not in ("dense", "infllmv2"):
         raise ConfigError(f"attention={attention!r}; use 'dense' or 'infllmv2'")
     cfg = model.cfg
     sc = cfg.sparse_config if cfg.sparse_config is not None else SparseConfig()
     new = dataclasses.replace(cfg, attention=attention, sparse_config=sc if attention == "infllmv2" else cfg.sparse_config)
-    validate_model(new)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: MiniCPM4(new, rngs=nnx.Rngs(0))))
+    return _with_config(model, new)
+
+
+def _with_config(model: Any, cfg: ModelConfig) -> Any:
+    """``model``'s weights under another (validated) config of the same parameter shapes."""
+    from minicpm4_jax.nn.model import MiniCPM4
+
+    validate_model(cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: MiniCPM4(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, nnx.state(model))
+
+
+def without_prefill_quirk(model: Any) -> tuple[Any, str | None]:
+    """``(model, note)``: a model with ``sparse_config.kernel_offby1_quirk`` set, under the clean causal rule, and a
+    one-line note saying so (``(model, None)`` unchanged otherwise).
+
+    The quirk reproduces one official single-pass prefill (spec §5.2: rows lose their last visible kernel at
+    lengths ≡ 15 mod 16 / 63 mod 64); official decode steps (``T = 1``) see every complete kernel, as the clean
+    rule does. :class:`InferenceEngine` caches and refuses the quirk, so a run trained with it samples, generates
+    and evaluates through this.
+    """
+    cfg = model.cfg
+    if cfg.attention != "infllmv2" or cfg.sparse_config is None or not cfg.sparse_config.kernel_offby1_quirk:
+        return model, None
+    clean = dataclasses.replace(cfg, sparse_config=dataclasses.replace(cfg.sparse_config, kernel_offby1_quirk=False))
+    return _with_config(model, clean), ("the model's sparse_config.kernel_offby1_quirk (the official single-pass "
+                                        "prefill's stage-1 mask) cannot be cached: generating with the clean causal "
+                                        "rule, as official decode steps select")
 
 
 def decode_mode(cfg: ModelConfig, dispatch_lens: Sequence[int]) -> str:
@@ -391,7 +416,8 @@ class InferenceEngine:
         validate_model(cfg)  # e.g. attention_impl='pallas' with dense attention, before any work
         if cfg.attention == "infllmv2" and cfg.sparse_config.kernel_offby1_quirk:
             raise ConfigError("sparse_config.kernel_offby1_quirk=true reproduces one official single-pass prefill "
-                              "and cannot be cached; generate with model.sparse_config.kernel_offby1_quirk=false")
+                              "and cannot be cached; generate with model.sparse_config.kernel_offby1_quirk=false "
+                              "(without_prefill_quirk(model))")
         if prefill_chunk < 16 or prefill_chunk % 16:
             raise ConfigError(f"prefill_chunk={prefill_chunk} must be a positive multiple of 16")
         self.cfg = cfg
