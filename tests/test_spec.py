@@ -415,6 +415,18 @@ def test_bad_spec_settings():
     assert st.lengths[0] == cap - dec.k and st.lengths[1] == 2 + acc[1] + 1
 
 
+def test_pallas_target_refuses_a_verify_chunk_longer_than_its_decode_kernel():
+    """With ``attention_impl: pallas`` the verify of ``k`` drafts runs the Pallas decode kernel on ``k + 1`` tokens per
+    sequence, which takes at most 30; ``--num-draft 30`` failed at the first round with a ValueError traceback from
+    inside the traced program. It is refused up front (one line naming the limit); 29 drafts still decode."""
+    cfg = dataclasses.replace(SMALL, attention="infllmv2", sparse_config=SPARSE, attention_impl="pallas")
+    model, mtp = _pair(cfg)
+    eng = InferenceEngine(model, prefill_chunk=64)
+    with pytest.raises(ConfigError, match=r"num_draft=30 \(--num-draft\).*attention_impl='pallas'.* at most 29"):
+        SpeculativeDecoder(eng, mtp, num_draft=30)
+    assert SpeculativeDecoder(eng, mtp, num_draft=29).k == 29
+
+
 def test_draft_window_keeps_greedy_output_and_changes_only_the_drafts():
     """A draft attending only its last 8 positions (CPM.cu's spec_window_size) still gives plain greedy tokens;
     its drafts differ from the full-context draft's, so the window really is applied."""

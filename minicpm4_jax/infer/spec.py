@@ -50,7 +50,8 @@ from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
 from minicpm4_jax.nn.model import dense_rows
 from minicpm4_jax.nn.rope import rope_tables
 from minicpm4_jax.ops.decode_ref import dense_decode_attention
-from minicpm4_jax.ops.dispatch import native_decode
+from minicpm4_jax.ops.dispatch import native_decode, resolve_impl
+from minicpm4_jax.ops.pallas.decode import _MAX_T as PALLAS_MAX_TOKENS
 
 __all__ = ["SpeculativeDecoder", "SpecState", "processed_logits", "build_frequency_ranking", "save_frequency_ranking",
            "load_frequency_ranking", "check_frequency_ranking", "run_ranking_file", "text_acceptance"]
@@ -459,7 +460,8 @@ class SpeculativeDecoder:
 
     Raises:
         ConfigError: ``mtp`` not an MTP head (e.g. ``None``: the model was built without ``model.mtp``);
-            ``num_draft`` not an integer, ``< 1`` or ``>= max_position_embeddings - 1``; a ranking
+            ``num_draft`` not an integer, ``< 1`` or ``>= max_position_embeddings - 1`` (``> 29`` with
+            ``attention_impl: pallas``, whose decode kernel verifies at most 30 tokens); a ranking
             that is empty, not a flat list of integers, repeats an id or has ids outside the vocabulary; or
             ``draft_window < 1``.
     """
@@ -481,6 +483,10 @@ class SpeculativeDecoder:
         if num_draft >= cfg.max_position_embeddings - 1:
             raise ConfigError(f"num_draft={num_draft} (--num-draft) leaves no room for a verify chunk within "
                               f"max_position_embeddings={cfg.max_position_embeddings}; draft a few tokens (1-8)")
+        if resolve_impl(cfg.attention_impl) == "pallas" and num_draft + 1 > PALLAS_MAX_TOKENS:
+            raise ConfigError(f"num_draft={num_draft} (--num-draft): with attention_impl='pallas' the verify of k "
+                              f"drafts runs the Pallas decode kernel on k + 1 tokens, at most {PALLAS_MAX_TOKENS}; "
+                              f"draft at most {PALLAS_MAX_TOKENS - 1} tokens")
         self.engine, self.cfg, self.k = engine, cfg, num_draft
         self.vocab_rows = cfg.vocab_size if fr_spec_ids is None else len(fr_spec_ids)
         head = engine.weights.lm_head
