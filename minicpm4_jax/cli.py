@@ -516,6 +516,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout went away (`minicpm4 generate ... | head`): end quietly
+        _silence_stdout()
+        return 128 + int(signal.SIGPIPE)
     except KeyboardInterrupt as e:  # train handles its own; generate / import / export / eval: no traceback
         signum = int(getattr(e, "signum", signal.SIGINT))
         lead = "\n" if args.command == "generate" else ""  # streamed text may have left the line open
@@ -525,6 +528,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if own_sigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return 2
+
+
+def _silence_stdout() -> None:
+    """Point stdout at ``os.devnull`` after a broken pipe, so that the interpreter's final flush of what is still
+    buffered does not print an "Exception ignored ... BrokenPipeError" line (Python's ``signal`` docs)."""
+    import os
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stdout (tests, an embedding caller)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _main_thread() -> bool:

@@ -234,3 +234,23 @@ def test_sigterm_inside_a_staged_export_is_the_one_line_too(capsys, monkeypatch)
         with _sigterm_raises():
             os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_closed_output_pipe_ends_the_command_quietly():
+    """``minicpm4 generate ... | head -c 3`` ended with a BrokenPipeError traceback from the streamed print (and an
+    "Exception ignored" line at exit). Now: nothing on stderr and the status of a SIGPIPE death, 141."""
+    import subprocess
+    import sys
+
+    code = ("import sys, minicpm4_jax.cli as cli\n"
+            "def body(args):\n"
+            "    for _ in range(2000):\n"
+            "        print('token ' * 50, end='', flush=True)\n"
+            "    return 0\n"
+            "cli._cmd_generate = body\n"
+            "sys.exit(cli.main(['generate', '--checkpoint', 'x', '--prompt', 'p']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(3) == b"tok"
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and err == "", err
