@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -86,8 +87,12 @@ def _checkpoint_inputs(args):
 
 def _inputs(args):
     if args.npz:
-        z = np.load(args.npz)
-        q, k = np.asarray(z["q"], np.float32), np.asarray(z["k"], np.float32)
+        try:
+            z = np.load(args.npz)
+            q, k = np.asarray(z["q"], np.float32), np.asarray(z["k"], np.float32)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            sys.exit(f"error: cannot read --npz {args.npz}: {e}; give an .npz with arrays q [T, heads, d] and "
+                     "k [T, kv_heads, d]")
         q = q[0] if q.ndim == 4 else q
         k = k[0] if k.ndim == 4 else k
         return q, k
@@ -196,6 +201,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.random and args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    for flag, path in (("--text", args.text), ("--npz", args.npz)):
+        if path is not None and not Path(path).is_file():  # before a checkpoint is loaded
+            ap.error(f"{flag} {path} is not a file; give the path of an existing file")
     if args.checkpoint:
         q, k, cfg = _checkpoint_inputs(args)
         cfg = dataclasses.replace(cfg, dense_len=-1)

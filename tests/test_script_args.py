@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from minicpm4_jax.argtypes import float_range, int_range
@@ -71,6 +72,10 @@ CASES = [
     ("plot_infllm_selection", ["--checkpoint", "run", "--layer", "-1"], "argument --layer: -1 is out of range"),
     ("plot_infllm_selection", ["--random", "64", "--heads", "3"], "--heads 3 must be a multiple of --kv-heads 2"),
     ("plot_infllm_selection", ["--random", "64", "--topk", "0"], "argument --topk: 0"),
+    # a missing or folder input file was a FileNotFoundError / IsADirectoryError traceback (after loading the run)
+    ("plot_infllm_selection", ["--checkpoint", "run", "--text", "/no/such.txt"], "--text /no/such.txt is not a file"),
+    ("plot_infllm_selection", ["--checkpoint", "run", "--text", "/"], "--text / is not a file"),
+    ("plot_infllm_selection", ["--npz", "/no/such.npz"], "--npz /no/such.npz is not a file"),
     ("qat_token_share", ["--steps", "0"], "argument --steps: 0 is out of range"),
     ("qat_token_share", ["--shares", "0"], "argument --shares: 0 is out of range: give a finite number > 0 and < 1"),
     ("qat_token_share", ["--shares", "1.5"], "argument --shares: 1.5 is out of range"),
@@ -96,6 +101,18 @@ def test_selection_plot_geometry_is_one_line():
     # gen2's topk below init_blocks + 1: the flags to change are named (the hint named the geometry flags only)
     with pytest.raises(SystemExit, match=r"^error: sparse_config.topk=1 with init_blocks=1: .*use topk >= 2 .*--topk"):
         _script("plot_infllm_selection").main(["--random", "64", "--topk", "1", "--out", "/dev/null"])
+
+
+def test_selection_plot_unreadable_npz_is_one_line(tmp_path):
+    """An ``--npz`` that is no NumPy archive, or lacks ``q`` / ``k``, was a ValueError / KeyError traceback."""
+    bad = tmp_path / "bad.npz"
+    bad.write_text("not an archive")
+    with pytest.raises(SystemExit, match=r"^error: cannot read --npz .*bad.npz"):
+        _script("plot_infllm_selection").main(["--npz", str(bad), "--out", "/dev/null"])
+    only_q = tmp_path / "q.npz"
+    np.savez(only_q, q=np.zeros((4, 2, 8), np.float32))
+    with pytest.raises(SystemExit, match=r"^error: cannot read --npz .*q.npz: 'k is not a file in the archive'"):
+        _script("plot_infllm_selection").main(["--npz", str(only_q), "--out", "/dev/null"])
 
 
 def test_qat_overrides_after_shares_reach_the_config():
