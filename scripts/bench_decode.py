@@ -203,7 +203,12 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
     from minicpm4_jax.train.data import prepare_data
 
+    from minicpm4_jax.config import ConfigError
+
     tcfg, model = load_params_for_inference(find_checkpoint_dir(run))
+    if not model.cfg.mtp:
+        raise ConfigError(f"{run} was trained without its MTP draft head (model.mtp=false): the trained-length "
+                          "measurement compares speculative decoding with it; give a run trained with model.mtp=true")
     data = prepare_data(tcfg.data, log=lambda m: None)
     val = np.asarray(data.val_tokens)
     eos = data.tokenizer.eos_id
@@ -212,8 +217,6 @@ def trained_length_spec(run: str, k: int, fr_vocab: int | None, prompt_len: int,
     texts = np.asarray([val[s_:s_ + prompt_len + gen_len] for s_ in starts
                         if s_ + prompt_len + gen_len <= len(val) and eos not in val[s_:s_ + prompt_len]][:n_docs])
     if not len(texts):
-        from minicpm4_jax.config import ConfigError
-
         raise ConfigError(f"no held-out document of {run} has --prompt-len {prompt_len} + --gen-len {gen_len} tokens "
                           f"(the run trained on {tcfg.data.seq_len}-token windows): give shorter lengths")
     prompts = [t[:prompt_len].tolist() for t in texts]

@@ -77,3 +77,28 @@ def test_bench_dense_attention_runs(tmp_path, capsys):
         bench_dense_attention.main(["--shape", "2,40,3,2,16"])
     assert e.value.code == 2
     assert "heads a multiple of kv_heads" in capsys.readouterr().err
+
+
+def test_bench_decode_checkpoint_without_a_draft_head_is_one_line(monkeypatch):
+    """``--checkpoint`` of a run trained without ``model.mtp`` failed with ``AttributeError: 'MiniCPM4' object has no
+    attribute 'mtp'`` after loading it; now a ConfigError naming the run and the fix (one ``error:`` line)."""
+    import pytest
+    from flax import nnx
+
+    import minicpm4_jax.train.checkpoint as ckpt
+    from minicpm4_jax.config import ConfigError, load_config
+    from minicpm4_jax.nn import MiniCPM4
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_decode
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    tcfg = load_config(None, ["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64",
+                              "model.num_hidden_layers=1", "model.num_attention_heads=2",
+                              "model.num_key_value_heads=1", "model.dim_model_base=16", "model.mtp=false",
+                              "data.tokenizer_vocab_size=64"])
+    monkeypatch.setattr(ckpt, "find_checkpoint_dir", lambda run: run)
+    monkeypatch.setattr(ckpt, "load_params_for_inference", lambda d: (tcfg, MiniCPM4(tcfg.model, rngs=nnx.Rngs(0))))
+    with pytest.raises(ConfigError, match=r"runs/plain was trained without its MTP draft head \(model.mtp=false\)"):
+        bench_decode.trained_length_spec("runs/plain", 3, None, 16, 8, 2, 1)
