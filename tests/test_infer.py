@@ -477,6 +477,11 @@ def test_bad_requests_are_one_line_errors(weights):
             == eng.generate([np.asarray([1, 2])], 3, sampling=sampled, seeds=[np.int32(3)]).tokens)
     with pytest.raises(ConfigError, match="prefill_chunk=10"):
         InferenceEngine(_model(weights, BASE), prefill_chunk=10)
+    # a float / str / None chunk passed the range check or failed it with a TypeError (32.0 at the first prefill)
+    for bad in (32.0, "32", None, True):
+        with pytest.raises(ConfigError, match=rf"prefill_chunk={bad!r} must be a positive multiple of 16"):
+            InferenceEngine(_model(weights, BASE), prefill_chunk=bad)
+    assert InferenceEngine(_model(weights, BASE), prefill_chunk=np.int64(32)).prefill_chunk == 32
     with pytest.raises(ConfigError, match="attention_impl='pallas'"):
         InferenceEngine(_model(weights, dataclasses.replace(BASE, attention_impl="pallas")))
     with pytest.raises(ConfigError, match="kernel_offby1_quirk"):

@@ -418,10 +418,10 @@ class InferenceEngine:
             raise ConfigError("sparse_config.kernel_offby1_quirk=true reproduces one official single-pass prefill "
                               "and cannot be cached; generate with model.sparse_config.kernel_offby1_quirk=false "
                               "(without_prefill_quirk(model))")
-        if prefill_chunk < 16 or prefill_chunk % 16:
-            raise ConfigError(f"prefill_chunk={prefill_chunk} must be a positive multiple of 16")
+        if not is_integer(prefill_chunk) or prefill_chunk < 16 or prefill_chunk % 16:
+            raise ConfigError(f"prefill_chunk={prefill_chunk!r} must be a positive multiple of 16")
         self.cfg = cfg
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = int(prefill_chunk)
         self.pipelined = pipelined
         emb_gd, emb_state = nnx.split(model.embed_tokens)
         layer_gd, stacked = nnx.split(model.layers)
