@@ -661,8 +661,6 @@ def test_generate_puts_the_prefix_ids_before_the_prompt():
         assert seen[-1] == want + [42, 41], prefix
 
 
-
-
 def test_generate_stops_at_every_eos_id_of_the_model(weights):
     """An imported official MiniCPM4 ends a chat turn with ``<|im_end|>`` (73440), the second of its
     ``eos_token_id`` [2, 73440] (the official ``generation_config.json``; our GGUF export makes llama.cpp stop on
@@ -689,7 +687,6 @@ def test_generate_stops_at_every_eos_id_of_the_model(weights):
     cut = ids.index(end)
     assert out.finish_reasons == ["eos"] and out.tokens[0] == ids[:cut + 1]
     assert text == plain[:plain.index(f"<{end}>")] and "".join(pieces) == text
-
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
