@@ -129,6 +129,19 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temp
     return out.tokens[0]
 
 
+def _byte_value(tokenizer: Any, tok: int) -> int | None:
+    """The byte of a byte-fallback piece ``<0xNN>`` (by ``tokenizer.id_to_token``); ``None`` for any other token or a
+    tokenizer without ``id_to_token``."""
+    piece = getattr(tokenizer, "id_to_token", None)
+    p = piece(int(tok)) if piece is not None else None
+    if isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">"):
+        try:
+            return int(p[3:5], 16)
+        except ValueError:
+            return None
+    return None
+
+
 def continuation_decoder(tokenizer: _Tokenizer, context_ids: Sequence[int], tail: int = 16
                          ) -> Callable[[Sequence[int]], str]:
     """``new_ids -> text``: the text ``new_ids`` add after ``context_ids``, ``decode(last + new)`` minus
@@ -138,8 +151,19 @@ def continuation_decoder(tokenizer: _Tokenizer, context_ids: Sequence[int], tail
     ``decode(new)`` alone loses the space a first new piece starts with when the tokenizer's decode strips the
     leading space of its text (SentencePiece ``add_dummy_prefix``, Llama-style: ``"import"`` + ``▁os`` showed
     ``importos``). Falls back to ``decode(new)`` when ``decode(last)`` is not a prefix of ``decode(last + new)``.
+
+    ``last`` starts at a character's first byte: a window starting on the continuation bytes of a byte-fallback
+    (``<0xNN>``) character takes up to 3 more ids before it. A Hugging Face ``ByteFallback`` decoder turns a whole
+    run with an invalid byte into U+FFFD, so new byte tokens continuing a prompt's run cut there decoded as U+FFFD.
     """
-    last = [int(i) for i in context_ids][-tail:] if tail > 0 else []
+    ctx = [int(i) for i in context_ids]
+    start = max(len(ctx) - tail, 0) if tail > 0 else len(ctx)
+    for _ in range(3):  # a UTF-8 character has at most 3 continuation bytes (0x80-0xBF)
+        b = _byte_value(tokenizer, ctx[start]) if 0 < start < len(ctx) else None
+        if b is None or not 0x80 <= b <= 0xBF:
+            break
+        start -= 1
+    last = ctx[start:]
     base = tokenizer.decode(last)
 
     def decode(new_ids: Sequence[int]) -> str:
@@ -173,7 +197,7 @@ class _StreamPrinter:
         if row != 0 or tok in self.stop_ids:
             return
         self.ids.append(tok)
-        if self._byte_piece(tok):
+        if _byte_value(self.tokenizer, tok) is not None:
             return
         text = self.decode(self.ids)
         if text.endswith("\ufffd"):
@@ -183,11 +207,6 @@ class _StreamPrinter:
         if upto > self.shown:
             self.emit(text[self.shown:upto])
             self.shown = upto
-
-    def _byte_piece(self, tok: int) -> bool:
-        piece = getattr(self.tokenizer, "id_to_token", None)
-        p = piece(tok) if piece is not None else None
-        return isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">")
 
     def finish(self, final_text: str) -> None:
         if len(final_text) > self.shown:

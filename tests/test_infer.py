@@ -689,6 +689,23 @@ def test_generate_stops_at_every_eos_id_of_the_model(weights):
     assert text == plain[:plain.index(f"<{end}>")] and "".join(pieces) == text
 
 
+def _official_tokenizer(kind: str):
+    """The MiniCPM4 tokenizer as its SentencePiece model (``"sentencepiece"``) or as the ``tokenizer.json`` form an
+    ``import hf`` / ``export hf`` folder holds (``"hf"``: a ``ByteFallback`` decoder)."""
+    import json
+
+    from conftest import shared_path
+
+    from minicpm4_jax.tokenizer import Tokenizer, load_tokenizer, sentencepiece_to_hf_json
+
+    folder = shared_path("data", "minicpm4-0.5b")
+    if kind == "sentencepiece":
+        return load_tokenizer(folder / "tokenizer.model")
+    added = json.loads((folder / "added_tokens.json").read_text())
+    return Tokenizer(hf_json=sentencepiece_to_hf_json((folder / "tokenizer.model").read_bytes(),
+                                                      {i: t for t, i in added.items()}))
+
+
 @pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
 def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
     """The streamed pieces of ``generate`` concatenate to its returned text with the real MiniCPM4 tokenizer, also when
@@ -698,21 +715,12 @@ def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
     (the ``ByteFallback`` decoder): one invalid byte turns every byte of the run into U+FFFD, also those already
     decoded to a valid character. The stream had shown ``"ༀ"`` from the first three bytes, the final text held
     U+FFFD there: the terminal showed other text than ``--no-stream`` prints."""
-    import json
     from types import SimpleNamespace
-
-    from conftest import shared_path
 
     from minicpm4_jax.generate import generate
     from minicpm4_jax.infer.engine import _Collector
-    from minicpm4_jax.tokenizer import Tokenizer, load_tokenizer, sentencepiece_to_hf_json
 
-    folder = shared_path("data", "minicpm4-0.5b")
-    tok = load_tokenizer(folder / "tokenizer.model")
-    if kind == "hf":
-        added = json.loads((folder / "added_tokens.json").read_text())
-        tok = Tokenizer(hf_json=sentencepiece_to_hf_json((folder / "tokenizer.model").read_bytes(),
-                                                         {i: t for t, i in added.items()}))
+    tok = _official_tokenizer(kind)
     byte = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
     runs = [
         [byte[b] for b in "ༀ".encode()] + [byte[0xE0]] + [byte[b] for b in "你".encode()] + tok.encode(" z\n\nfoo"),
@@ -737,3 +745,23 @@ def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
             pieces = []
             text = generate(model, tok, "p", len(ids), stop_strings=stops, stream=pieces.append, engine=Engine(ids))
             assert "".join(pieces) == text, (kind, stops, pieces, text)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_new_bytes_continuing_a_prompt_byte_run_cut_by_the_decode_window(kind):
+    """Review of the merge of the byte-fallback hold with :func:`continuation_decoder`: the decoder reads the new text
+    after the prompt's last 16 tokens; for a prompt ending in a byte-fallback run ("x" + 6 x "ༀ": 18 byte tokens)
+    those began inside a character (its continuation bytes). A ``ByteFallback`` decoder turns such a run into U+FFFD
+    as a whole, and new byte tokens continuing the run joined it: a generated "𝕐" was returned and streamed as four
+    U+FFFD. The window now starts at the character's first byte, and the text is what the tokens add to the prompt."""
+    from minicpm4_jax.generate import generate
+
+    tok = _official_tokenizer(kind)
+    byte = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    for prompt in ("x" + "ༀ" * 6, "𝕏" * 5 + "ༀ", "ab" + "ༀ" * 5):
+        prompt_ids = [tok.bos_id] + tok.encode(prompt)
+        for new in ([byte[b] for b in "𝕐".encode()] + tok.encode(" ok"), [byte[b] for b in "é".encode()]):
+            want = tok.decode(prompt_ids + new)[len(tok.decode(prompt_ids)):]
+            pieces: list[str] = []
+            text = generate(None, tok, prompt, len(new), stream=pieces.append, engine=_FixedEngine(new))
+            assert text == "".join(pieces) == want != "", (kind, prompt, text, pieces, want)
