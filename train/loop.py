@@ -1123,7 +1123,7 @@ def run_training(
         window_vals: list[dict[str, float]] = []
         multi = jax.process_count() > 1
         tracer = _StepTracer(cfg, out_dir, say, start)
-        mfu_warned: list[int] = []  # the step of the one warning that MFU passed 100% (a peak measured too low)
+        mfu_warned: list[int] = []  # the step of the one warning that MFU passed 100% (mfu_above_peak_causes)
 
         def log_row(step: int) -> None:
             """One logged row: each value the mean over the steps since the previous row (losses, gradient norm,

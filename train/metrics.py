@@ -297,8 +297,9 @@ def mfu_above_peak_causes(model_cfg: ModelConfig, seq_len: int) -> list[str]:
 def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flops: float, *, mtp_depth: int = 1,
         mtp_distill: bool = False) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s (:func:`model_flops_per_second`) over the measured peak, in
-    [0, 1] when the machine ran as fast while the peak was measured as while training (above 1 when other jobs slowed
-    the measurement: the train loop then warns once)."""
+    [0, 1] when the machine ran as fast while the peak was measured as while training and the FLOP count is the work
+    done (above 1 when other jobs slowed the measurement, or for a cause of :func:`mfu_above_peak_causes`: a sparse
+    InfLLM v2 attention counted as dense, a model dtype faster than the fp32 peak; the train loop then warns once)."""
     if peak_flops <= 0:
         return float("nan")
     return model_flops_per_second(model_cfg, seq_len, tokens_per_second, mtp_depth=mtp_depth,
