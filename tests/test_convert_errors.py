@@ -178,6 +178,26 @@ def test_corrupt_step_is_one_line(run_copy, tmp_path, capsys, damage):
     _no_leftovers(tmp_path)
 
 
+def test_corrupt_step_drops_the_failed_reads_unretrieved_task_reports(run_copy, tmp_path, capsys, monkeypatch):
+    """A failed restore's other reads end as asyncio tasks whose exception nobody retrieves; collected late (at
+    exit), each printed "Task exception was never retrieved" and an ``async_deserialize`` traceback after the one-line
+    error (a CI run of the real-process test below: 8 lines on stderr). The restore's error installs the filter
+    that a failed save already installed."""
+    import logging
+
+    from minicpm4_jax.train import checkpoint as ck
+
+    lg = logging.getLogger("asyncio")
+    kind = ck._UnretrievedFuturesOfAFailedWrite
+    monkeypatch.setattr(lg, "filters", [f for f in lg.filters if not isinstance(f, kind)])
+    for p in (run_copy / "checkpoints" / "0" / "state" / "d").iterdir():
+        p.unlink()
+    err = _one_line_error(capsys, ["export", "hf", "--checkpoint", str(run_copy), "--out", str(tmp_path / "o")])
+    assert "is incomplete or corrupt" in err, err
+    report = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", None, None)
+    assert not lg.filter(report)
+
+
 def test_corrupt_step_in_a_real_process_prints_one_line(run_copy, tmp_path):
     """In a real process, too: the in-flight reads of the failed restore print no traceback at exit."""
     import subprocess

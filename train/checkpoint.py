@@ -307,8 +307,10 @@ class _OrbaxErrorsReported(logging.Filter):
 
 
 class _UnretrievedFuturesOfAFailedWrite(logging.Filter):
-    """Drop asyncio's "exception was never retrieved" reports (installed once a save failed): the failed write's
-    other fragments end with the same error, already raised as one line (helper 71)."""
+    """Drop asyncio's "exception was never retrieved" reports (installed once a save or a restore failed): the
+    failed write's other fragments, or the failed restore's other reads, end with the same error, already raised as
+    one line (helper 71; a restore's "Task exception was never retrieved ... async_deserialize" traceback printed at
+    exit after the one-line error, when the task was collected late)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "exception was never retrieved" not in record.getMessage()
@@ -533,6 +535,7 @@ class Checkpointer:
         else:
             fix = (f"move that step folder aside to resume from the previous saved step (saved steps: "
                    f"{', '.join(map(str, others))}), or re-save it" if others else "re-save it or start a new out_dir")
+        _add_filter("asyncio", _UnretrievedFuturesOfAFailedWrite)  # the failed restore's other reads
         return ConfigError(f"checkpoint step {step} in {self.directory} is incomplete or corrupt ({short_cause(e)}); "
                            f"{fix}")
 
@@ -814,6 +817,7 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
         else:
             fix = ("move that step folder aside to use the previous saved step, or re-save it" if others
                    else "re-save it")
+        _add_filter("asyncio", _UnretrievedFuturesOfAFailedWrite)  # the failed restore's other reads
         return ConfigError(f"checkpoint step {step} in {directory} is incomplete or corrupt ({short_cause(e)}); {fix}")
 
     try:
