@@ -212,6 +212,58 @@ def test_process_rows_and_global_batch_on_meshes():
 # -------------------------------------------------------------------------------------------------
 
 
+def test_process_allgather_rows_in_one_process():
+    from minicpm4_jax.train.distributed import broadcast_from_process_0, process_allgather
+
+    got = process_allgather(np.arange(3, dtype=np.int32))
+    assert got.shape == (1, 3) and got.tolist() == [[0, 1, 2]]
+    assert broadcast_from_process_0(np.bool_(True)) == np.True_
+
+
+def test_train_agrees_through_the_helper_that_awaits_every_device():
+    """``multihost_utils.process_allgather`` / ``broadcast_one_to_all`` return when the first local device has the
+    result; a process that then exits left its peer hanging in teardown (3 of 40 runs on a loaded machine)."""
+    import ast
+
+    for f in sorted((REPO / "train").glob("*.py")) + [REPO / "minicpm4_jax" / "sharding.py"]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in ("process_allgather", "broadcast_one_to_all") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "multihost_utils":
+                pytest.fail(f"{f.name}:{node.lineno} calls multihost_utils.{node.attr}; use "
+                            "minicpm4_jax.train.distributed.process_allgather / broadcast_from_process_0")
+
+
+_GATHER_THEN_EXIT = r'''
+import json, sys
+args = json.loads(sys.argv[1])
+import jax, numpy as np
+jax.distributed.initialize(f"localhost:{args['port']}", args["nproc"], args["pid"])
+from minicpm4_jax.train.distributed import broadcast_from_process_0, process_allgather
+rows = process_allgather(np.array([args["pid"], 10 + args["pid"]], np.int32))
+print("rows", rows.tolist(), "first", int(broadcast_from_process_0(np.int32(7 + args["pid"]))), flush=True)
+raise SystemExit(3)   # at once, as a refused start does
+'''
+
+
+def test_gather_then_exit_ends_both_processes():
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("SLURM_")}
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
+                "PYTHONUNBUFFERED": "1"})
+    for _ in range(3):
+        port = _free_port()
+        procs = [subprocess.Popen([PY, "-c", _GATHER_THEN_EXIT, json.dumps({"nproc": 2, "pid": p, "port": port})],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+                 for p in range(2)]
+        try:
+            outs = [p.communicate(timeout=90)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert [p.returncode for p in procs] == [3, 3], outs
+        assert all("rows [[0, 10], [1, 11]] first 7" in o for o in outs), outs
+
+
 def test_a_run_file_process_0_cannot_write_stops_every_process(corpus, tmp_path):
     """Process 0 alone writes config.json; when that failed (a full disk) the other process went on into the first
     step and waited there for process 0 (break test 91). Both end, before training, with one error naming it."""
@@ -290,7 +342,8 @@ def test_two_processes_match_one_process_preempt_and_resume(corpus, tmp_path):
         other.release()
     logs = "\n".join(t for _, t in res)
     assert [rc for rc, _ in res] == [1, 1], logs[-3000:]
-    assert f"ConfigError: out_dir {str(mp_out)!r} is in use by another training process (pid {os.getpid()}" in res[0][1]
+    assert f"ConfigError: out_dir {str(mp_out)!r} is in use by another training process (pid {os.getpid()}" \
+        in res[0][1], res[0][1][-3000:]
     assert f"ConfigError: process 0 could not lock {mp_out}" in res[1][1], res[1][1][-2000:]
 
     # the 2-process checkpoint restores in this single process (8 devices) and equals the reference

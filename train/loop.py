@@ -574,9 +574,9 @@ def _acquire_run_locks(locks: list[RunLock], is_main: bool, say: Callable[[str],
         except ConfigError as e:
             err = e
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+        from minicpm4_jax.train.distributed import broadcast_from_process_0
 
-        refused = bool(np.asarray(multihost_utils.process_allgather(np.int32(err is not None))).reshape(-1)[0])
+        refused = bool(broadcast_from_process_0(np.int32(err is not None)))
         if refused and err is None:
             raise ConfigError(f"process 0 could not lock {locks[0].path.parent} (another training process uses the "
                               "run's folders; process 0's error names it): stop that process or choose another out_dir")
@@ -927,10 +927,9 @@ def run_training(
             except RunFileWriteError as e:
                 write_err = e
         if jax.process_count() > 1:  # all stop together (the others would wait in the first step's collectives)
-            from jax.experimental import multihost_utils
+            from minicpm4_jax.train.distributed import broadcast_from_process_0
 
-            failed_main = bool(np.asarray(multihost_utils.process_allgather(np.int32(write_err is not None)))
-                               .reshape(-1)[0])
+            failed_main = bool(broadcast_from_process_0(np.int32(write_err is not None)))
             if failed_main and write_err is None:
                 raise RunFileWriteError(f"process 0 could not write the run's files into {out_dir} (its error names "
                                         f"the file and the cause); {nothing_trained()}")
@@ -1186,9 +1185,9 @@ def run_training(
             if deadline is not None and (not multi or step % cfg.log_every == 0):
                 late = time.monotonic() > deadline
                 if multi:  # process 0's clock decides for all
-                    from jax.experimental import multihost_utils
+                    from minicpm4_jax.train.distributed import broadcast_from_process_0
 
-                    late = bool(multihost_utils.broadcast_one_to_all(np.bool_(late)))
+                    late = bool(broadcast_from_process_0(np.bool_(late)))
                 if late:
                     stop_reason = "time"
                     break
