@@ -17,6 +17,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError
 
+from minicpm4_jax.infer.detok import IncrementalText, byte_value, char_start
 from minicpm4_jax.infer.sampling import SamplingParams, greedy_tokens, top_p_filter
 
 __all__ = ["generate", "generate_ids", "generate_ids_uncached", "top_p_filter", "sample_next", "stop_token_ids"]
@@ -129,19 +130,6 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temp
     return out.tokens[0]
 
 
-def _byte_value(tokenizer: Any, tok: int) -> int | None:
-    """The byte of a byte-fallback piece ``<0xNN>`` (by ``tokenizer.id_to_token``); ``None`` for any other token or a
-    tokenizer without ``id_to_token``."""
-    piece = getattr(tokenizer, "id_to_token", None)
-    p = piece(int(tok)) if piece is not None else None
-    if isinstance(p, str) and len(p) == 6 and p.startswith("<0x") and p.endswith(">"):
-        try:
-            return int(p[3:5], 16)
-        except ValueError:
-            return None
-    return None
-
-
 def continuation_decoder(tokenizer: _Tokenizer, context_ids: Sequence[int], tail: int = 16
                          ) -> Callable[[Sequence[int]], str]:
     """``new_ids -> text``: the text ``new_ids`` add after ``context_ids``, ``decode(last + new)`` minus
@@ -155,21 +143,20 @@ def continuation_decoder(tokenizer: _Tokenizer, context_ids: Sequence[int], tail
     ``last`` starts at a character's first byte: a window starting on the continuation bytes of a byte-fallback
     (``<0xNN>``) character takes up to 3 more ids before it. A Hugging Face ``ByteFallback`` decoder turns a whole
     run with an invalid byte into U+FFFD, so new byte tokens continuing a prompt's run cut there decoded as U+FFFD.
+
+    The returned function has a ``byte_value`` attribute (id -> its byte for a ``<0xNN>`` piece, else ``None``), which
+    :class:`~minicpm4_jax.infer.detok.IncrementalText` uses to keep a byte-fallback run pending until it ends.
     """
     ctx = [int(i) for i in context_ids]
-    start = max(len(ctx) - tail, 0) if tail > 0 else len(ctx)
-    for _ in range(3):  # a UTF-8 character has at most 3 continuation bytes (0x80-0xBF)
-        b = _byte_value(tokenizer, ctx[start]) if 0 < start < len(ctx) else None
-        if b is None or not 0x80 <= b <= 0xBF:
-            break
-        start -= 1
-    last = ctx[start:]
+    byte_of = partial(byte_value, tokenizer)
+    last = ctx[char_start(ctx, max(len(ctx) - tail, 0) if tail > 0 else len(ctx), byte_of):]
     base = tokenizer.decode(last)
 
     def decode(new_ids: Sequence[int]) -> str:
         full = tokenizer.decode(last + [int(i) for i in new_ids])
         return full[len(base):] if full.startswith(base) else tokenizer.decode(list(new_ids))
 
+    decode.byte_value = byte_of  # type: ignore[attr-defined]  # for IncrementalText
     return decode
 
 
@@ -180,32 +167,40 @@ class _StreamPrinter:
     may start a stop string); :meth:`finish` emits the rest of the final, cut text. ``stop_ids`` (those of
     :func:`stop_token_ids`) are never shown. Nothing is emitted while the last token is a byte-fallback piece
     (``<0xNN>``): a Hugging Face ``ByteFallback`` decoder decodes a run of them as a whole (one invalid byte
-    makes every byte of the run U+FFFD), so the text of a run is final only once the run has ended.
+    makes every byte of the run U+FFFD), so the text of a run is final only once the run has ended. The text is
+    decoded incrementally (:class:`~minicpm4_jax.infer.detok.IncrementalText`): a bounded window per token, not
+    the whole output.
     """
 
     def __init__(self, tokenizer: _Tokenizer, emit: Callable[[str], None], stop_strings: Sequence[str],
                  stop_ids: Sequence[int] = (), decode: Callable[[Sequence[int]], str] | None = None):
         self.tokenizer, self.emit = tokenizer, emit
-        self.decode = tokenizer.decode if decode is None else decode
+        self.text = IncrementalText(tokenizer.decode if decode is None else decode, partial(byte_value, tokenizer))
         self.stops = [s for s in stop_strings if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[int] = []
         self.shown = 0
+        self.unsearched = 0  # text before it was searched for the stop strings and has not changed since
+        self.stop_at: int | None = None  # where the first stop string starts
         self.stop_ids = set(stop_ids)
 
     def __call__(self, row: int, tok: int) -> None:
         if row != 0 or tok in self.stop_ids:
             return
-        self.ids.append(tok)
-        if _byte_value(self.tokenizer, tok) is not None:
+        self.unsearched = min(self.unsearched, self.text.push(tok))
+        if byte_value(self.tokenizer, tok) is not None:
             return
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd"):
+        n = len(self.text)
+        if self.text.text_from(n - 1) == "\ufffd":
             return
-        cut = [text.index(s) for s in self.stops if s in text]
-        upto = min(cut) if cut else len(text) - self.hold
+        if self.stops and self.stop_at is None:
+            lo = max(self.unsearched - self.hold, 0)
+            region = self.text.text_from(lo)
+            cut = [region.index(s) for s in self.stops if s in region]
+            self.stop_at = lo + min(cut) if cut else None
+            self.unsearched = n
+        upto = self.stop_at if self.stop_at is not None else n - self.hold
         if upto > self.shown:
-            self.emit(text[self.shown:upto])
+            self.emit(self.text.text_from(self.shown)[:upto - self.shown])
             self.shown = upto
 
     def finish(self, final_text: str) -> None:

@@ -706,6 +706,25 @@ def _official_tokenizer(kind: str):
                                                       {i: t for t, i in added.items()}))
 
 
+class _ReplayEngine:
+    """The engine protocol ``generate`` uses, replaying fixed new tokens through the engine's stop rules and streaming
+    (:class:`~minicpm4_jax.infer.engine._Collector`)."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def generate(self, prompts, max_new, *, stop_ids, stop_strings, detokenize, on_token, **_kw):
+        from types import SimpleNamespace
+
+        from minicpm4_jax.infer.engine import _Collector
+
+        col = _Collector(1, max_new, stop_ids, stop_strings, detokenize, on_token)
+        for i in self.ids:
+            if col.active[0]:
+                col.take(0, i)
+        return SimpleNamespace(tokens=col.out, finish_reasons=col.reasons)
+
+
 @pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
 def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
     """The streamed pieces of ``generate`` concatenate to its returned text with the real MiniCPM4 tokenizer, also when
@@ -718,7 +737,6 @@ def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
     from types import SimpleNamespace
 
     from minicpm4_jax.generate import generate
-    from minicpm4_jax.infer.engine import _Collector
 
     tok = _official_tokenizer(kind)
     byte = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
@@ -728,22 +746,12 @@ def test_streamed_text_equals_the_final_text_across_byte_fallback_runs(kind):
         tok.encode("日本") + [byte[b] for b in "𓀀ab".encode()[:4]] + [2],
     ]
 
-    class Engine:  # replays fixed tokens through the engine's stop rules and streaming
-        def __init__(self, ids):
-            self.ids = ids
-
-        def generate(self, prompts, max_new, *, stop_ids, stop_strings, detokenize, on_token, **kw):
-            col = _Collector(1, max_new, stop_ids, stop_strings, detokenize, on_token)
-            for i in self.ids:
-                if col.active[0]:
-                    col.take(0, i)
-            return SimpleNamespace(tokens=col.out, finish_reasons=col.reasons)
-
     model = SimpleNamespace(cfg=SimpleNamespace(eos_token_id=(2,)))
     for ids in runs:
         for stops in ((), ("foo",), ("end", "z")):
             pieces = []
-            text = generate(model, tok, "p", len(ids), stop_strings=stops, stream=pieces.append, engine=Engine(ids))
+            text = generate(model, tok, "p", len(ids), stop_strings=stops, stream=pieces.append,
+                            engine=_ReplayEngine(ids))
             assert "".join(pieces) == text, (kind, stops, pieces, text)
 
 
@@ -765,3 +773,76 @@ def test_new_bytes_continuing_a_prompt_byte_run_cut_by_the_decode_window(kind):
             pieces: list[str] = []
             text = generate(None, tok, prompt, len(new), stream=pieces.append, engine=_FixedEngine(new))
             assert text == "".join(pieces) == want != "", (kind, prompt, text, pieces, want)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_incremental_text_equals_the_whole_decode_after_every_token(kind):
+    """:class:`IncrementalText` (the stop-string check and the stream) decodes a window per token; its text after
+    every token is the whole decode of the ids so far, for random ids of the real MiniCPM4 tokenizer: words, byte
+    runs (valid, cut and invalid bytes), spaces, after a prompt or not. So a stop string is found at the same token
+    as by decoding the whole output."""
+    from minicpm4_jax.generate import continuation_decoder
+    from minicpm4_jax.infer.detok import IncrementalText
+
+    tok = _official_tokenizer(kind)
+    byte = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    words = tok.encode("import os 数据 hello  world\n\n def é ok 日本 z") + [tok.token_to_id("▁")]
+    utf8 = [byte[b] for b in "ༀ€𝕐é".encode()]
+    rng = np.random.default_rng(0)
+    for case in range(12):
+        pool = [words, utf8, byte[0x80:], words + utf8][case % 4]
+        ids = [int(pool[i]) for i in rng.integers(0, len(pool), 120)]
+        prompt = [tok.bos_id] + tok.encode("x" + "ༀ" * (case % 3))
+        decode = continuation_decoder(tok, prompt) if case % 2 else tok.decode
+        text = IncrementalText(decode)
+        for n, i in enumerate(ids, 1):
+            text.push(i)
+            assert text.text() == decode(ids[:n]), (kind, case, n)
+
+
+class _CountingTokenizer:
+    """The official tokenizer, recording the number of ids of every ``decode`` call."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+        self.bos_id, self.eos_id, self.vocab_size = tok.bos_id, tok.eos_id, tok.vocab_size
+        self.encode, self.id_to_token = tok.encode, tok.id_to_token
+
+    def decode(self, ids):
+        ids = list(ids)
+        self.lengths.append(len(ids))
+        return self.tok.decode(ids)
+
+
+def test_detokenizing_costs_a_bounded_window_per_token():
+    """Earlier sessions: the stop-string check (``_Collector.take``) and the stream (``_StreamPrinter``) decoded the
+    whole generated output at every new token (quadratic: ~15 ms a token at a 32K-token output). Both now decode a
+    bounded window per token; the text, the stream and where a stop string that spans several tokens stops are
+    those of whole decodes."""
+    from types import SimpleNamespace
+
+    from minicpm4_jax.generate import generate
+
+    tok = _CountingTokenizer(_official_tokenizer("sentencepiece"))
+    byte = [tok.tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    chunk = tok.encode(" print(数据[i]) if x else None\n") + [byte[b] for b in "𝕐".encode()]
+    new = chunk * 60  # 900 tokens
+    model = SimpleNamespace(cfg=SimpleNamespace(eos_token_id=(2,)))
+    prompt_ids = [tok.bos_id] + tok.encode("def f():")
+    want = tok.tok.decode(prompt_ids + new)[len(tok.tok.decode(prompt_ids)):]
+    pieces: list[str] = []
+    tok.lengths.clear()
+    text = generate(model, tok, "def f():", len(new), stop_strings=["never said"], stream=pieces.append,
+                    engine=_ReplayEngine(new))
+    assert text == "".join(pieces) == want
+    # per token: the collector's and the printer's window (the prompt's last ids, <= 2 x 16 + 3 ids before the
+    # pending ones, the pending ids: a byte run); once: the returned text
+    long = [n for n in tok.lengths if n > 64]
+    assert long == [len(prompt_ids[-16:]) + len(new)], long
+    assert len(tok.lengths) < 3 * len(new) + 50
+
+    stop = "x else None\n𝕐 print"  # spans several tokens, the byte run among them
+    at = next(n for n in range(1, len(new) + 1) if stop in tok.tok.decode(new[:n]))  # the whole-decode rule
+    out = _ReplayEngine(new).generate([prompt_ids], len(new), stop_ids=(2,), stop_strings=[stop],
+                                      detokenize=tok.decode, on_token=None)
+    assert out.finish_reasons == ["stop"] and len(out.tokens[0]) == at > len(chunk)

@@ -38,6 +38,7 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig, validate_model
 from minicpm4_jax.infer.cache import KVCache, LayerCache, cache_capacity, init_cache, update_compressed, write_tokens
+from minicpm4_jax.infer.detok import IncrementalText
 from minicpm4_jax.infer.sampling import SamplingParams, is_integer, row_keys, sample_tokens
 from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention, stage2_forced_split
 from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
@@ -234,7 +235,12 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
 
 
 class _Collector:
-    """New tokens per sequence with the stop rules (stop ids, stop strings, length) and streaming."""
+    """New tokens per sequence with the stop rules (stop ids, stop strings, length) and streaming.
+
+    The stop strings are looked for in each sequence's text decoded incrementally (:class:`IncrementalText`, with
+    ``detokenize``'s ``byte_value`` attribute when it has one): a bounded window per token, and only the text a
+    token changed plus the ``len(longest stop string) - 1`` characters before it.
+    """
 
     def __init__(self, b: int, max_new_tokens: int, stop_ids, stop_strings, detokenize, on_token):
         self.out: list[list[int]] = [[] for _ in range(b)]
@@ -242,6 +248,8 @@ class _Collector:
         self.active = [True] * b
         self.max_new, self.stop_set = max_new_tokens, set(int(i) for i in stop_ids)
         self.stop_strings, self.detokenize, self.on_token = tuple(stop_strings), detokenize, on_token
+        self.texts = [IncrementalText(detokenize) for _ in range(b)] if self.stop_strings else []
+        self.overlap = max((len(s) for s in self.stop_strings), default=1) - 1
 
     def take(self, row: int, t: int) -> None:
         """Append token ``t`` to sequence ``row`` unless it has finished; apply the stop rules."""
@@ -252,10 +260,16 @@ class _Collector:
             self.on_token(row, t)
         if t in self.stop_set:
             self.reasons[row], self.active[row] = "eos", False
-        elif self.stop_strings and any(s in self.detokenize(self.out[row]) for s in self.stop_strings):
+        elif self.stop_strings and self._stop_string_in(row, t):
             self.reasons[row], self.active[row] = "stop", False
         if self.active[row] and len(self.out[row]) >= self.max_new:
             self.active[row] = False
+
+    def _stop_string_in(self, row: int, t: int) -> bool:
+        """Whether the text of sequence ``row`` holds a stop string once ``t`` is added (searching what changed)."""
+        text = self.texts[row]
+        region = text.text_from(text.push(t) - self.overlap)
+        return any(s in region for s in self.stop_strings)
 
 
 def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, mode: str):
