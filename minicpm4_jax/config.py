@@ -16,6 +16,7 @@ import decimal
 import difflib
 import math
 import numbers
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ __all__ = [
     "apply_overrides",
     "validate",
     "diff_configs",
+    "same_sources",
     "CONFIG_DIR",
 ]
 
@@ -1277,6 +1279,17 @@ def validate_qat(cfg: TrainConfig) -> None:
                     f"qat.group_size={q.group_size} does not divide the {n} input columns of {what}; pick a group "
                     "size that divides every layer's input width, or qat.granularity=per_row"
                 )
+
+
+def _source_key(src: str) -> str:
+    """A ``data.sources`` entry as the file or folder it names: resolved, ``~`` expanded (``stdlib`` as is)."""
+    return src if src == "stdlib" else str(Path(os.path.expanduser(src)).resolve())
+
+
+def same_sources(a: typing.Sequence[str], b: typing.Sequence[str]) -> bool:
+    """Whether two ``data.sources`` lists name the same files and folders in the same order (``data/x.txt`` and
+    ``/abs/data/x.txt`` from ``/abs``: the same), whatever their spelling."""
+    return len(a) == len(b) and all(x == y or _source_key(x) == _source_key(y) for x, y in zip(a, b))
 
 
 def diff_configs(a: Any, b: Any, prefix: str = "") -> list[str]:

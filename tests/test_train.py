@@ -1319,6 +1319,36 @@ def test_resume_refuses_a_changed_corpus_and_keeps_the_tokenizer(cache_dir, tmp_
         assert any("data.json is unreadable" in m for m in said), (junk, said)
 
 
+def test_resume_with_data_sources_spelled_otherwise_runs(corpus, cache_dir, tmp_path, monkeypatch):
+    """Earlier sessions: data.sources spelled relative in a run and absolute in its --resume (the same files) was
+    refused twice: as a changed data config, and as a changed corpus (the corpus hash covered the paths as spelled).
+    Both compare the resolved paths now; a record from before (the spelled-path hash) is accepted for the same
+    spelling; other files behind the same names are still refused (the test above)."""
+    import shutil
+
+    from minicpm4_jax.train.data import read_corpus
+
+    shutil.copytree(corpus, tmp_path / "docs")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    rel = tiny_overrides(Path("docs"), cache_dir, out, steps=4, **{"checkpoint.save_every": 2})
+    absolute = tiny_overrides(tmp_path / "docs", cache_dir, out, steps=4, **{"checkpoint.save_every": 2})
+    assert read_corpus(load_config(None, rel).data, with_documents=False).corpus_hash == \
+        read_corpus(load_config(None, absolute).data, with_documents=False).corpus_hash
+    run_training(load_config(None, rel), log=lambda _m: None, progress=False)
+    said: list[str] = []
+    assert run_training(load_config(None, absolute), resume=True, log=said.append, progress=False)["step"] == 4
+    assert any("data.sources" in m for m in said), said  # named as a tolerated difference
+    # a run recorded before the hash covered resolved paths: its hash is that of the paths as spelled
+    rec = json.loads((out / "data.json").read_text())
+    rec["corpus_hash"] = read_corpus(load_config(None, rel).data, with_documents=False).corpus_hash_as_spelled
+    (out / "data.json").write_text(json.dumps(rec))
+    assert run_training(load_config(None, rel), resume=True, log=lambda _m: None, progress=False)["step"] == 4
+    # the same spelling of other files: refused
+    (tmp_path / "docs" / "extra.txt").write_text("\n".join(_corpus_text(seed=4, n_docs=20)))
+    assert "data.sources changed" in _train_error(absolute, resume=True)
+
+
 def test_resume_from_a_damaged_checkpoint_is_one_line(corpus, cache_dir, tmp_path, capsys):
     import shutil
 

@@ -50,7 +50,7 @@ from typing import Any, Callable
 import jax
 
 from minicpm4_jax.config import (MTP_DRAFT_FIELDS, ConfigError, TrainConfig, config_from_dict, config_to_dict,
-                                 diff_configs)
+                                 diff_configs, same_sources)
 from minicpm4_jax.train.checksums import ChecksumMismatch, checksum_record, on_mesh_of, verify_checksums
 
 __all__ = ["Checkpointer", "CheckpointWriteError", "RESUME_MAY_CHANGE", "checkpoint_dir_of", "sharded_abstract_state",
@@ -117,8 +117,15 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
     diffs = diff_configs(saved, current)
     if not saved.model.mtp and not current.model.mtp:  # the draft's options changed nothing in such a run
         diffs = [d for d in diffs if _field_of(d) not in MTP_DRAFT_FIELDS]
-    allowed = [d for d in diffs if _field_of(d) in RESUME_MAY_CHANGE]
-    refused = [d for d in diffs if _field_of(d) not in RESUME_MAY_CHANGE]
+    # data.sources spelled otherwise (relative / absolute, ~) naming the same files: the corpus check
+    # (check_run_data) still refuses other files behind the same names
+    respelled = same_sources(saved.data.sources, current.data.sources)
+
+    def may_change(d: str) -> bool:
+        return _field_of(d) in RESUME_MAY_CHANGE or (respelled and _field_of(d) == "data.sources")
+
+    allowed = [d for d in diffs if may_change(d)]
+    refused = [d for d in diffs if not may_change(d)]
     return allowed, refused
 
 

@@ -13,8 +13,8 @@ Flow of :func:`prepare_data`:
    (jsonl lines, parquet/arrow rows) without a string ``text_field`` are skipped and counted
    (``manifest["skipped_records"]``, the first places in ``skipped_record_examples``); a file with
    records but none usable is refused.
-2. **Hashes.** Every file's bytes are SHA-256 hashed; the corpus hash covers paths, sizes and content
-   hashes. The token cache key hashes the corpus hash, the tokenizer's file hash and every setting
+2. **Hashes.** Every file's bytes are SHA-256 hashed; the corpus hash covers resolved (absolute) paths, sizes
+   and content hashes, so a relative and an absolute spelling of the same files give one hash. The token cache key hashes the corpus hash, the tokenizer's file hash and every setting
    that changes the tokens (``text_field``, ``val_fraction``, ``seed``, format version), so a changed
    corpus byte, tokenizer or setting selects a different cache entry: a stale cache is never reused.
 3. **Validation split, by document, before tokenization** (so a trained tokenizer never sees it):
@@ -169,11 +169,14 @@ class Corpus:
     ``documents``: non-empty texts in corpus order. ``skipped_files``: paths of files that are not
     valid UTF-8 (skipped). ``empty_files``: files with no text (skipped). ``skipped_records``:
     ``path:line`` (jsonl) or ``path:row N`` (parquet/arrow) of the records without a string
-    ``text_field`` (skipped). ``corpus_hash``: SHA-256 over every file's path, size and content hash.
+    ``text_field`` (skipped). ``corpus_hash``: SHA-256 over every file's resolved path, size and content hash.
+    ``corpus_hash_as_spelled``: the same over the paths as ``data.sources`` spells them (the corpus hash of runs
+    recorded before it was made spelling-independent; :func:`~minicpm4_jax.train.loop.check_run_data` accepts it).
     """
 
     files: list[dict[str, Any]]
     corpus_hash: str
+    corpus_hash_as_spelled: str = ""
     documents: list[str] | None = None
     skipped_files: list[str] = dataclasses.field(default_factory=list)
     empty_files: list[str] = dataclasses.field(default_factory=list)
@@ -276,10 +279,13 @@ def _read_files(cfg: DataConfig) -> list[_File]:
     return files
 
 
-def _corpus_hash(files: list[_File]) -> str:
+def _corpus_hash(files: list[_File], *, as_spelled: bool = False) -> str:
+    """SHA-256 over every file's resolved path (``as_spelled``: the path as ``data.sources`` spells it), size and
+    content hash."""
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.path}\0{len(f.data)}\0{f.sha256}\n".encode("utf-8", "surrogateescape"))
+        path = f.path if as_spelled else f.path.resolve()
+        h.update(f"{path}\0{len(f.data)}\0{f.sha256}\n".encode("utf-8", "surrogateescape"))
     return h.hexdigest()
 
 
@@ -392,6 +398,7 @@ def read_corpus(cfg: DataConfig, *, with_documents: bool = True) -> Corpus:
     corpus = Corpus(
         files=[{"path": str(f.path), "size": len(f.data), "sha256": f.sha256} for f in files],
         corpus_hash=_corpus_hash(files),
+        corpus_hash_as_spelled=_corpus_hash(files, as_spelled=True),
     )
     if with_documents:
         _decode_files(files, cfg, corpus)
@@ -655,7 +662,10 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
 
     split = _lazy_split(corpus, cfg)
     tok = _tokenizer(cfg, root, corpus.corpus_hash, lambda: split()[0], timings, log)
-    return check_batch_fits(cfg, _token_cache(cfg, root, corpus, tok, split, split_settings, timings, t_start, log))
+    data = _token_cache(cfg, root, corpus, tok, split, split_settings, timings, t_start, log)
+    # not in the cached manifest: a cache is shared by every spelling of its sources
+    data.manifest["corpus_hash_as_spelled"] = corpus.corpus_hash_as_spelled
+    return check_batch_fits(cfg, data)
 
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -705,7 +715,9 @@ def _prepare_mixture(cfg: DataConfig, log: Callable[[str], Any]) -> PreparedData
     parts = [dataclasses.replace(cfg, sources=(src,), weights=None, decay_weights=None) for src in cfg.sources]
     corpora = [read_corpus(p, with_documents=False) for p in parts]
     splits = [_lazy_split(c, p) for c, p in zip(corpora, parts)]
-    mixture_hash = hashlib.sha256(json.dumps({"components": [c.corpus_hash for c in corpora]}).encode()).hexdigest()
+    mixture_hash, mixture_hash_as_spelled = (
+        hashlib.sha256(json.dumps({"components": hashes}).encode()).hexdigest()
+        for hashes in ([c.corpus_hash for c in corpora], [c.corpus_hash_as_spelled for c in corpora]))
     split_settings = {"text_field": cfg.text_field, "val_fraction": cfg.val_fraction, "seed": cfg.seed}
     timings: dict[str, float] = {}
     # a trained tokenizer sees every component's training documents and no validation document
@@ -734,6 +746,7 @@ def _prepare_mixture(cfg: DataConfig, log: Callable[[str], Any]) -> PreparedData
         "mixture": True,
         "key": hashlib.sha256(json.dumps([m.data.manifest["key"] for m in comps]).encode()).hexdigest()[:24],
         "corpus_hash": mixture_hash,
+        "corpus_hash_as_spelled": mixture_hash_as_spelled,
         "tokenizer_hash": tok.file_hash,
         "tokenizer_source": tok.source,
         "settings": {"format": _FORMAT, **split_settings},

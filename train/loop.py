@@ -655,7 +655,8 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
     under ``data.sources`` may: a changed corpus means another token stream and, with
     ``data.tokenizer=train``, a retrained tokenizer whose ids mean other pieces than the checkpoint's
     embedding rows. Compares the hashes recorded in ``out_dir/data.json`` when the run started (runs
-    started before this record existed are not checked).
+    started before this record existed are not checked). The corpus hash covers the resolved paths: a relative and
+    an absolute spelling of the same files agree (a record from before that matches ``corpus_hash_as_spelled``).
 
     ``label``: the option the messages name (``branch_from`` checks a decay branch against its source run).
 
@@ -679,6 +680,8 @@ def check_run_data(out_dir: Path, manifest: dict, *, resume: bool, say: Callable
         return
     for key, what in (("tokenizer_hash", "tokenizer"), ("corpus_hash", "corpus under data.sources")):
         old, new = saved.get(key), manifest.get(key)
+        if key == "corpus_hash" and old == manifest.get("corpus_hash_as_spelled"):
+            continue  # recorded before the corpus hash was spelling-independent, over the same paths spelled as now
         if old and new and old != new:
             which = "this run" if label == "--resume" else f"the {label} run ({out_dir})"
             fix = ("restore those files, or start a new out_dir" if label == "--resume"
