@@ -195,14 +195,26 @@ class ModelConfig:
         """Residual-branch multiplier ``scale_depth / sqrt(num_hidden_layers)`` (spec §2)."""
         return self.scale_depth / math.sqrt(self.num_hidden_layers)
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Exact parameter count of the dense model (no MTP head)."""
+    def _layer_params(self) -> int:
+        """Parameters of one decoder layer: q/k/v/o projections, the gated MLP's three matrices, two norms."""
         h, d = self.hidden_size, self.resolved_head_dim
         nq, nkv = self.num_attention_heads, self.num_key_value_heads
         attn = h * nq * d + 2 * h * nkv * d + nq * d * h
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        total = self.num_hidden_layers * per_layer + h
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def mtp_params(self) -> int:
+        """Exact parameter count of the MTP draft head (:class:`~minicpm4_jax.nn.mtp.MTPHead`; 0 without ``mtp``):
+        two input norms ``[H]``, ``fc`` ``[2H, H]`` and one decoder layer (it shares the base's embedding and head).
+        A run with ``mtp`` trains, checkpoints and moment-tracks these besides :meth:`num_params`."""
+        if not self.mtp:
+            return 0
+        h = self.hidden_size
+        return 2 * h + 2 * h * h + self._layer_params()
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the dense model (no MTP head: :meth:`mtp_params`)."""
+        h = self.hidden_size
+        total = self.num_hidden_layers * self._layer_params() + h
         v = self.padded_vocab_size
         if include_embedding:
             total += v * h * (1 if self.tie_word_embeddings else 2)
@@ -228,8 +240,7 @@ class ModelConfig:
         total = 6.0 * n + attn
         if self.mtp:
             h, v = self.hidden_size, self.padded_vocab_size
-            layer = (h * d_attn + 2 * h * self.num_key_value_heads * self.resolved_head_dim + d_attn * h
-                     + 3 * h * self.intermediate_size)
+            layer = self._layer_params() - 2 * h  # its matrices (not the norms)
             draft = 6.0 * (2 * h * h + layer + v * h) + 12 * d_attn * seq_len + (2.0 * v * h if mtp_distill else 0.0)
             total += mtp_depth * draft
         return total

@@ -282,6 +282,23 @@ def test_draft_objectives_bad_values_refused():
     assert len(refused) == 4 and inactive_draft_options(load_config(None, ["model.mtp=true", *on])) == []
 
 
+def test_parameter_count_and_disk_estimate_include_the_draft_head_a_run_trains():
+    """Earlier sessions: the start-up "params" line and the free-disk estimate (required_free_bytes) left out the MTP
+    draft head (cpu_tiny with MTP: 7.05M parameters trained, 6.23M printed). ``mtp_params`` counts it exactly."""
+    from minicpm4_jax.train.loop import MIN_FREE_MB, required_free_bytes, trained_params
+
+    for cfg in (load_config("cpu_tiny"), load_config("cpu_tiny_sparse", ["model.mtp=true"]),
+                load_config("cpu_tiny", ["model.mtp=false"])):
+        model = nnx.eval_shape(lambda: MiniCPM4(cfg.model, rngs=nnx.Rngs(0)))  # noqa: B023
+        params = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        sizes = {"/".join(map(str, k)): int(np.prod(v.shape)) for k, v in params}
+        draft = sum(n for k, n in sizes.items() if k.startswith("mtp/"))
+        assert cfg.model.mtp_params() == draft and (draft > 0) == cfg.model.mtp
+        assert trained_params(cfg) == sum(sizes.values()) == cfg.model.num_params() + draft
+        assert required_free_bytes(cfg) == MIN_FREE_MB * 2**20 + 2 * 12 * sum(sizes.values())
+    assert round(trained_params(load_config("cpu_tiny")) / 1e6, 2) == 7.05
+
+
 def test_model_without_mtp_says_so():
     m = MiniCPM4(dataclasses.replace(CFG, mtp=False), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="model.mtp=true"):

@@ -1684,10 +1684,10 @@ def test_a_resume_needs_disk_for_one_more_checkpoint_only(tmp_path):
     """Helper 69: after a full disk, freeing space let a fresh run start but the resume was refused: it asked for
     two checkpoints' room although its saved steps hold one, and ignored the failed save's temporary folder that
     opening the checkpoints removes."""
-    from minicpm4_jax.train.loop import MIN_FREE_MB, _interrupted_save_bytes, required_free_bytes
+    from minicpm4_jax.train.loop import MIN_FREE_MB, _interrupted_save_bytes, required_free_bytes, trained_params
 
     cfg = load_config("cpu_tiny")
-    ckpt = 12 * cfg.model.num_params()
+    ckpt = 12 * trained_params(cfg)  # its MTP draft head included
     base = MIN_FREE_MB * 2**20
     assert required_free_bytes(cfg) == base + 2 * ckpt
     assert required_free_bytes(cfg, resuming=True) == base + ckpt

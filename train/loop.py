@@ -196,12 +196,18 @@ def _data_api() -> Any:
     return data
 
 
+def trained_params(cfg: TrainConfig) -> int:
+    """Parameters a run trains and checkpoints: the model's and, with ``model.mtp``, its MTP draft head's."""
+    return cfg.model.num_params() + cfg.model.mtp_params()
+
+
 def required_free_bytes(cfg: TrainConfig, *, resuming: bool = False, reclaimable: int = 0) -> int:
     """Free disk needed at start: ``MIN_FREE_MB`` + two checkpoints (params + 2 Adam moments, fp32) for a new run,
     one for a resume (its saved steps already hold the other; helper 69: a resume after a full disk was refused on
     a disk the fresh run had been allowed), less ``reclaimable`` bytes (temporary folders of interrupted saves,
-    removed when the checkpoints are opened), never below ``MIN_FREE_MB``."""
-    ckpt = 3 * 4 * cfg.model.num_params()
+    removed when the checkpoints are opened), never below ``MIN_FREE_MB``. The params include the MTP draft head
+    when the run trains it (``model.mtp``)."""
+    ckpt = 3 * 4 * trained_params(cfg)
     return MIN_FREE_MB * 2**20 + max(0, (1 if resuming else 2) * ckpt - reclaimable)
 
 
@@ -1028,9 +1034,10 @@ def run_training(
         global_batch = b  # data.batch_size is the global batch; each process feeds its rows of it
         # abstract, with its sharding: lowering a numpy batch would fail with several processes
         sample_batch = jax.ShapeDtypeStruct((b, t + 1), np.int32, sharding=batch_sh)
-        n_params = cfg.model.num_params()
+        n_params = trained_params(cfg)
         draft = {"mtp_depth": cfg.mtp_train_depth, "mtp_distill": cfg.mtp_distill > 0}  # the MTP head's FLOPs count
-        say(f"model: {n_params / 1e6:.2f}M params, {cfg.model.flops_per_token(t, **draft) / 1e6:.1f} MFLOP/token (train"
+        drafted = f" ({cfg.model.mtp_params() / 1e6:.2f}M of them the MTP draft head)" if cfg.model.mtp else ""
+        say(f"model: {n_params / 1e6:.2f}M params{drafted}, {cfg.model.flops_per_token(t, **draft) / 1e6:.1f} MFLOP/token (train"
             f"{', draft head included' if cfg.model.mtp else ''}); "
             f"batch {global_batch} x {t} tokens; {cfg.steps} steps")
         compiled = print_memory_analysis(train_step, state, sample_batch, log=say)
