@@ -1775,6 +1775,27 @@ def test_a_relative_checkpoint_directory_is_recorded_where_the_run_put_it(corpus
                           f"run's checkpoint.directory is {str(other / 'ck')!r}"), err
 
 
+def test_a_summary_that_cannot_be_removed_at_start_is_one_line(corpus, cache_dir, tmp_path, capsys):
+    """Earlier sessions: a resume removes the earlier segment's summary.json outside the guard that turns a failed
+    run-file write into one line (RunFileWriteError); a summary.json that cannot be removed (here a folder: EISDIR;
+    a read-only folder: EACCES) was a traceback."""
+    from minicpm4_jax import cli
+
+    out = tmp_path / "run"
+    ov = tiny_overrides(corpus, cache_dir, out, steps=2, log_every=2, **{
+        "model.rope_scaling": "null", "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0, "sample_tokens": 0})
+    assert cli.main(["train", "--no-progress", *ov]) == 0
+    (out / "summary.json").unlink()
+    (out / "summary.json" / "x").mkdir(parents=True)
+    capsys.readouterr()
+    rc = cli.main(["train", "--no-progress", "--resume", *ov])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: removing the earlier {out / 'summary.json'} failed ("), err
+    assert "nothing was trained" in lines[0] and "checkpoints in" in lines[0] and "intact" in lines[0], err
+
+
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.model", "summary.json"])
 def test_disk_full_on_a_run_file_is_one_line(corpus, cache_dir, tmp_path, monkeypatch, capsys, name):
     """A full disk while writing the run folder's own files (tokenizer/, config.json at the start; summary.json after

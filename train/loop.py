@@ -110,13 +110,13 @@ class RunFileWriteError(RuntimeError):
 
 
 @contextmanager
-def _writing(what: Path, then: Callable[[], str]) -> Iterator[None]:
-    """Turn an ``OSError`` raised while writing the run file(s) ``what`` into a :class:`RunFileWriteError` whose
-    message ends with ``then()`` (what was saved and how to go on)."""
+def _writing(what: Path, then: Callable[[], str], doing: str = "writing") -> Iterator[None]:
+    """Turn an ``OSError`` raised while writing (``doing``: or removing) the run file(s) ``what`` into a
+    :class:`RunFileWriteError` whose message ends with ``then()`` (what was saved and how to go on)."""
     try:
         yield
     except OSError as e:
-        raise RunFileWriteError(f"writing {what} failed ({e.strerror or e}); {then()}") from e
+        raise RunFileWriteError(f"{doing} {what} failed ({e.strerror or e}); {then()}") from e
 
 
 def divergence_message(step_no: int, loss: float, grad_norm: float, where: str) -> str:
@@ -929,7 +929,8 @@ def run_training(
                     write_json_atomic(out_dir / "config.json", recorded_config(cfg))
                 # an earlier segment's summary would describe a run that goes on now (and stay, stale, if this one
                 # is stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
-                (out_dir / "summary.json").unlink(missing_ok=True)
+                with _writing(out_dir / "summary.json", nothing_trained, "removing the earlier"):
+                    (out_dir / "summary.json").unlink(missing_ok=True)
                 if not resume:  # the record of what the run started with: never rewritten on a resume
                     with _writing(out_dir / "data.json", nothing_trained):
                         write_run_data(out_dir, data.manifest, origin)
