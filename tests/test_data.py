@@ -317,6 +317,34 @@ def test_an_unchanged_cache_is_not_rescanned_and_one_changed_in_place_is_caught(
     assert np.array_equal(rebuilt.val_tokens, expected)
 
 
+def test_verified_records_written_at_once_do_not_share_a_temporary_file(tmp_path, monkeypatch):
+    """Earlier sessions: the token cache's verified.json was written through a temporary file named by the pid alone;
+    a second writer with the same pid (another thread, a host sharing the cache) wrote into the first one's file and
+    renamed it away, so the first writer's record was lost (its rename failed, silently). Each writer has its own
+    temporary file now: the last rename wins with a whole record, and none is left behind."""
+    import os
+    import threading
+
+    import minicpm4_jax.train.data as data_mod
+
+    real, renamed = os.replace, []
+
+    def replace(src, dst):
+        if not renamed:  # the first writer is interrupted just before its rename by a second one
+            renamed.append(None)
+            other = threading.Thread(target=data_mod._record_verified, args=(tmp_path, {"val.bin": {"max_id": 2}}))
+            other.start()
+            other.join()
+        renamed.append(json.loads(Path(src).read_text()))
+        real(src, dst)
+
+    monkeypatch.setattr(data_mod.os, "replace", replace)
+    data_mod._record_verified(tmp_path, {"train.bin": {"max_id": 1}})
+    assert renamed == [None, {"val.bin": {"max_id": 2}}, {"train.bin": {"max_id": 1}}]
+    assert json.loads((tmp_path / "verified.json").read_text()) == {"train.bin": {"max_id": 1}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["verified.json"]
+
+
 def test_a_token_file_written_during_its_scan_is_scanned_again(tmp_path, prepared, monkeypatch):
     """Break test (helper 95): verified.json recorded the stamp taken *after* the scan (minutes on a multi-GB cache),
     so bytes written into a part the pass had already read (ids outside the vocabulary) were recorded as checked with

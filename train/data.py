@@ -64,6 +64,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -550,10 +551,12 @@ def _max_token(path: Path, dtype: str, count: int) -> int:
 def _record_verified(final: Path, records: dict[str, dict]) -> None:
     """Write ``final/verified.json`` (``{file: {"stamp", "max_id", "at"}}``: the stamp taken before the scan that
     found ``max_id``, ``at`` the time in ns just before that stamp) atomically; a cache folder this process may not
-    write keeps none (its files are then scanned at each start)."""
-    tmp = final / f".{_VERIFIED}.{os.getpid()}"
+    write keeps none (its files are then scanned at each start). The temporary file's name is unique (not the pid
+    alone: two threads, or two hosts sharing the cache, wrote into one file and replaced with each other's record)."""
+    tmp = final / f".{_VERIFIED}.{os.getpid()}.{uuid.uuid4().hex}"
     try:
-        tmp.write_text(json.dumps(records))
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(json.dumps(records))
         os.replace(tmp, final / _VERIFIED)
     except OSError:
         with contextlib.suppress(OSError):
