@@ -188,7 +188,7 @@ def test_corrupt_step_drops_the_failed_reads_unretrieved_task_reports(run_copy, 
     from minicpm4_jax.train import checkpoint as ck
 
     lg = logging.getLogger("asyncio")
-    kind = ck._UnretrievedFuturesOfAFailedWrite
+    kind = ck._UnretrievedFuturesOfAFailedCheckpointIO
     monkeypatch.setattr(lg, "filters", [f for f in lg.filters if not isinstance(f, kind)])
     for p in (run_copy / "checkpoints" / "0" / "state" / "d").iterdir():
         p.unlink()

@@ -313,11 +313,12 @@ class _OrbaxErrorsReported(logging.Filter):
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname.replace("\\", "/").split("/"))
 
 
-class _UnretrievedFuturesOfAFailedWrite(logging.Filter):
-    """Drop asyncio's "exception was never retrieved" reports (installed once a save or a restore failed): the
-    failed write's other fragments, or the failed restore's other reads, end with the same error, already raised as
-    one line (helper 71; a restore's "Task exception was never retrieved ... async_deserialize" traceback printed at
-    exit after the one-line error, when the task was collected late)."""
+class _UnretrievedFuturesOfAFailedCheckpointIO(logging.Filter):
+    """Drop asyncio's "exception was never retrieved" reports (installed once a save or a restore failed:
+    :func:`_drop_unretrieved_future_reports`): the failed write's other fragments, or the failed restore's other
+    reads, end with the same error, already raised as one line (helper 71; a restore's "Task exception was never
+    retrieved ... async_deserialize" traceback printed at exit after the one-line error, when the task was collected
+    late)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "exception was never retrieved" not in record.getMessage()
@@ -328,6 +329,12 @@ def _add_filter(logger: str, kind: type[logging.Filter]) -> None:
     lg = logging.getLogger(logger)
     if not any(isinstance(f, kind) for f in lg.filters):
         lg.addFilter(kind())
+
+
+def _drop_unretrieved_future_reports() -> None:
+    """Install :class:`_UnretrievedFuturesOfAFailedCheckpointIO` on asyncio's logger (once): after a failed save or
+    restore, before its one-line error is raised."""
+    _add_filter("asyncio", _UnretrievedFuturesOfAFailedCheckpointIO)
 
 
 def _install_orbax_error_filter() -> None:
@@ -343,7 +350,7 @@ def _quiet_failed_write() -> None:
     one-line :class:`CheckpointWriteError` does not."""
     import warnings
 
-    _add_filter("asyncio", _UnretrievedFuturesOfAFailedWrite)
+    _drop_unretrieved_future_reports()
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
@@ -542,7 +549,7 @@ class Checkpointer:
         else:
             fix = (f"move that step folder aside to resume from the previous saved step (saved steps: "
                    f"{', '.join(map(str, others))}), or re-save it" if others else "re-save it or start a new out_dir")
-        _add_filter("asyncio", _UnretrievedFuturesOfAFailedWrite)  # the failed restore's other reads
+        _drop_unretrieved_future_reports()  # the failed restore's other reads
         return ConfigError(f"checkpoint step {step} in {self.directory} is incomplete or corrupt ({short_cause(e)}); "
                            f"{fix}")
 
@@ -824,7 +831,7 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
         else:
             fix = ("move that step folder aside to use the previous saved step, or re-save it" if others
                    else "re-save it")
-        _add_filter("asyncio", _UnretrievedFuturesOfAFailedWrite)  # the failed restore's other reads
+        _drop_unretrieved_future_reports()  # the failed restore's other reads
         return ConfigError(f"checkpoint step {step} in {directory} is incomplete or corrupt ({short_cause(e)}); {fix}")
 
     try:
