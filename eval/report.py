@@ -20,7 +20,7 @@ Expected shapes (``scores`` of the results JSON):
 * ``kind="ruler"``: ``{"tasks": {task: {"by_length": {"4096": score, ...}, ...}}, "lengths": {"4096":
   {"score": float, ...}}, ...}`` (:func:`minicpm4_jax.eval.ruler.scoring.summarize`);
 * ``kind="bench"``: ``{"tasks": {task: {"score": float, "metric": str, "n": int}}}`` with scores in percent
-  (0-100; all scores <= 1 are drawn on a 0-1 axis instead).
+  (0-100, drawn on a 0-100 axis whatever their size).
 
 Plots use matplotlib's Agg canvas directly (no pyplot state, no display needed).
 """
@@ -159,7 +159,8 @@ def _ruler_matrix(res: dict[str, Any]) -> tuple[list[str], list[str], list[list[
     rows = [t for t in TASK_NAMES if t in tasks] + [t for t in tasks if t not in TASK_NAMES]
     vals = [[float(tasks[t]["by_length"].get(str(n), math.nan)) for n in lengths] for t in rows]
     per_len = sc.get("lengths") or {}
-    vals.append([float((per_len.get(str(n)) or {}).get("score") or math.nan) for n in lengths])
+    means = [(per_len.get(str(n)) or {}).get("score") for n in lengths]
+    vals.append([math.nan if m is None else float(m) for m in means])  # a mean of 0.0 is a score, not a gap
     return rows + ["RULER mean"], [_fmt_len(n) for n in lengths], vals
 
 
@@ -260,7 +261,10 @@ def _bench_scores(res: dict[str, Any]) -> dict[str, float]:
 
 
 def _bench_axis_max(values: list[float]) -> float:
-    return 1.0 if all(v <= 1.0 for v in values) else 100.0
+    """The bar axis' upper end: 100 (bench scores are percentages, :mod:`minicpm4_jax.eval.bench.run`), or the
+    largest score if one is above it. (A 0-1 axis for results whose scores were all <= 1 drew a small model's
+    0.79 % GSM8K as 0.79 of 1, i.e. as 79 %.)"""
+    return max([100.0, *values])
 
 
 def bench_bars(res: dict[str, Any], path: Path, dpi: int = 120) -> Path:
@@ -275,8 +279,8 @@ def bench_bars(res: dict[str, Any], path: Path, dpi: int = 120) -> Path:
     ax.set_yticks(range(len(names)), labels=names)
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.1)
-    ax.bar_label(bars, labels=[f"{v:.3g}" if top == 1.0 else f"{v:.1f}" for v in vals], fontsize=8, padding=2)
-    ax.set_xlabel("score" + (" (%)" if top == 100.0 else ""))
+    ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], fontsize=8, padding=2)
+    ax.set_xlabel("score (%)")
     incomplete = res.get("scores", {}).get("incomplete")
     ax.set_title(f"Benchmarks: {_label(res)}" + (" (incomplete run)" if incomplete else ""), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
@@ -296,12 +300,12 @@ def bench_sparse_vs_dense(dense: dict[str, Any], sparse: dict[str, Any], path: P
     b2 = ax.barh([y + h / 2 for y in ys], [s.get(n, 0.0) for n in names], height=h, label="sparse",
                  color="tab:orange")
     for bars, src in ((b1, d), (b2, s)):
-        ax.bar_label(bars, labels=[("-" if n not in src else f"{src[n]:.3g}" if top == 1.0 else f"{src[n]:.1f}")
+        ax.bar_label(bars, labels=[("-" if n not in src else f"{src[n]:.1f}")
                                    for n in names], fontsize=7, padding=2)
     ax.set_yticks(list(ys), labels=names)
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.12)
-    ax.set_xlabel("score" + (" (%)" if top == 100.0 else ""))
+    ax.set_xlabel("score (%)")
     ax.set_title(f"Benchmarks sparse vs dense: {(dense.get('model') or {}).get('name', '')}", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)

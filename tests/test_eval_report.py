@@ -173,3 +173,35 @@ def test_an_incomplete_bench_run_is_marked_in_the_report(tmp_path):
     full = _bench(tmp_path / "full", "dense", 0.0)
     render_report([full], tmp_path / "r2", dpi=60)
     assert "Incomplete" not in (tmp_path / "r2" / "report.md").read_text()
+
+
+def test_plotted_numbers_equal_the_results_files_including_zero_and_small_scores(tmp_path, monkeypatch):
+    """Helper 101: the heatmap's 'RULER mean' row drew a length whose mean is 0.0 as '-' (missing: ``score or nan``),
+    and a bench result whose percentages were all <= 1 (a small model's 0.79 % GSM8K) was drawn on a 0-1 axis,
+    i.e. as 79 %. Every annotated number must equal the results file's, on a percent axis."""
+    import math
+
+    from minicpm4_jax.eval import report
+
+    figs: dict[str, object] = {}
+    monkeypatch.setattr(report, "_save", lambda fig, path, dpi: figs.setdefault(Path(path).name, fig) and path)
+    ruler = {t: {4096: {"score": 0.0, "nulls": "5/5", "n": 5}, 8192: {"score": 20.0 if i == 0 else 0.0,
+                                                                      "nulls": "0/5", "n": 5}}
+             for i, t in enumerate(TASK_NAMES)}
+    scores = summarize(ruler)
+    r, _ = write_results(tmp_path / "r", kind="ruler", config={}, model_info={"name": "tiny"}, datasets={},
+                         items=[], scores=scores)
+    tasks = {"gsm8k": {"score": 0.79, "metric": "exact_match", "n": 1269},
+             "humaneval": {"score": 0.0, "metric": "pass@1", "n": 114}}
+    b, _ = write_results(tmp_path / "b", kind="bench", config={}, model_info={"name": "tiny"}, datasets={},
+                         items=[], scores={"tasks": tasks})
+    render_report([r, b], tmp_path / "report", dpi=40)
+    heat = next(f for n, f in figs.items() if n.startswith("ruler_heatmap_"))
+    texts = [t.get_text() for t in heat.axes[0].texts]
+    means = [scores["lengths"][str(n)]["score"] for n in (4096, 8192)]
+    assert means[0] == 0.0 and not math.isnan(means[1])
+    assert texts[-2:] == [f"{m:.1f}" for m in means], texts[-2:]  # the last row: RULER mean per length
+    assert "-" not in texts  # every cell has a score
+    ax = next(f for n, f in figs.items() if n.startswith("bench_")).axes[0]
+    assert ax.get_xlim()[1] >= 100.0 and "%" in ax.get_xlabel()
+    assert sorted(t.get_text() for t in ax.texts) == ["0.0", "0.8"]
