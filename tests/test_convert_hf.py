@@ -495,6 +495,34 @@ def test_sparse_model_exports_with_warnings(tmp_path):
     assert read_json(tmp_path / "l" / MANIFEST_NAME)["allow_dense"] is True
 
 
+def test_official_layout_with_a_head_dim_official_readers_cannot_load_warns(tmp_path):
+    """Helper 101: a model whose head_dim is not hidden_size/num_attention_heads exported to the official layout
+    without a word, though OpenBMB's remote code, CPM.cu and llama.cpp's convert_hf_to_gguf.py take the head width
+    as hidden/heads (the converter failed with 'The length of rope long and short factors must be 8.0'). The export
+    still works (its own remote code reads head_dim) and now says so; a head_dim equal to hidden/heads and the llama
+    layout (transformers reads head_dim) stay quiet."""
+    import dataclasses
+
+    base = tiny_cfg(tied=False)
+    rs = base.rope_scaling
+    odd = dataclasses.replace(base, head_dim=8, rope_scaling=dataclasses.replace(
+        rs, short_factor=rs.short_factor[:4], long_factor=rs.long_factor[:4]))
+    logged: list[str] = []
+    res = write_hf(random_params(odd, seed=5), odd, tmp_path / "m", layout="minicpm", log=logged.append,
+                   no_tokenizer=True)
+    hit = [w for w in res.warnings if "head_dim 8 is not hidden_size/num_attention_heads (64/4)" in w]
+    assert len(hit) == 1 and "convert_hf_to_gguf.py" in hit[0] and "minicpm4 export gguf" in hit[0]
+    assert logged == [f"warning: {w}" for w in res.warnings]
+    assert hit[0] in read_json(tmp_path / "m" / MANIFEST_NAME)["warnings"]
+    assert read_json(tmp_path / "m" / "config.json")["head_dim"] == 8
+    assert import_hf(tmp_path / "m", tmp_path / "r", no_tokenizer=True).cfg == odd
+    res = write_hf(random_params(odd, seed=5), odd, tmp_path / "l", layout="llama", no_tokenizer=True)
+    assert not any("head_dim" in w for w in res.warnings)
+    same = dataclasses.replace(base, head_dim=16)  # explicit, equal to hidden/heads
+    res = write_hf(random_params(same, seed=5), same, tmp_path / "s", layout="minicpm", no_tokenizer=True)
+    assert not any("head_dim" in w for w in res.warnings)
+
+
 def test_import_names_the_sparse_generation(tmp_path, capsys):
     """An official sparse_config has no variant key (spec §0, §8.1): gen2 with a warning, --sparse-variant picks."""
     cfg = tiny_cfg(sparse=True)

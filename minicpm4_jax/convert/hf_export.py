@@ -70,6 +70,7 @@ from minicpm4_jax.convert.official import (
     official_config,
     official_param_shapes,
     official_tensor_names,
+    head_dim_warnings,
     remote_code_dir,
     sparse_runtime_warnings,
 )
@@ -667,6 +668,7 @@ def write_hf(params: Mapping[str, Any] | Any, cfg: ModelConfig, out: str | Path,
         names = official_tensor_names(cfg)
         hf_cfg = official_config(run_cfg, dtype)
         warnings += [f"sparse_config: {w}" for w in sparse_runtime_warnings(cfg)]
+        warnings += head_dim_warnings(cfg)
         tensors_iter = iter_official_tensors(flat, cfg, npdt)
     else:
         tensors, hf_cfg = fold_to_llama(flat, run_cfg)

@@ -32,6 +32,7 @@ __all__ = [
     "iter_official_tensors",
     "official_config",
     "sparse_runtime_warnings",
+    "head_dim_warnings",
     "OFFICIAL_SPARSE_KEYS",
 ]
 
@@ -248,6 +249,24 @@ REMOTE_CODE_FILES = ("configuration_minicpm.py", "modeling_minicpm.py")
 def remote_code_dir() -> Path:
     """The folder holding :data:`REMOTE_CODE_FILES` (``minicpm4_jax/convert/remote_code``)."""
     return Path(__file__).resolve().parent / "remote_code"
+
+
+def head_dim_warnings(cfg: ModelConfig) -> list[str]:
+    """Why official readers of the MiniCPM layout cannot load this model's attention shapes (empty: they can).
+
+    OpenBMB's ``modeling_minicpm.py`` and CPM.cu take the head width as ``hidden_size // num_attention_heads`` (the
+    released configs have no ``head_dim`` key), and llama.cpp's ``convert_hf_to_gguf.py`` (``conversion/minicpm.py``)
+    checks the LongRoPE lists against that width (``ValueError: The length of rope long and short factors must
+    be ...``; seen with llama-cpp-python 0.3.36's converter). The folder's own ``modeling_minicpm.py`` reads
+    ``head_dim`` and ``minicpm4 export gguf`` writes it as the GGUF key length, which llama.cpp itself reads.
+    """
+    implied = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.resolved_head_dim == implied and cfg.hidden_size % cfg.num_attention_heads == 0:
+        return []
+    return [f"head_dim {cfg.resolved_head_dim} is not hidden_size/num_attention_heads ({cfg.hidden_size}/"
+            f"{cfg.num_attention_heads}): OpenBMB's modeling_minicpm.py, CPM.cu and llama.cpp's convert_hf_to_gguf.py "
+            "assume that width and cannot load this folder (this folder's own remote code and --layout llama read "
+            "head_dim; for llama.cpp use `minicpm4 export gguf`)"]
 
 
 def sparse_runtime_warnings(cfg: ModelConfig) -> list[str]:
