@@ -250,6 +250,9 @@ class ModelConfig:
     def from_hf_config(cls, hf: dict[str, Any], **overrides: Any) -> "ModelConfig":
         """Build from an official MiniCPM ``config.json`` dict (spec §1.1 constructor defaults).
 
+        A ``head_dim`` equal to ``hidden_size // num_attention_heads`` (what transformers' ``save_pretrained`` adds to
+        a folder that had none) is read as ``None``, the same width, so a re-imported export equals its source.
+
         Raises:
             ConfigError: unsupported ``hidden_act``, unknown ``rope_scaling.rope_type``, a ``rope_scaling``
                 that is not a mapping or lacks ``short_factor`` / ``long_factor``, a ``sparse_config`` that is not
@@ -325,6 +328,12 @@ class ModelConfig:
             attention="infllmv2" if sparse_cfg is not None else "dense",
             sparse_config=sparse_cfg,
         )
+        hd = kw["head_dim"]
+        if (isinstance(hd, int) and isinstance(kw["hidden_size"], int) and isinstance(nq, int) and nq > 0
+                and kw["hidden_size"] % nq == 0 and hd == kw["hidden_size"] // nq):
+            # the width implied by hidden/heads, as transformers' save_pretrained writes it: the model of a folder
+            # without the key (a re-import of an export equals the exported config)
+            kw["head_dim"] = None
         kw.update(overrides)
         return cls(**kw)
 

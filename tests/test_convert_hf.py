@@ -523,6 +523,24 @@ def test_official_layout_with_a_head_dim_official_readers_cannot_load_warns(tmp_
     assert not any("head_dim" in w for w in res.warnings)
 
 
+def test_reimport_of_a_saved_export_with_the_implied_head_dim_equals_the_source(tmp_path):
+    """Helper 101: transformers' save_pretrained of an export writes ``head_dim`` (= hidden/heads) into config.json;
+    its import had ``head_dim=16`` where the source had ``None`` (same width, but not the same config, and a
+    re-export then wrote a head_dim key the official configs lack)."""
+    cfg = tiny_cfg(tied=False)
+    params = random_params(cfg, seed=6)
+    write_hf(params, cfg, tmp_path / "m", layout="minicpm", no_tokenizer=True)
+    hf = read_json(tmp_path / "m" / "config.json")
+    assert "head_dim" not in hf
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**hf, "head_dim": 16}))
+    imp = import_hf(tmp_path / "m", tmp_path / "r", no_tokenizer=True)
+    assert imp.cfg == cfg and imp.cfg.head_dim is None
+    _assert_bit_identical(flat_params(imp.params), params)
+    write_hf(imp.params, imp.cfg, tmp_path / "again", layout="minicpm", no_tokenizer=True)
+    assert read_json(tmp_path / "again" / "config.json") == hf
+    assert ModelConfig.from_hf_config({**hf, "head_dim": 8}).head_dim == 8  # another width is kept
+
+
 def test_import_names_the_sparse_generation(tmp_path, capsys):
     """An official sparse_config has no variant key (spec §0, §8.1): gen2 with a warning, --sparse-variant picks."""
     cfg = tiny_cfg(sparse=True)
