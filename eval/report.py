@@ -376,7 +376,10 @@ def render_report(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike
             cells = ", ".join(f"{_fmt_len(int(n))}: {v['score']:.1f}" for n, v in
                               sorted(per.items(), key=lambda kv: int(kv[0])) if v.get("score") is not None)
             avg = ((r.get("scores") or {}).get("average") or {}).get("avg")
-            md.append(f"| {lab} | `{p}` | {cells} | {'-' if avg is None else f'{avg:.1f}'} |")
+            partial = sorted(int(n) for n, v in per.items() if v.get("score") is not None and v.get("complete") is False)
+            over = (f" (over the lengths with all 13 tasks; not {', '.join(_fmt_len(n) for n in partial)})"
+                    if partial and (r.get("scores") or {}).get("average_over") == "complete lengths" else "")
+            md.append(f"| {lab} | `{p}` | {cells} | {'-' if avg is None else f'{avg:.1f}'}{over} |")
         md.append("")
         for (_, r), lab in zip(ruler, labels):
             made.append(ruler_heatmap(r, out / f"ruler_heatmap_{_slug(lab)}.png", dpi))

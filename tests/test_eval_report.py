@@ -205,3 +205,23 @@ def test_plotted_numbers_equal_the_results_files_including_zero_and_small_scores
     ax = next(f for n, f in figs.items() if n.startswith("bench_")).axes[0]
     assert ax.get_xlim()[1] >= 100.0 and "%" in ax.get_xlabel()
     assert sorted(t.get_text() for t in ax.texts) == ["0.0", "0.8"]
+
+
+def test_ruler_avg_over_complete_lengths_names_the_lengths_it_leaves_out(tmp_path):
+    """Helper 101: report.md's RULER 'Avg' is the results file's average over the lengths that have all 13 tasks, so
+    beside a length with fewer tasks it differed from the mean of the cells shown next to it without a word."""
+    ruler = {t: {4096: {"score": 90.0, "nulls": "0/5", "n": 5}} for t in TASK_NAMES}
+    for t in TASK_NAMES[:3]:
+        ruler[t][8192] = {"score": 30.0, "nulls": "0/5", "n": 5}
+    scores = summarize(ruler)
+    assert scores["average"]["avg"] == 90.0 and scores["average_over"] == "complete lengths"
+    r, _ = write_results(tmp_path / "r", kind="ruler", config={}, model_info={"name": "tiny"}, datasets={},
+                         items=[], scores=scores)
+    render_report([r], tmp_path / "report", dpi=40)
+    row = next(line for line in (tmp_path / "report" / "report.md").read_text().splitlines() if "4K: 90.0" in line)
+    assert "8K: 30.0" in row and row.endswith("| 90.0 (over the lengths with all 13 tasks; not 8K) |"), row
+    full = {t: {4096: {"score": 90.0, "nulls": "0/5", "n": 5}} for t in TASK_NAMES}
+    r2, _ = write_results(tmp_path / "r2", kind="ruler", config={}, model_info={"name": "tiny"}, datasets={},
+                          items=[], scores=summarize(full))
+    render_report([r2], tmp_path / "report2", dpi=40)
+    assert "| 90.0 |" in (tmp_path / "report2" / "report.md").read_text()
