@@ -757,3 +757,26 @@ def test_generation_matches_upstream_ruler_byte_for_byte(official_tok, tmp_path)
             r.pop("others")
         p = write_jsonl(tmp_path / task / "validation.jsonl", recs)
         assert hashlib.sha256(p.read_bytes()).hexdigest() == want, task
+
+
+def test_custom_chat_template_is_checked_for_both_formats(inputs, trained_tok):
+    """Helper 101: a wrapper is formatted twice (the task template, then each sample), but only the first was checked:
+    an escaped ``{{task_template}}`` (literal text, no slot) and ``{{sys}}`` passed and generation ended in a
+    ``KeyError`` traceback; ``{{context}}`` put the haystack in twice without a word. Both formats are checked now,
+    and a literal brace written as ``{{{{`` survives them."""
+    from minicpm4_jax.eval.ruler.tasks import resolve_chat_template
+
+    for bad, why in (("<|user|>{{task_template}}<|assistant|>", "containing {task_template} once"),
+                     ("<s>{{sys}}{task_template}", r"other braces \('sys'\).*formatted twice"),
+                     ("{{context}}{task_template}", r"other braces \('context'\)"),
+                     ("{task_template}{task_template}", "once"), ("A {task_template} B {x}", "other braces")):
+        with pytest.raises(ConfigError, match=why):
+            resolve_chat_template(bad)
+        with pytest.raises(ConfigError, match="chat template"):
+            generate_task("niah_single_1", 2048, trained_tok, num_samples=1, inputs=inputs, chat_template=bad,
+                          progress=False)
+    wrapper = "<s>{{{{sys}}}}[U]{task_template}[A]"
+    assert resolve_chat_template(wrapper) == wrapper
+    rec = generate_task("niah_single_1", 2048, trained_tok, num_samples=1, inputs=inputs, chat_template=wrapper,
+                        progress=False).records[0]
+    assert rec["input"].startswith("<s>{sys}[U]A special magic number") and "[A]" in rec["input"]

@@ -206,20 +206,38 @@ def full_template(family: Family, chat_template: str) -> str:
 def resolve_chat_template(name_or_template: str) -> str:
     """A :data:`CHAT_TEMPLATES` name, or a custom wrapper string containing ``{task_template}``.
 
+    A wrapper is read by ``str.format`` twice: :func:`full_template` fills ``{task_template}``, then each sample
+    fills ``{context}``, ``{query}``... of the result; so a literal brace in the wrapper is written ``{{{{`` / ``}}}}``.
+
     Raises:
-        ConfigError: neither a known name nor a string with exactly one ``{task_template}``.
+        ConfigError: neither a known name nor a string that the first format fills with the task template exactly
+            once and whose other text passes the second format with nothing to fill (an escaped ``{{task_template}}`` is
+            literal text, not the slot, and ``{{x}}`` becomes a ``{x}`` field of the second format: both passed, and
+            the generator ended in a ``KeyError`` traceback, or, for ``{{context}}``, filled the context in twice).
     """
     if name_or_template in CHAT_TEMPLATES:
         return CHAT_TEMPLATES[name_or_template]
-    if name_or_template.count("{task_template}") == 1:
-        try:
-            name_or_template.format(task_template="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"chat template {name_or_template!r} has other braces ({e}); escape them as {{{{ }}}}"
-                              ) from None
-        return name_or_template
-    raise ConfigError(f"chat template {name_or_template!r}: use one of {', '.join(CHAT_TEMPLATES)} or a string "
-                      "containing {task_template} once")
+    marker = "\x00task_template\x00"
+
+    def braces(why: object) -> str:
+        return (f"chat template {name_or_template!r} has other braces ({why}); it is formatted twice (the task "
+                "template, then each sample's context and query), so write a literal brace as {{{{ }}}}")
+
+    try:
+        filled = name_or_template.format(task_template=marker)
+    except (KeyError, IndexError, ValueError) as e:
+        if "{task_template}" in name_or_template:
+            raise ConfigError(braces(e)) from None
+        filled = ""
+    if filled.count(marker) != 1:
+        raise ConfigError(f"chat template {name_or_template!r}: use one of {', '.join(CHAT_TEMPLATES)} or a string "
+                          "containing {task_template} once (unescaped: {{task_template}} is literal text)")
+    rest = filled.replace(marker, "")
+    try:
+        rest.format()  # the second format, with nothing to fill: a field left in the wrapper's text is an error
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(braces(e)) from None
+    return name_or_template
 
 
 def resolve_tasks(names: str | list[str] | tuple[str, ...] | None) -> list[str]:
