@@ -7,6 +7,7 @@ import json
 import math
 import random
 import sys
+import textwrap
 from pathlib import Path
 from itertools import combinations
 
@@ -240,6 +241,32 @@ def test_math_boxed_extraction_and_equivalence():
     # a check that cannot finish in time is "not equivalent", and the next check still works
     assert not is_equiv("x^{2^{2^{2^{2^{10}}}}}-1", "(x-1)(x+1)(x^2+1)", timeout=0.5)
     assert is_equiv("(x+1)^2", "x^2+2x+1")
+
+
+def test_a_slow_sympy_import_is_not_counted_in_a_checks_timeout(tmp_path, monkeypatch):
+    """The sympy worker imported sympy in its first check, inside that check's 5 s: at load 20 on 2 cores the import
+    took 10 s, so the first check after every worker start (a timed-out check restarts it) said "not equivalent" to
+    a right answer (``2x+2`` vs ``2(x+1)``: False in 5 of 6 loaded runs). The worker imports it before it is ready.
+    Here the import is made 3 s slow (a ``sitecustomize`` the worker inherits) against a 2 s check."""
+    from minicpm4_jax.eval.bench import math_equiv
+
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import sys, time
+        class SlowSympy:
+            def find_spec(self, name, path=None, target=None):
+                if name == "sympy":
+                    sys.meta_path.remove(self)
+                    time.sleep(3)
+                return None
+        sys.meta_path.insert(0, SlowSympy())
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    worker = math_equiv._Worker()  # a worker of its own: the module's may be running already
+    try:
+        assert worker.equal(normalize("2x+2"), normalize("2(x+1)"), 2.0)
+        assert not worker.equal(normalize("2x+2"), normalize("2(x+2)"), 2.0)
+    finally:
+        worker.kill()
 
 
 def test_math500_gold_solutions_are_equivalent_to_their_answers():

@@ -279,9 +279,14 @@ def _worker_equal(a: str, b: str) -> bool:
         return False
 
 
+#: the worker: imports sympy and its parser (one comparison) before it says ``ready``, so that a check's timeout
+#: is the comparison's alone. Imported by the first check instead, on a loaded machine (10 s for ``import sympy`` at
+#: load 20 on 2 cores) the first check after every start (and a timed-out check restarts it) ran past its 5 s and
+#: a right answer was scored wrong.
 _LOOP = (
     "import json, sys\n"
     "from minicpm4_jax.eval.bench.math_equiv import _worker_equal\n"
+    "_worker_equal('x', 'x + 0')\n"
     "print('ready', flush=True)\n"
     "for line in sys.stdin:\n"
     "    a, b = json.loads(line)\n"
@@ -369,7 +374,11 @@ def _matrix_entries(s: str) -> list[list[str]] | None:
 
 
 def is_equiv(pred: str | None, gold: str | None, *, timeout: float = 5.0, use_sympy: bool = True) -> bool:
-    """Whether a predicted MATH answer equals the gold one (see the module docstring)."""
+    """Whether a predicted MATH answer equals the gold one (see the module docstring).
+
+    ``timeout``: seconds for the sympy comparison in the worker process (its start, which imports sympy, is not
+    counted: up to 120 s); a comparison that takes longer is "not equivalent".
+    """
     if pred is None or gold is None:
         return False
     mp, mg = _matrix_entries(str(pred)), _matrix_entries(str(gold))
