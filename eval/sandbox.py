@@ -328,6 +328,17 @@ class _Batch:
                     proc.send_signal(signal.SIGTERM)
 
 
+def _stop_launcher(proc: subprocess.Popen) -> int:
+    """SIGTERM the launcher (it kills and reaps the program's namespace), then reap it; its exit status."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        # The launcher is not yet reaped, so its process-group id cannot have been reused.
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
 def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = False,
          batch: _Batch | None = None) -> ExecResult:
     sentinel = None
@@ -371,13 +382,12 @@ def _run(source: str, limits: SandboxLimits, python: str, check_end: bool = Fals
             rc = proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            proc.send_signal(signal.SIGTERM)  # the launcher kills and reaps the namespace
-            try:
-                rc = proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                # The launcher is not yet reaped, so its process-group id cannot have been reused.
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
+            rc = _stop_launcher(proc)
+        except BaseException:
+            # Ctrl-C / SIGTERM while waiting (run_program, or the probe of run_programs): the program ran on with
+            # no timeout until this process exited (an infinite loop kept a core busy after the interruption)
+            _stop_launcher(proc)
+            raise
         finally:
             if batch is not None:
                 batch.discard(proc)

@@ -1,7 +1,9 @@
 """Sandbox for model-written code: each attack is contained, scored as a failure, and leaves
 nothing behind (no stray processes, no files outside the private directory, no connection)."""
 
+import contextlib
 import os
+import signal
 import socket
 import time
 import uuid
@@ -184,21 +186,9 @@ def test_a_program_cannot_fake_a_setup_failure():
     assert r.passed and r.stdout == ""
 
 
-def test_an_interruption_stops_the_running_programs(monkeypatch):
-    """Helper 67: Ctrl-C during code execution waited, silently, for every running program's timeout (the
-    executor's exit joined them), and repeated Ctrl-C left temporary folders behind. Now the running programs
-    are killed at once, queued ones never start, and their folders are removed before the interruption goes on."""
-    import shutil
-    import signal
-    import tempfile
-    from pathlib import Path
-
-    _isolated_or_skip()
-    own = Path(tempfile.mkdtemp(prefix="minicpm4-sandbox-test-"))  # this call's folders only (other tests run too)
-    own.chmod(0o711)
-    monkeypatch.setattr(tempfile, "tempdir", str(own))
-    children = set(_children_of(os.getpid()))  # e.g. the MATH checker's worker of an earlier test
-
+@contextlib.contextmanager
+def _ctrl_c_after(seconds: float):
+    """``KeyboardInterrupt`` in the main thread ``seconds`` into the block, as a Ctrl-C there would be."""
     def interrupt(signum, frame):
         # An exception raised while a gc callback runs (JAX registers one) is printed and dropped, as a Ctrl-C
         # there would be: let the timer fire again instead, and stop it once the interruption is raised.
@@ -208,14 +198,43 @@ def test_an_interruption_stops_the_running_programs(monkeypatch):
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 3.0, 0.2)
-    t0 = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.2)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            sb.run_programs(["while True:\n    pass\n"] * 6, sb.SandboxLimits(timeout_s=60.0), workers=2)
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_an_interrupted_program_is_stopped_not_left_running():
+    """Ctrl-C while ``run_program`` (or ``run_programs``' isolation probe) waited left the launcher and the program
+    running, with no timeout any more, until the harness exited (an infinite loop kept a core busy). Now it is
+    killed before the interruption goes on."""
+    _isolated_or_skip()
+    children = set(_children_of(os.getpid()))
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), _ctrl_c_after(1.0):
+        sb.run_program("while True:\n    pass\n", sb.SandboxLimits(timeout_s=60.0))
+    assert time.monotonic() - t0 < 20, "waited for the program's 60 s timeout"
+    assert set(_children_of(os.getpid())) <= children  # no launcher or program left
+
+
+def test_an_interruption_stops_the_running_programs(monkeypatch):
+    """Helper 67: Ctrl-C during code execution waited, silently, for every running program's timeout (the
+    executor's exit joined them), and repeated Ctrl-C left temporary folders behind. Now the running programs
+    are killed at once, queued ones never start, and their folders are removed before the interruption goes on."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    _isolated_or_skip()
+    own = Path(tempfile.mkdtemp(prefix="minicpm4-sandbox-test-"))  # this call's folders only (other tests run too)
+    own.chmod(0o711)
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    children = set(_children_of(os.getpid()))  # e.g. the MATH checker's worker of an earlier test
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt), _ctrl_c_after(3.0):
+        sb.run_programs(["while True:\n    pass\n"] * 6, sb.SandboxLimits(timeout_s=60.0), workers=2)
     assert time.monotonic() - t0 < 20, "waited for the programs' 60 s timeout"
     left = list(own.iterdir())
     shutil.rmtree(own, ignore_errors=True)
