@@ -21,12 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHON=sys.executable,
+    # The script bounds itself: every step under its timeout, all of them within this budget, then its 60 s summary.
+    # The test waits for that (it had 240 s, less than the steps' own limits: at load 20 on 2 cores the steps took
+    # 21 + 136 + 120 + 118 s and the test would have been killed in the third, its summary unwritten).
+    budget_s = 600
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_BUDGET_S=str(budget_s),
                GPU_CHECK_JAX_CACHE=os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache")))
     env.pop("OUT", None)
     cmd = ["bash", "scripts/gpu_check.sh", "--dry-run", "--quick", "--out", str(out), "--",
            "--lengths", "128", "--bwd-lengths", "128", "--decode-lengths", "256"]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget_s + 60 + 60)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["overall"] == "PASS" and summary["failures"] == 0 and not summary["not_run"]
