@@ -481,7 +481,8 @@ def run_program(source: str, limits: SandboxLimits | None = None, *, python: str
     exit is ``"failed"``; the wall-clock limit gives ``"timeout"``. ``check_end``: ``"passed"`` also needs the
     program to have run to its last line (a random line appended to it must reach stdout), so a program that
     stops early with exit status 0 (``sys.exit(0)``, ``os._exit(0)``) fails, as in the upstream HumanEval
-    harness; the line is removed from the reported stdout.
+    harness; the line is removed from the reported stdout. An interruption while it waits (Ctrl-C, a SIGTERM
+    handler's exception) kills the program before it propagates.
     """
     python = python or _python()
     check_isolation(python)
