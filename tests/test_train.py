@@ -1877,3 +1877,31 @@ def test_a_sweep_reuses_a_finished_run_with_a_relative_checkpoint_directory(corp
     monkeypatch.setattr(loop_mod, "run_training", lambda *a, **k: pytest.fail("a finished run trained again"))
     assert sweep.train_or_reuse("a", cfg, tmp_path / "runs") == {"val_loss": 1.5}
     assert loop_mod.recorded_config(cfg) == saved
+
+
+def test_a_sweep_goes_on_past_a_diverging_run_and_reuses_its_record(corpus, cache_dir, tmp_path, monkeypatch, capsys):
+    """Break test (helper 99): a learning-rate sweep (scripts/mup_transfer.py, whose table takes a non-finite loss as
+    NaN) died with a TrainingDiverged traceback at the first learning rate too high for the model, and since such a
+    run leaves no summary.json every later invocation trained it (and died) again."""
+    import math
+
+    from minicpm4_jax.train import sweep
+
+    root = tmp_path / "runs"
+    cfg = tiny_cfg(corpus, cache_dir, root / "hot", steps=4, **{"optimizer.learning_rate": 1e6,
+                                                                 "optimizer.grad_clip": 0, "optimizer.warmup_steps": 0})
+    got = sweep.train_or_reuse("hot", cfg, root)
+    assert got["stop_reason"] == "diverged" and math.isnan(got["val_loss"]), got
+    assert got["diverged"].startswith("non-finite ") and "\n" not in got["diverged"], got
+    assert "== hot: diverged after" in capsys.readouterr().out
+    assert not (root / "hot" / "summary.json").exists()
+    # the next invocation of the sweep reuses the record instead of training the run again
+    with monkeypatch.context() as m:
+        m.setattr(loop_mod, "run_training", lambda *a, **k: pytest.fail("a diverged run trained again"))
+        again = sweep.train_or_reuse("hot", cfg, root)
+    assert again["stop_reason"] == "diverged" and math.isnan(again["val_loss"]) and again["diverged"] == got["diverged"]
+    assert "reusing" in capsys.readouterr().out
+    # a run started in that folder by hand (with a learning rate that trains) drops the sweep's stale record
+    cool = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=0.02, grad_clip=1.0))
+    run_training(cool, log=lambda _m: None, progress=False)
+    assert (root / "hot" / "summary.json").is_file() and not (root / "hot" / "diverged.json").exists()

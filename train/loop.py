@@ -360,10 +360,10 @@ def _refuse_over_source(path: Path, what: str, sources: Sequence[tuple[str, str 
                               f"choose {_a(what)} {where}")
 
 
-#: what a run writes into its ``out_dir`` (a folder holding only these, e.g. a run stopped before its first
-#: checkpoint, may start a run)
+#: what a run writes into its ``out_dir``, with the record a sweep writes for a run that diverged (a folder holding
+#: only these, e.g. a run stopped before its first checkpoint, may start a run)
 RUN_FOLDER_ENTRIES = ("config.json", "data.json", "summary.json", "metrics.jsonl", "tokenizer", "checkpoints",
-                      "tensorboard", "profile")
+                      "tensorboard", "profile", "diverged.json")
 
 
 def check_run_folder(out_dir: Path, resume: bool, ckpt_dir: Path | None = None, *,
@@ -931,6 +931,7 @@ def run_training(
                 # is stopped by a signal); this run writes its own when it finishes, and metrics.jsonl keeps the rows
                 with _writing(out_dir / "summary.json", nothing_trained, "removing the earlier"):
                     (out_dir / "summary.json").unlink(missing_ok=True)
+                    (out_dir / "diverged.json").unlink(missing_ok=True)  # a sweep's record of an earlier attempt
                 if not resume:  # the record of what the run started with: never rewritten on a resume
                     with _writing(out_dir / "data.json", nothing_trained):
                         write_run_data(out_dir, data.manifest, origin)
