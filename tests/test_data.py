@@ -280,6 +280,46 @@ def test_incomplete_cache_is_rebuilt_not_reused(tmp_path, prepared):
     assert not stale.exists()
 
 
+def test_a_build_in_progress_on_another_host_is_not_taken_for_a_killed_one(tmp_path, monkeypatch):
+    """Break test (helper 99): the processes of a multi-host run prepare the data at the same time in a shared cache.
+    The token cache's clean-up judged every ``.tmp-<key>-<pid>-*`` build folder by ``os.kill(pid, 0)`` on its own
+    host, where another host's pid does not exist: the process that came second removed the first one's build in
+    progress. Build folders now name their host; only this host's dead builds are removed."""
+    import hashlib
+    import os
+    import socket
+
+    import minicpm4_jax.train.data as data_mod
+
+    own = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    other = "0" * 8 if own != "0" * 8 else "1" * 8
+    tokens = tmp_path / "cache" / "tokens"
+    tokens.mkdir(parents=True)
+    dead_pid = 999999999  # no such process here: a killed build on this host, a live one on another
+    elsewhere = tokens / f".tmp-{'ab' * 12}-{other}-{dead_pid}-x1y2z3"
+    killed_here = tokens / f".tmp-{'cd' * 12}-{own}-{dead_pid}-x1y2z3"
+    for d in (elsewhere, killed_here):
+        d.mkdir()
+        (d / "train.bin").write_bytes(b"\x01\x00")
+    made: list[str] = []
+    real_mkdtemp = data_mod.tempfile.mkdtemp
+
+    def mkdtemp(*a, **k):
+        path = real_mkdtemp(*a, **k)
+        if Path(path).parent == tokens:
+            made.append(Path(path).name)
+        return path
+
+    monkeypatch.setattr(data_mod.tempfile, "mkdtemp", mkdtemp)
+    _txt_corpus(tmp_path / "corpus")
+    data = prepare_data(_cfg(tmp_path, [tmp_path / "corpus"]), log=_quiet)
+    assert data.manifest["num_train_tokens"] > 0
+    assert (elsewhere / "train.bin").is_file(), "another host's build in progress was removed"
+    assert not killed_here.exists(), "a killed build of this host was left behind"
+    # this build's own folder names its host and pid, so that other hosts leave it alone
+    assert len(made) == 1 and made[0].split("-")[2:4] == [own, str(os.getpid())], made
+
+
 def test_an_unchanged_cache_is_not_rescanned_and_one_changed_in_place_is_caught(tmp_path, prepared, monkeypatch):
     """Helper 90: every start read the whole token cache for its largest id (minutes for a multi-GB cache). The
     largest id is now recorded with each file's stamp (size, mtime, ctime, inode) and read again only when the stamp

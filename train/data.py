@@ -614,10 +614,28 @@ def _cache_write_error(what: str, root: Path, e: OSError) -> ConfigError:
                        "data.cache_dir at a writable folder")
 
 
+def _host_tag() -> str:
+    """8 hex digits naming this host in the token cache's temporary folders (``.tmp-<key>-<host>-<pid>-*``)."""
+    import socket
+
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
 def _remove_stale_tmp(root: Path) -> None:
+    """Remove the temporary folders of token-cache builds killed on this host (their pid is gone).
+
+    The folder of a build on another host is left alone: its pid means nothing here, and the processes of a
+    multi-host run prepare the data at the same time in a shared cache (break test 99: the process that came second
+    removed the first one's build in progress, which then failed with a misleading "free disk space" error). A
+    folder named before the host was recorded (``.tmp-<key>-<pid>-*``) is judged by its pid alone, as it was.
+    """
+    own = _host_tag()
     for d in root.glob(".tmp-*"):
+        parts = d.name[len(".tmp-"):].split("-")
+        if len(parts) == 4 and parts[1] != own:
+            continue  # another host's build
         try:
-            pid = int(d.name.rsplit("-", 2)[-2])
+            pid = int(parts[-2])
         except (ValueError, IndexError):
             continue
         if pid == os.getpid():
@@ -826,7 +844,7 @@ def _token_cache(cfg: DataConfig, root: Path, corpus: Corpus, tok: Tokenizer,
             shutil.rmtree(final, ignore_errors=True)
         train_docs, val_docs, rule = split()
         dtype = _token_dtype(tok.vocab_size)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{os.getpid()}-", dir=tokens_root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-{_host_tag()}-{os.getpid()}-", dir=tokens_root))
         try:
             from minicpm4_jax.convert.io import default_dir_mode
 
