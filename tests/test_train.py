@@ -888,6 +888,39 @@ def test_resume_refuses_changed_run_and_allows_logging_changes(corpus, cache_dir
     assert "log_every: 2 != 1" in text and "sample_tokens: 6 != 2" in text
 
 
+def test_a_resume_may_change_rematerialisation_and_the_attention_implementation(corpus, cache_dir, tmp_path):
+    """Break test (helper 99): a run resumed onto smaller devices that runs out of memory turns on
+    ``model.remat``; one started with ``attention_impl=pallas`` is resumed where that kernel does not run. Both
+    choices change neither the parameters nor the math (qat.init_from already accepted them), but a resume
+    refused them as "a different model config". The resumed run trains on with the uninterrupted run's losses."""
+    kw = {"steps": 4, "checkpoint.save_every": 2, "log_every": 1}
+    full = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "full", **kw), log=lambda _m: None, progress=False)
+
+    def stop_after_2(step, state):
+        if step == 1:  # flag set during update 2; the loop stops before update 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return state
+
+    out = tmp_path / "r"
+    s1 = run_training(tiny_cfg(corpus, cache_dir, out, **kw), log=lambda _m: None, progress=False,
+                      step_hook=stop_after_2)
+    assert s1["stop_reason"] == "signal" and s1["step"] == 2
+    logs: list[str] = []
+    s2 = run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "model.remat": "full", "model.attention_impl": "xla"}),
+                      resume=True, log=logs.append, progress=False)
+    assert s2["step"] == 4 and f"resumed from {out / 'checkpoints'}/2" in logs
+    assert any("model.remat: 'none' != 'full' (checkpoint != current; allowed)" in m for m in logs), logs
+    assert any("model.attention_impl: 'auto' != 'xla' (checkpoint != current; allowed)" in m for m in logs), logs
+    want = [(h["step"], h["loss"]) for h in full["history"]]
+    got = [(h["step"], h["loss"]) for h in s2["history"]]
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
+    # what the model is stays refused
+    with pytest.raises(ConfigError, match=r"model\.num_hidden_layers: 2 != 3"):
+        run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "model.num_hidden_layers": 3}), resume=True,
+                     log=lambda _m: None, progress=False)
+
+
 def test_throughput_excludes_eval_and_save_time():
     now = [0.0]
     meter = loop_mod._Throughput(tokens_per_step=100, clock=lambda: now[0])

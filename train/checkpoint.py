@@ -66,6 +66,10 @@ RESUME_MAY_CHANGE = frozenset({
     "checkpoint.async_save", "checkpoint.directory", "out_dir", "data.cache_dir",
     # how many positions' logits exist at once: the same losses up to float32 summation order
     "logits_chunk_size",
+    # memory and kernel choices of the same model (qat.MODEL_FIELDS_MAY_DIFFER: neither the parameters nor the
+    # math change): rematerialisation (a resume onto fewer or smaller devices that runs out of memory) and the
+    # attention implementation (a run started with attention_impl=pallas on a GPU resumed where it does not run)
+    "model.remat", "model.attention_impl",
     # where a decay branch started (train.branch): a resume continues the branch's own checkpoints
     "branch_from", "branch_step",
     # the global batch split into microbatches: the same averaged gradient up to float32 summation order
@@ -572,8 +576,9 @@ class Checkpointer:
         """Raise :class:`ConfigError` unless the current config may resume checkpoint ``step``.
 
         Every field must equal the checkpoint's except :data:`RESUME_MAY_CHANGE` (logging, eval,
-        sampling, checkpoint frequency/location, time limit, out_dir, data cache, mesh sizes and the
-        ``distributed`` process layout): a different model, optimizer, data, ``steps`` or ``seed``
+        sampling, checkpoint frequency/location, time limit, out_dir, data cache, mesh sizes, the
+        ``distributed`` process layout, and the memory / kernel choices ``gradient_accumulation_steps``,
+        ``logits_chunk_size``, ``model.remat``, ``model.attention_impl``): a different model, optimizer, data, ``steps`` or ``seed``
         would silently change the math, the LR schedule or the token stream. A different mesh or
         process count computes the same math (the restore reshards, the data order does not depend
         on the process count); its float sums may differ in the last bits.
