@@ -485,6 +485,39 @@ def test_a_high_precision_stage_shorter_than_the_warmup_is_warned_about(tmp_path
     assert qat_warmup_warning(short) in said, said
 
 
+def test_the_one_step_decay_warning_counts_the_qat_stages_own_decay(tmp_path, monkeypatch):
+    """Break test (helper 99): the "a decay of 1 step changes nothing" warning measured decay_fraction against the
+    whole run, but a QAT run decays over decay_fraction of its QAT steps: steps=20, token_share=0.5,
+    decay_fraction=0.1 decays over round(0.1 x 10) = 1 step unwarned, and steps=10 (a decay of round(0.5) = 0
+    steps) was warned about a decay of 1 step."""
+    import minicpm4_jax.train.loop as loop_mod
+    from minicpm4_jax.train.step import decay_start_step, lr_schedule
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+
+    monkeypatch.setattr(loop_mod, "_data_api", stop)
+    common = {"optimizer.decay_steps": "null", "optimizer.decay_fraction": 0.1, "optimizer.warmup_steps": 0,
+              "qat.enabled": True, "qat.token_share": 0.5, "qat.warmup_steps": 0}
+    for steps, warned in ((20, True), (10, False)):
+        cfg = load_config(None, _overrides(tmp_path, f"r{steps}", **{**common, "steps": steps}))
+        # the QAT stage's WSD: peak until its decay starts, min_lr_ratio x peak at the end of the run
+        start = steps - (1 if warned else 0)
+        assert decay_start_step(cfg) == start, (steps, decay_start_step(cfg))
+        lr = np.asarray(jax.vmap(lr_schedule(cfg))(jnp.arange(steps + 1)))
+        assert np.all(lr[steps // 2:start] == lr[steps // 2]) and lr[steps] < lr[steps // 2], (steps, lr)
+        said: list[str] = []
+        with pytest.raises(Stop):
+            run_training(cfg, log=said.append, progress=False)
+        hits = [m for m in said if m.startswith("warning: a decay of 1 step changes nothing")]
+        assert bool(hits) == warned, (steps, said)
+        if warned:
+            assert "decay_fraction of the QAT steps" in hits[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # export: fake-quant HF folder, TQ1_0/TQ2_0 GGUF
 # ------------------------------------------------------------------------------------------------

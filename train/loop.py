@@ -868,12 +868,13 @@ def run_training(
             if init_src is not None:
                 origin.update(init_from=str(init_src.directory), init_step=init_src.step,
                               init_tokens=init_src.step * init_src.cfg.data.batch_size * init_src.cfg.data.seq_len)
-        from minicpm4_jax.train.optim import decay_steps_of
-
-        if decay_steps_of(cfg.optimizer, cfg.steps) == 1:
+        # the schedule's final decay: with qat.enabled the QAT stage's own (decay_fraction of the QAT steps; helper
+        # 99: the run's length was used, which warned about a decay of 0 steps and missed one of 1)
+        if cfg.steps - decay_start_step(cfg) == 1:
+            of = " of the QAT steps" if cfg.qat_start_step is not None and cfg.optimizer.decay_steps is None else ""
             say("warning: a decay of 1 step changes nothing: its one update runs at the peak learning rate (the "
                 "schedule reaches min_lr_ratio x peak after the last update, spec B12); use 2 or more decay steps "
-                "(optimizer.decay_steps / decay_fraction), or 0 for none")
+                f"(optimizer.decay_steps / decay_fraction{of}), or 0 for none")
         warning = qat_warmup_warning(cfg)
         if warning:
             say(warning)
