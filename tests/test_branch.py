@@ -203,3 +203,29 @@ def test_a_source_whose_corpus_changed_is_refused(corpus, cache_dir, tmp_path): 
                                           r"that run was trained on$"):
         run_training(tiny_cfg(own, cache_dir, out, branch_from=src, branch_step=2, steps=8), **QUIET)
     assert not out.exists() or not any(out.rglob("*"))
+
+
+def test_a_source_with_its_checkpoints_outside_its_folder(corpus, cache_dir, tmp_path):  # noqa: F811
+    """Break test (helper 99): a run trained with ``checkpoint.directory`` outside its ``out_dir`` (its config.json
+    records the folder) could not be named by its folder: ``branch_from=<out_dir>`` (and ``generate`` / ``eval`` /
+    ``export --checkpoint <out_dir>``) said "no checkpoint found" there, and ``branch_from=<checkpoint folder>``
+    looked for the source's data.json and metrics.jsonl beside that folder, so the corpus went unchecked and the
+    branch's history lacked the source's rows. The run folder now resolves to its recorded checkpoint folder, and
+    the branch reads the run's own files."""
+    from minicpm4_jax.tokenizer import load_run_tokenizer
+    from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
+
+    src, ck = tmp_path / "runs" / "src", tmp_path / "scratch" / "ck"
+    run_training(tiny_cfg(corpus, cache_dir, src, steps=8, **{"checkpoint.directory": ck, "checkpoint.save_every": 2,
+                                                               "checkpoint.keep": 10, "optimizer.decay_steps": 2}),
+                 **QUIET)
+    assert not (src / "checkpoints").exists() and find_checkpoint_dir(src) == ck
+    cfg, _model = load_params_for_inference(src)  # what generate / eval / export load
+    assert cfg.steps == 8 and load_run_tokenizer(src, ck).vocab_size == 384
+    said: list[str] = []
+    kw = {"steps": 10, "optimizer.decay_steps": 3}
+    s = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=src, branch_step=4, **kw),
+                     log=said.append, progress=False)
+    assert s["step"] == 10 and s["branch_step"] == 4 and f"branch: continuing {ck}/4 " in " ".join(said), said
+    assert not any("is missing" in m for m in said), said  # the source's data.json was found and checked
+    assert [h["step"] for h in s["history"]] == [2, 4, 6, 8, 10]  # the source's rows up to the branch point

@@ -42,6 +42,7 @@ data order).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from pathlib import Path
@@ -672,9 +673,23 @@ def holds_checkpoint_steps(path: Path) -> bool:
         return False
 
 
+def recorded_checkpoint_directory(run: Path) -> Path | None:
+    """The ``checkpoint.directory`` recorded in the ``config.json`` of the run folder ``run`` (resolved: a run records
+    the folder it wrote to; a relative one, from a run before that, is read against the working directory), or
+    ``None`` when there is none (the run's checkpoints are ``run/checkpoints``) or the file is absent or unreadable."""
+    try:
+        recorded = json.loads((run / "config.json").read_text()).get("checkpoint", {}).get("directory")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(recorded).expanduser().resolve() if isinstance(recorded, str) and recorded.strip() else None
+
+
 def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
                         path_option: str = "--checkpoint") -> Path:
     """Resolve ``path`` (a run's ``out_dir`` or its checkpoint folder) to the checkpoint folder.
+
+    A run folder's checkpoints are ``path/checkpoints``, or the ``checkpoint.directory`` its ``config.json`` records
+    when they lie elsewhere (:func:`recorded_checkpoint_directory`).
 
     Args:
         path: what the user gave as ``--checkpoint``.
@@ -704,7 +719,12 @@ def find_checkpoint_dir(path: str | Path, *, step_option: str | None = "--step",
                else f"{opt(path_option, run)} (the latest step is used)")
         raise ConfigError(f"{opt(path_option, path)} is the folder of one checkpoint step ({int(p.name)}), not a run; "
                           f"give the run folder instead: {how}")
-    if (p / "checkpoints").is_dir() and not holds_checkpoint_steps(p):
+    recorded = None if holds_checkpoint_steps(p) else recorded_checkpoint_directory(p)
+    if (recorded is not None and recorded != p and holds_checkpoint_steps(recorded)
+            and not holds_checkpoint_steps(p / "checkpoints")):
+        # a run trained with checkpoint.directory outside its out_dir (helper 99: "no checkpoint found in" the run)
+        p = recorded
+    elif (p / "checkpoints").is_dir() and not holds_checkpoint_steps(p):
         # a folder that holds step folders is a checkpoints folder even with a checkpoints/ inside it (a run
         # trained into it by mistake): resolving it again must not step into that other run's checkpoints
         p = p / "checkpoints"
@@ -723,16 +743,25 @@ class CheckpointSource:
     """A resolved checkpoint of another run that a run starts from (``branch_from``, ``qat.init_from``).
 
     Attributes:
-        directory: the source's checkpoint folder (absolute; ``<out_dir>/checkpoints`` or an ``import hf`` OUT's).
+        directory: the source's checkpoint folder (absolute; ``<out_dir>/checkpoints``, the ``checkpoint.directory``
+            of a run that wrote elsewhere, or an ``import hf`` OUT's).
         step: the chosen saved step.
         cfg: the :class:`TrainConfig` saved with ``step``.
         saved_steps: every complete step of ``directory`` when it was resolved, ascending (for messages).
+        run_dir: the source's run folder (its ``tokenizer/``, ``data.json``, ``metrics.jsonl``): the folder given
+            when it was a run folder, else ``directory``'s parent; ``None`` reads as ``directory.parent``.
     """
 
     directory: Path
     step: int
     cfg: TrainConfig
     saved_steps: tuple[int, ...] = ()
+    run_dir: Path | None = None
+
+    @property
+    def run_folder(self) -> Path:
+        """:attr:`run_dir`, or ``directory.parent`` when it is not set."""
+        return self.run_dir if self.run_dir is not None else self.directory.parent
 
 
 def resolve_source(path: str | Path, step: int | None, *, path_option: str, step_option: str,
@@ -790,7 +819,9 @@ def resolve_source(path: str | Path, step: int | None, *, path_option: str, step
                               f"({short_cause(e)}); {fix}") from None
     finally:
         mngr.close()
-    return CheckpointSource(directory=directory, step=chosen, cfg=saved, saved_steps=steps)
+    given = Path(path).expanduser().resolve()
+    run_dir = given if given != directory and given not in directory.parents else directory.parent
+    return CheckpointSource(directory=directory, step=chosen, cfg=saved, saved_steps=steps, run_dir=run_dir)
 
 
 def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None, *,

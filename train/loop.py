@@ -84,7 +84,7 @@ from minicpm4_jax.config import (ConfigError, TrainConfig, check_training_select
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
-                                           params_all_finite, sharded_abstract_state)
+                                           params_all_finite, recorded_checkpoint_directory, sharded_abstract_state)
 from minicpm4_jax.train.metrics import (MetricsWriter, measure_matmul_peak_flops, mfu, mfu_above_peak_causes,
                                         model_flops_per_second, ternary_scalars)
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
@@ -454,14 +454,8 @@ def _recorded_checkpoint_dirs(out_dir: Path) -> list[Path]:
     ``checkpoint.directory`` its ``config.json`` records (absolute: a run records the folder its Checkpointer
     resolved against its working directory; a relative one, from a run before that, is read against the current
     working directory), resolved; nothing unreadable is an error here."""
-    dirs = [(out_dir / "checkpoints").resolve()]
-    try:
-        recorded = json.loads((out_dir / "config.json").read_text()).get("checkpoint", {}).get("directory")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
-    if isinstance(recorded, str) and recorded.strip():
-        dirs.append(Path(recorded).expanduser().resolve())
-    return dirs
+    recorded = recorded_checkpoint_directory(out_dir)
+    return [(out_dir / "checkpoints").resolve()] + ([recorded] if recorded is not None else [])
 
 
 def _missing_folders(*paths: Path) -> list[Path]:
@@ -911,7 +905,7 @@ def run_training(
                               f"write them for runtimes); set {' '.join(fix)}")
         check_run_data(out_dir, data.manifest, resume=resume, say=say)
         if branch_src is not None:  # the corpus and tokenizer the source run started with (its data.json)
-            check_run_data(branch_src.directory.parent, data.manifest, resume=True, say=say, label="branch_from")
+            check_run_data(branch_src.run_folder, data.manifest, resume=True, say=say, label="branch_from")
         if init_src is not None:
             from minicpm4_jax.train.qat import check_init_tokenizer
 
@@ -1122,7 +1116,7 @@ def run_training(
 
         # the whole run's logged rows and evaluations, carried across resumes (metrics.jsonl); a branch starts with
         # its source's up to the branch point, which it shares
-        seed = (RunHistory.read(branch_src.directory.parent / METRICS_FILE, upto=start)
+        seed = (RunHistory.read(branch_src.run_folder / METRICS_FILE, upto=start)
                 if branch_src is not None else None)
         hist = RunHistory(out_dir / METRICS_FILE, start=start, write=is_main, seed=seed, log=say)
         if hist.skipped:

@@ -95,7 +95,7 @@ def check_init_tokenizer(src: InitSource, tok: Any, log: Callable[[str], None]) 
     """
     from minicpm4_jax.tokenizer import load_tokenizer
 
-    folder = src.directory.parent / "tokenizer"
+    folder = src.run_folder / "tokenizer"
     if not folder.is_dir():
         return False
     # the file of the same kind as this run's tokenizer (a folder holds both tokenizer.model and the
