@@ -566,6 +566,40 @@ def test_corpus_entropies_known_values():
     assert abs(h["unigram"] - math.log(16)) < 1e-3 and abs(h["bigram"] - math.log(16)) < 5e-3
 
 
+def test_ngram_baselines_read_a_bounded_sample_of_a_large_corpus(tmp_path, monkeypatch):
+    """Break test (helper 99): the end-of-run n-gram table read the whole train split into int64 arrays, ~54 bytes
+    per token at its peak (1.1 GB for 20M tokens, so tens of GB for a real corpus), after the run's last checkpoint:
+    such a run died there without summary.json, and so did every resume. Each split is now read through
+    ``ngram_sample`` (at most NGRAM_MAX_TOKENS tokens, evenly spread runs), so memory does not grow with the
+    corpus; a split that fits is read whole (the values are exact)."""
+    import tracemalloc
+
+    import minicpm4_jax.train.data as data_mod
+
+    n, cap, vocab = 2_000_000, 8192, 4096
+    mm = np.memmap(tmp_path / "train.bin", dtype=np.uint16, mode="w+", shape=(n,))
+    mm[:] = np.random.default_rng(0).integers(0, vocab, n, dtype=np.uint16)
+    mm.flush()
+    train = np.memmap(tmp_path / "train.bin", dtype=np.uint16, mode="r", shape=(n,))
+    monkeypatch.setattr(data_mod, "NGRAM_MAX_TOKENS", cap, raising=False)
+    tracemalloc.start()
+    try:
+        ent = corpus_entropies(train, vocab)
+        held = heldout_ngram_xent(train, train[: n // 50], vocab)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.1f} MiB traced for {n:,} tokens"  # the whole split: ~100 MiB
+    # uniform ids: a plug-in entropy of 8192 of them lies a little below log(vocab); the held-out one above
+    assert 0.9 * math.log(vocab) < ent["unigram"] < math.log(vocab) < held["unigram"]
+    sample = data_mod.ngram_sample(train)
+    assert sample.shape == (cap,) and np.array_equal(sample[:cap // 64], train[:cap // 64])
+    assert np.array_equal(sample[-(cap // 64):], train[-(cap // 64):])  # spread up to the end
+    # a split that fits is read whole: the same values as without the bound
+    small = np.asarray(train[:cap])
+    assert corpus_entropies(small, vocab) == corpus_entropies(small, vocab, max_tokens=cap * 10)
+
+
 def test_heldout_ngram_xent_is_normalised_and_sensible():
     rng = np.random.default_rng(0)
     V = 12

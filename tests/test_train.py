@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -919,6 +920,25 @@ def test_a_resume_may_change_rematerialisation_and_the_attention_implementation(
     with pytest.raises(ConfigError, match=r"model\.num_hidden_layers: 2 != 3"):
         run_training(tiny_cfg(corpus, cache_dir, out, **{**kw, "model.num_hidden_layers": 3}), resume=True,
                      log=lambda _m: None, progress=False)
+
+
+def test_the_end_of_run_table_says_when_its_ngram_rows_are_sampled(corpus, cache_dir, tmp_path, monkeypatch):
+    """The n-gram rows of the end-of-run table read at most NGRAM_MAX_TOKENS of each split (helper 99: the whole
+    split took ~54 bytes per token, tens of GB on a real corpus); the table's header says when they were sampled."""
+    import minicpm4_jax.train.data as data_mod
+
+    monkeypatch.setattr(data_mod, "NGRAM_MAX_TOKENS", 2048)
+    said: list[str] = []
+    s = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "r", steps=2, eval_every=10, sample_tokens=0,
+                              **{"checkpoint.save_every": 2, "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0}),
+                     log=said.append, progress=False)
+    n_train = data_mod.prepare_data(tiny_cfg(corpus, cache_dir, tmp_path / "r").data,
+                                    log=lambda _m: None).manifest["num_train_tokens"]
+    assert n_train > 2048  # the validation split (~1,500 tokens) fits: it is read whole
+    head = [m for m in said if m.startswith("loss per token (nats) on the tokenized corpus")]
+    assert head == [f"loss per token (nats) on the tokenized corpus (n-gram rows from 2,048 evenly spread tokens of "
+                    f"the train {n_train:,}-token split(s)):"], said
+    assert all(math.isfinite(s[k]) for k in ("unigram_entropy", "bigram_entropy", "bigram_heldout_xent"))
 
 
 def test_throughput_excludes_eval_and_save_time():

@@ -1274,6 +1274,7 @@ def run_training(
         if final_parts:
             say(f"step {step:>6d}  {val_text(final_val, final_parts)}")
 
+        # (each split read through data.ngram_sample: at most NGRAM_MAX_TOKENS of it, bounded memory on any corpus)
         ent = data_api.corpus_entropies(data.train_tokens, tok.vocab_size)
         held = data_api.heldout_ngram_xent(data.train_tokens, data.val_tokens, tok.vocab_size)
         qat_summary = None
@@ -1305,7 +1306,13 @@ def run_training(
             ("unigram cross-entropy, held-out", held["unigram"]),
             ("bigram cross-entropy, held-out", held["bigram"]),
         ]
-        say("loss per token (nats) on the tokenized corpus:")
+        from minicpm4_jax.train.data import NGRAM_MAX_TOKENS
+
+        sampled = [f"{name} {int(a.shape[0]):,}" for name, a in (("train", data.train_tokens), ("val", data.val_tokens))
+                   if a.shape[0] > NGRAM_MAX_TOKENS]
+        say("loss per token (nats) on the tokenized corpus" + (
+            f" (n-gram rows from {NGRAM_MAX_TOKENS:,} evenly spread tokens of the {' / '.join(sampled)}-token "
+            "split(s))" if sampled else "") + ":")
         for name, v in rows:
             say(f"  {name:<34s} {v:8.4f}")
 
