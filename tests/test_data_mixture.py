@@ -107,6 +107,46 @@ def test_components_have_their_own_caches_and_a_tokenizer_of_the_training_docume
     assert data.train_tokens.shape[0] == man["num_train_tokens"]
 
 
+def test_a_mixtures_whole_corpus_is_chained_not_copied(tmp_path):
+    """Break test (helper 99): a mixture's ``train_tokens`` / ``val_tokens`` (read by the n-gram baselines) were
+    ``np.concatenate`` of its components' memmaps: every token copied into memory, in each process, at the start of
+    the run (2 bytes per token: 20 GB for a 10B-token mixture). They are now a ``TokenChain`` of the memmaps, which
+    reads only what is sliced, and equals the concatenation."""
+    import gc
+    import tracemalloc
+
+    parts = {}
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        rng = np.random.default_rng(len(name))
+        for i in range(6):
+            words = rng.choice(WORDS[name], 40_000)
+            (d / f"{name}{i}.txt").write_text(" ".join(f"{w}{int(rng.integers(10))}" for w in words) + "\n")
+        parts[name] = d
+    cfg = _cfg({**parts, "cache": tmp_path / "cache"})
+    D.prepare_data(cfg, log=lambda _m: None)  # tokenized and cached
+    tracemalloc.start()
+    try:
+        data = D.prepare_data(cfg, log=lambda _m: None)
+        gc.collect()  # what the prepared data holds in memory, not garbage awaiting the collector
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    n_tokens = data.manifest["num_train_tokens"] + data.manifest["num_val_tokens"]
+    assert n_tokens * 2 > 2**20 and kept < 2**20, f"{kept / 2**20:.2f} MiB held for {n_tokens:,} tokens"
+    for split in ("train_tokens", "val_tokens"):
+        chain, whole = getattr(data, split), np.concatenate([getattr(m.data, split) for m in data.components])
+        assert chain.shape == whole.shape and len(chain) == whole.size and chain.dtype == whole.dtype
+        np.testing.assert_array_equal(np.asarray(chain), whole)
+        cut = getattr(data.components[0].data, split).shape[0]
+        for sl in (slice(cut - 5, cut + 7), slice(0, 3), slice(-4, None), slice(cut, cut), slice(1, 40, 3)):
+            np.testing.assert_array_equal(chain[sl], whole[sl], err_msg=str(sl))
+        assert chain[cut] == whole[cut] and chain[-1] == whole[-1]
+    np.testing.assert_array_equal(D.ngram_sample(data.train_tokens, 640),
+                                  D.ngram_sample(np.concatenate([m.data.train_tokens for m in data.components]), 640))
+
+
 def test_proportions_decay_switch_and_continuing_streams(corpora):
     cfg = _cfg(corpora, decay_weights=(0.0, 1.0))
     data = D.prepare_data(cfg, log=lambda _m: None)

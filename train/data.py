@@ -89,6 +89,7 @@ __all__ = [
     "heldout_ngram_xent",
     "ngram_sample",
     "NGRAM_MAX_TOKENS",
+    "TokenChain",
     "default_cache_dir",
     "read_corpus",
     "Corpus",
@@ -461,7 +462,7 @@ class PreparedData:
     """A tokenized corpus ready to serve.
 
     ``train_tokens``/``val_tokens``: read-only 1-D ``np.memmap`` (uint16 or uint32) of token ids,
-    each document followed by ``tokenizer.eos_id``. ``manifest``: the cache's ``manifest.json``
+    each document followed by ``tokenizer.eos_id`` (a mixture's: a :class:`TokenChain` of its components'). ``manifest``: the cache's ``manifest.json``
     (``num_documents``, ``num_train_documents``, ``num_val_documents``, ``skipped_files`` (count of
     non-UTF-8 files), ``skipped_file_paths``, ``empty_files``, ``skipped_records`` (count of records
     without a string ``text_field``), ``skipped_record_examples``, ``num_train_tokens``,
@@ -471,8 +472,8 @@ class PreparedData:
     """
 
     tokenizer: Tokenizer
-    train_tokens: np.ndarray
-    val_tokens: np.ndarray
+    train_tokens: "np.ndarray | TokenChain"
+    val_tokens: "np.ndarray | TokenChain"
     manifest: dict
     cache_dir: Path
     components: tuple["MixtureComponent", ...] = ()
@@ -524,6 +525,49 @@ def _write_tokens(path: Path, tok: Tokenizer, docs: list[str], dtype: np.dtype, 
             f.write(arr.astype(dtype).tobytes())
             n += count
     return n
+
+
+class TokenChain:
+    """Read-only 1-D concatenation of 1-D token arrays (a mixture's component memmaps) that copies nothing up front.
+
+    ``shape``, ``ndim``, ``dtype``, ``len()``, an integer index and a slice (which reads only its own tokens: step 1
+    slices are concatenated from the parts they cover) work as on the concatenated array; ``np.asarray`` of it
+    copies every token (use slices, e.g. :func:`ngram_sample`, on a large corpus).
+    """
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        self._parts = list(parts)
+        self._ends = np.cumsum([int(p.shape[0]) for p in self._parts], dtype=np.int64)
+        self.dtype = np.result_type(*(p.dtype for p in self._parts)) if self._parts else np.dtype(np.uint16)
+        self.shape = (int(self._ends[-1]) if self._parts else 0,)
+        self.ndim = 1
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.shape[0])
+            if step != 1:
+                return np.asarray(self)[key]
+            out, begin = [], 0
+            for part, end in zip(self._parts, self._ends):
+                lo, hi = max(start, begin), min(stop, int(end))
+                if lo < hi:
+                    out.append(np.asarray(part[lo - begin:hi - begin], dtype=self.dtype))
+                begin = int(end)
+            return np.concatenate(out) if out else np.zeros((0,), self.dtype)
+        i = int(key)
+        if i < 0:
+            i += self.shape[0]
+        if not 0 <= i < self.shape[0]:
+            raise IndexError(f"index {key} is out of bounds for {self.shape[0]} tokens")
+        c = int(np.searchsorted(self._ends, i, side="right"))
+        return self._parts[c][i - (int(self._ends[c - 1]) if c else 0)]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
 
 
 def _open_tokens(path: Path, dtype: str, count: int) -> np.ndarray:
@@ -658,7 +702,7 @@ def prepare_data(cfg: DataConfig, *, log: Callable[[str], Any] = print) -> Prepa
     Returns:
         :class:`PreparedData` with memmapped ``train_tokens``/``val_tokens`` (1-D uint16/uint32). With
         ``cfg.weights`` (a mixture) its ``components`` hold each source's own :class:`PreparedData`, and
-        ``train_tokens``/``val_tokens`` are theirs concatenated in memory (for the n-gram baselines).
+        ``train_tokens``/``val_tokens`` are theirs chained (:class:`TokenChain`, no copy; for the n-gram baselines).
 
     Raises:
         ConfigError: (one line, naming the value and the fix) bad mixture weights; cache folder not writable or inside
@@ -787,9 +831,10 @@ def _prepare_mixture(cfg: DataConfig, log: Callable[[str], Any]) -> PreparedData
     }
     return PreparedData(
         tokenizer=tok,
-        # the n-gram baselines and scripts read the whole corpus: the components' tokens, concatenated in memory
-        train_tokens=np.concatenate([m.data.train_tokens for m in comps]),
-        val_tokens=np.concatenate([m.data.val_tokens for m in comps]),
+        # the n-gram baselines and scripts read the whole corpus: the components' tokens, chained without a copy
+        # (helper 99: concatenated in memory, 2 bytes per token of every component in each process at the start)
+        train_tokens=TokenChain([m.data.train_tokens for m in comps]),
+        val_tokens=TokenChain([m.data.val_tokens for m in comps]),
         manifest=man,
         cache_dir=root / "tokens",
         components=tuple(comps),
