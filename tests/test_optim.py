@@ -101,12 +101,20 @@ def test_param_groups_by_path():
         param_group((jax.tree_util.DictKey("mystery_weight"),))
 
 
-@pytest.mark.parametrize("tie", [True, False])
-@pytest.mark.parametrize("mup", [True, False])
-def test_mup_learning_rates_through_updates(tie, mup):
-    """First AdamW step on all-ones gradients: |update| = group LR (Adam normalises the gradient)."""
+def _is_hidden_matrix(key: str) -> bool:
+    """Whether the keystr ``key`` names a μP hidden matrix (spec §3.2: q, k, v, o, gate, up, down and the MTP fc)."""
+    return "_proj" in key or key.endswith("['fc'].value")
+
+
+@pytest.mark.parametrize("tie,mup,mtp", [(True, True, False), (False, True, False), (True, False, False),
+                                         (False, False, False), (True, True, True)])
+def test_mup_learning_rates_through_updates(tie, mup, mtp):
+    """First AdamW step on all-ones gradients: |update| = group LR (Adam normalises the gradient). With the MTP draft
+    head its fc (2H -> H) and its layer's matrices are hidden matrices too (break test, helper 99: fc put in the
+    embedding group, at width_mult x its learning rate, passed every test)."""
     cfg = load_config(None, TINY + [f"model.tie_word_embeddings={str(tie).lower()}", f"optimizer.mup={str(mup).lower()}",
-                                    "optimizer.weight_decay=0.0", "optimizer.learning_rate=0.01"])
+                                    "optimizer.weight_decay=0.0", "optimizer.learning_rate=0.01",
+                                    f"model.mtp={str(mtp).lower()}"])
     assert cfg.model.width_mult == 4.0
     params = _tiny_params(cfg)
     tx = make_optimizer(cfg.model, cfg.optimizer, cfg.steps)
@@ -117,11 +125,13 @@ def test_mup_learning_rates_through_updates(tie, mup):
     hidden_lr = 0.01 / 4.0 if mup else 0.01
     seen = set()
     for k, u in _leaves(updates).items():
-        group = "hidden" if "_proj" in k else ("norm" if "norm" in k else "embedding")
+        group = "hidden" if _is_hidden_matrix(k) else ("norm" if "norm" in k else "embedding")
         seen.add(group)
         want = hidden_lr if group == "hidden" else 0.01
         np.testing.assert_allclose(u, -want, rtol=1e-4, err_msg=k)
     assert seen == {"hidden", "norm", "embedding"}
+    if mtp:
+        assert "['mtp']['fc'].value" in _leaves(updates) and "['mtp']['input_norm1'].value" in _leaves(updates)
     if not tie:
         assert any("lm_head" in k for k in _leaves(updates))
 
@@ -161,13 +171,14 @@ def test_mup_init_scales():
         "model.num_hidden_layers=2", "model.num_attention_heads=8", "model.num_key_value_heads=2",
         "model.dim_model_base=64", "model.initializer_range=0.1", "model.tie_word_embeddings=false",
         "model.max_position_embeddings=64", "data.seq_len=32", "data.tokenizer_vocab_size=2048",
-        "optimizer.warmup_steps=0", "optimizer.decay_steps=0",
+        "optimizer.warmup_steps=0", "optimizer.decay_steps=0", "model.mtp=true",
     ])
     assert cfg.model.width_mult == 8.0
     params = _leaves(_tiny_params(cfg))
+    assert "['mtp']['fc'].value" in params  # the draft head's 2H -> H matrix: a hidden matrix (spec §3.2)
     hidden_std = 0.1 / math.sqrt(8.0)
     for k, v in params.items():
-        if "_proj" in k:
+        if _is_hidden_matrix(k):
             assert v.std() == pytest.approx(hidden_std, rel=0.03), k
             assert abs(v.mean()) < 0.05 * hidden_std, k
         elif "norm" in k:
