@@ -10,7 +10,8 @@ as the model widens; under SP it should move (down) with width.
 Every run: the cpu_tiny recipe (AdamW, WSD, weight decay 0.1, clip 1.0) with ``--layers`` layers of head_dim
 32, SwiGLU width 2.5x, no MTP, scored by its final held-out loss (nats/token, the same validation batches).
 Prints a table and the best learning rate per width, writes ``<out>/results.json`` and a plot (held-out loss
-against learning rate, one curve per width, μP and SP side by side). Finished runs are reused.
+against learning rate, one curve per width, μP and SP side by side). Finished runs are reused; a run that
+diverges (a learning rate too high) scores NaN, and its record is reused too (``train.sweep.train_or_reuse``).
 
 Example (about 25 minutes on an idle 2-core CPU)::
 

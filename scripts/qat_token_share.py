@@ -17,7 +17,8 @@ model for (a) and (b)).
 
 Prints a table, writes ``<out>/results.json`` and plots held-out loss against s with (a) and (c) as
 horizontal lines (``--plot``, default ``docs/img/qat_token_share.png``). A run whose folder already
-holds a ``summary.json`` for the same config is reused (``--fresh`` retrains everything).
+holds a ``summary.json`` for the same config is reused (``--fresh`` retrains everything); a run that diverged
+scores NaN and its record (``diverged.json``) is reused too.
 
 Example (about 20 minutes on a 2-core CPU)::
 
