@@ -490,6 +490,27 @@ def test_bad_requests_are_one_line_errors(weights):
         with_attention(_model(weights, BASE), "flash")
 
 
+@pytest.mark.parametrize("case", ["dense", "gen2"])
+def test_extend_past_the_cache_capacity_is_refused(weights, case):
+    """Break test: extend() wrote a token at a position beyond the cache (a 128-slot cache fed position 128): the
+    write was dropped, the cached length went to 129 and the logits were silently off (0.0103 against the full
+    forward, 1e-7 one step before). A cache that fills up now raises, naming the position and the capacity."""
+    variant, sp = CASES[case]
+    eng = InferenceEngine(_model(weights, _cfg(variant, **sp)), prefill_chunk=64)
+    seq = _ids(130, seed=4)
+    cache = eng.new_cache(1, 100)
+    assert cache.capacity == 128
+    cache, _, _ = eng.prefill(cache, [seq[:127]])
+    cache, _, _ = eng.extend(cache, jnp.asarray([[seq[127]]], jnp.int32), jnp.asarray([[127]], jnp.int32))  # fits
+    assert int(cache.lengths[0]) == 128
+    for width in (1, 20):  # a decode step and a longer (prefill-mode) chunk
+        with pytest.raises(ValueError, match=rf"position {127 + width} does not fit a cache of 128 slots"):
+            eng.extend(cache, jnp.zeros((1, width), jnp.int32), jnp.asarray([128 + np.arange(width)], jnp.int32))
+    # padding rows (-1) and positions inside the capacity still run
+    _, lg, _ = eng.extend(cache, jnp.asarray([[seq[127], 0]], jnp.int32), jnp.asarray([[127, -1]], jnp.int32))
+    assert np.isfinite(np.asarray(lg)).all()
+
+
 def test_with_attention_switches_algorithm_keeps_weights(weights):
     model = _model(weights, BASE)
     sp = with_attention(model, "infllmv2")

@@ -507,12 +507,20 @@ class InferenceEngine:
         The dispatch length of every row is its sequence's length after the append. Returns ``(cache, logits,
         attended_fraction)`` (and the hidden states ``[batch, T, hidden]`` with ``return_hidden``). Positions
         need not follow the cached length: writing at an earlier position overwrites (speculative rollback).
+
+        Raises:
+            ValueError: a position at or beyond the cache's capacity (its keys would be dropped and the cached
+                length would pass the capacity: silently wrong logits); make the cache with room for them.
         """
+        p = np.asarray(jax.device_get(positions))
+        if p.size and int(p.max()) >= cache.capacity:
+            raise ValueError(f"position {int(p.max())} does not fit a cache of {cache.capacity} slots (positions "
+                             f"0 .. {cache.capacity - 1}); make the cache with new_cache(batch, tokens) for every "
+                             "position it will hold")
         valid = positions >= 0
         dispatch = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), axis=1))
         mode = "prefill"
         if ids.shape[1] <= 16:  # a decode step or a verify chunk: per-token dispatch, the decode attention path
-            p = jax.device_get(positions)
             mode = decode_mode(self.cfg, [int(x) + 1 for x in p.reshape(-1) if x >= 0])
         return self._forward(self.weights, cache, ids, positions, dispatch, all_rows=True, mode=mode,
                              return_hidden=return_hidden)
