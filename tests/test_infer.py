@@ -867,3 +867,26 @@ def test_detokenizing_costs_a_bounded_window_per_token():
     out = _ReplayEngine(new).generate([prompt_ids], len(new), stop_ids=(2,), stop_strings=[stop],
                                       detokenize=tok.decode, on_token=None)
     assert out.finish_reasons == ["stop"] and len(out.tokens[0]) == at > len(chunk)
+
+
+def test_incremental_text_without_byte_value_keeps_a_long_byte_run_whole():
+    """A ``detokenize`` that is no tokenizer's bound ``decode`` (a lambda, as ``InferenceEngine.generate`` accepts)
+    gives :class:`IncrementalText` no ``byte_value``. Earlier sessions: its window then moved to a start inside a
+    byte-fallback run, where the ``ByteFallback`` decoder turned the whole cut run into U+FFFD; the text of a valid
+    40-byte run ended in U+FFFD and a stop string after it was never found (finish reason "length", not "stop")."""
+    from minicpm4_jax.infer.detok import IncrementalText
+    from minicpm4_jax.infer.engine import _Collector
+
+    tok = _official_tokenizer("hf")
+    byte = [tok.token_to_id(f"<0x{b:02X}>") for b in range(256)]
+    ids = tok.encode("hello") + [byte[b] for b in ("中文字符" * 5).encode()] + tok.encode(" end")
+    for tail in (1, 4, 16):
+        text = IncrementalText(lambda x: tok.decode(x), tail=tail)
+        for n, i in enumerate(ids, 1):
+            text.push(i)
+            assert text.text() == tok.decode(ids[:n]), (tail, n)
+    col = _Collector(1, len(ids), (), ["符 end"], lambda x: tok.decode(x), None)
+    for i in ids:
+        if col.active[0]:
+            col.take(0, i)
+    assert col.reasons == ["stop"] and col.out[0] == ids

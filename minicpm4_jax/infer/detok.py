@@ -127,8 +127,19 @@ class IncrementalText:
         self._pending = ""
         self._k = len(self.ids)
         if self._k - self._w > 2 * self._tail:  # move the window up (one decode every ``tail`` ids or so)
-            self._w = char_start(self.ids, self._k - self._tail, self._byte_value)
-            self._base = self._decode(self.ids[self._w:self._k])
+            self._move_window()
+
+    def _move_window(self) -> None:
+        """Start the window ``tail`` ids before the commit point, at the first of up to ``_MAX_CONTINUATION + 1``
+        starts (going back one id at a time) whose decode ends the committed text. A start inside a character or a
+        byte-fallback run decodes otherwise (U+FFFD; a ``ByteFallback`` decoder turns the whole cut run into U+FFFD),
+        which only ``byte_value`` could tell beforehand; without such a start the window stays where it was."""
+        start = char_start(self.ids, self._k - self._tail, self._byte_value)
+        for w in range(start, max(start - _MAX_CONTINUATION - 1, self._w), -1):
+            base = self._decode(self.ids[w:self._k])
+            if len(base) <= self._committed and self.text_from(self._committed - len(base)) == base:
+                self._w, self._base = w, base
+                return
 
     def _resync(self) -> int:
         """Decode all ids again (the window's decode did not continue the committed text); the first changed index."""
