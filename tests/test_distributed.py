@@ -245,23 +245,54 @@ raise SystemExit(3)   # at once, as a refused start does
 '''
 
 
-def test_gather_then_exit_ends_both_processes():
+def _two_processes(script: str) -> tuple[list[int], list[str]]:
+    """Run ``script`` as processes 0 and 1 of a 2-process CPU cluster (4 devices each): return codes and outputs."""
     env = {k: v for k, v in subprocess_env().items() if not k.startswith("SLURM_")}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "XLA_FLAGS": SUBPROCESS_XLA_FLAGS,
                 "PYTHONUNBUFFERED": "1"})
+    port = _free_port()
+    procs = [subprocess.Popen([PY, "-c", script, json.dumps({"nproc": 2, "pid": p, "port": port})],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+             for p in range(2)]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], outs
+
+
+def test_gather_then_exit_ends_both_processes():
     for _ in range(3):
-        port = _free_port()
-        procs = [subprocess.Popen([PY, "-c", _GATHER_THEN_EXIT, json.dumps({"nproc": 2, "pid": p, "port": port})],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-                 for p in range(2)]
-        try:
-            outs = [p.communicate(timeout=90)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        assert [p.returncode for p in procs] == [3, 3], outs
+        rcs, outs = _two_processes(_GATHER_THEN_EXIT)
+        assert rcs == [3, 3], outs
         assert all("rows [[0, 10], [1, 11]] first 7" in o for o in outs), outs
+
+
+_GATHER_64_BIT = r'''
+import json, sys
+args = json.loads(sys.argv[1])
+import jax, numpy as np
+jax.distributed.initialize(f"localhost:{args['port']}", args["nproc"], args["pid"])
+from minicpm4_jax.train.distributed import broadcast_from_process_0, process_allgather
+pid = args["pid"]
+big = process_allgather(np.int64(2**40 + pid))
+t = process_allgather(np.array([1.7e9 + 0.25 + pid, 1e-12 * pid]))
+flags = process_allgather(np.array([[True, pid == 1]]))
+print("got", big.dtype, big.tolist(), t.dtype, t.tolist(), flags.shape, flags.tolist(),
+      repr(broadcast_from_process_0(2**40 + pid)), flush=True)
+'''
+
+
+def test_gather_keeps_64_bit_values_and_dtypes():
+    """Earlier sessions: the all-gather narrowed 64-bit values to 32 bits without ``jax_enable_x64`` in several
+    processes (``2**40`` arrived as 0, a float64 time lost its fraction), while one process returned them whole."""
+    rcs, outs = _two_processes(_GATHER_64_BIT)
+    assert rcs == [0, 0], outs
+    want = ("got int64 [1099511627776, 1099511627777] float64 [[1700000000.25, 0.0], [1700000001.25, 1e-12]] "
+            "(2, 1, 2) [[[True, False]], [[True, True]]] np.int64(1099511627776)")
+    assert all(want in o for o in outs), outs
 
 
 def test_a_run_file_process_0_cannot_write_stops_every_process(corpus, tmp_path):

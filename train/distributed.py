@@ -123,7 +123,8 @@ def initialize(cfg: DistributedConfig, log: Callable[[str], None] = print) -> bo
 
 def process_allgather(value: Any) -> Any:
     """Every process's ``value`` (a scalar or array of one shape and dtype everywhere): a numpy array
-    ``[process_count, *value.shape]``, row ``i`` from process ``i``. Call it on every process.
+    ``[process_count, *value.shape]`` of ``value``'s dtype (64-bit ones too, bit for bit), row ``i`` from process
+    ``i``. Call it on every process.
 
     ``jax.experimental.multihost_utils.process_allgather`` returns once the first local device has its copy, while
     the other local devices' cross-process transfers (one Gloo context each on CPU) may still be under way. A
@@ -141,14 +142,17 @@ def process_allgather(value: Any) -> Any:
     host = np.expand_dims(np.asarray(value), 0)
     if jax.process_count() == 1:
         return host
+    # sent as its bytes: a 64-bit value (int64, float64, a Python int or float) would be narrowed to 32 bits
+    # without jax_enable_x64 (2**40 arrived as 0), unlike the one-process result
+    raw = np.ascontiguousarray(host).reshape(1, -1).view(np.uint8)
     mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count()),
                 ("processes", "local_devices"))
     rows = jax.make_array_from_single_device_arrays(
-        (jax.process_count(), *host.shape[1:]), NamedSharding(mesh, PartitionSpec("processes")),
-        [jax.device_put(host, d) for d in jax.local_devices()])
+        (jax.process_count(), raw.shape[1]), NamedSharding(mesh, PartitionSpec("processes")),
+        [jax.device_put(raw, d) for d in jax.local_devices()])
     out = _replicate(NamedSharding(mesh, PartitionSpec()))(rows)
     out.block_until_ready()  # every local device, not only the one read below
-    return np.asarray(out.addressable_data(0))
+    return np.asarray(out.addressable_data(0)).view(host.dtype).reshape(jax.process_count(), *host.shape[1:])
 
 
 def _identity(x: Any) -> Any:
