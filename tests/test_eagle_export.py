@@ -314,3 +314,29 @@ def test_cli_export_eagle_then_import_next_to_the_base_and_draft(tmp_path, tiny_
     assert not (tmp_path / "r3").exists()
     with pytest.raises(ConfigError):
         read_eagle(tmp_path / "nope", cfg)
+
+
+def test_import_with_a_draft_counts_it_in_the_disk_space_it_needs(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """``import hf --eagle`` writes the base model and the draft head; its free-disk check counted the base's
+    parameters only (``num_params``), not the head's (``mtp_params``: 270.5M of an 8B's, about 1 GiB in fp32)."""
+    import minicpm4_jax.convert.hf_import as hi
+    from minicpm4_jax.convert.hf_import import import_hf
+
+    cfg = _mtp_cfg(tied=True)
+    params = _mtp_params(cfg, 45)
+    write_hf({k: v for k, v in params.items() if not k.startswith("mtp/")}, cfg, tmp_path / "base",
+             tokenizer_dir=tiny_tokenizer_dir)
+    write_eagle(params, cfg, tmp_path / "draft")
+    asked: list[int] = []
+
+    def staged_output(out, *, needed_bytes=0, **_kw):
+        asked.append(needed_bytes)
+        raise ConvertError("stop here")
+
+    monkeypatch.setattr(hi, "staged_output", staged_output)
+    with pytest.raises(ConvertError, match="stop here"):
+        import_hf(tmp_path / "base", tmp_path / "run", eagle=tmp_path / "draft")
+    weights = 4 * sum(int(np.prod(v.shape)) for v in params.values())  # the base's and the head's, fp32
+    tokenizer = sum((tmp_path / "base" / n).stat().st_size for n in hi._TOKENIZER_FILES
+                    if (tmp_path / "base" / n).is_file())
+    assert cfg.mtp_params() > 0 and asked == [weights + tokenizer + (1 << 20)], (asked, weights, tokenizer)

@@ -422,7 +422,7 @@ def import_hf(src: str | Path, out: str | Path, *, force: bool = False,
         if log:
             log(f"warning: {w}")
 
-    n_params = cfg.num_params()
+    n_params = cfg.num_params() + cfg.mtp_params()  # with --eagle: the draft head too
     needed = 4 * n_params + sum((folder / n).stat().st_size for n in tok_files) + (1 << 20)
     rows = {r.ours: r for r in LLAMA_PARAM_MAP}
     place = shardings or (lambda _path, _shape: _default_sharding())
