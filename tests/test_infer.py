@@ -890,3 +890,27 @@ def test_incremental_text_without_byte_value_keeps_a_long_byte_run_whole():
         if col.active[0]:
             col.take(0, i)
     assert col.reasons == ["stop"] and col.out[0] == ids
+
+
+def test_incremental_text_window_never_starts_at_an_empty_decode():
+    """A Llama-style ``tokenizer.json`` decoder (Replace, ByteFallback, Fuse, Strip one leading space) decodes a lone
+    ``<0x20>`` to nothing. Earlier sessions: without ``byte_value`` the window could start at it (``tail=1``); that
+    empty decode showed no change, so a next byte that made ``<0x20><0x8B>`` an invalid run (both U+FFFD in the
+    whole decode) left the space in the text."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from minicpm4_jax.infer.detok import IncrementalText
+    from minicpm4_jax.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.WordLevel({"<unk>": 0, "a": 1, "d": 2, "<0x20>": 3, "<0x8B>": 4}, unk_token="<unk>"))
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = Tokenizer(hf_json=hf.to_str())
+    ids = [1, 1, 1, 2, 3, 4]
+    assert tok.decode(ids) == "aaad\ufffd\ufffd" and tok.decode([3]) == ""
+    for tail in (1, 2, 16):
+        text = IncrementalText(lambda x: tok.decode(x), tail=tail)
+        for n, i in enumerate(ids, 1):
+            text.push(i)
+            assert text.text() == tok.decode(ids[:n]), (tail, n, text.text())

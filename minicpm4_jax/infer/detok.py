@@ -133,11 +133,12 @@ class IncrementalText:
         """Start the window ``tail`` ids before the commit point, at the first of up to ``_MAX_CONTINUATION + 1``
         starts (going back one id at a time) whose decode ends the committed text. A start inside a character or a
         byte-fallback run decodes otherwise (U+FFFD; a ``ByteFallback`` decoder turns the whole cut run into U+FFFD),
-        which only ``byte_value`` could tell beforehand; without such a start the window stays where it was."""
+        which only ``byte_value`` could tell beforehand; an empty decode (a lone space a ``Strip`` decoder removes)
+        ends every text but cannot show a later change of it. Without such a start the window stays where it was."""
         start = char_start(self.ids, self._k - self._tail, self._byte_value)
         for w in range(start, max(start - _MAX_CONTINUATION - 1, self._w), -1):
             base = self._decode(self.ids[w:self._k])
-            if len(base) <= self._committed and self.text_from(self._committed - len(base)) == base:
+            if base and len(base) <= self._committed and self.text_from(self._committed - len(base)) == base:
                 self._w, self._base = w, base
                 return
 
