@@ -356,6 +356,47 @@ def test_init_from_checks(qat_runs, tmp_path):
         resolve_init(wrong_step)
 
 
+def test_init_from_a_checkpoint_with_other_rotary_tables_is_refused(tmp_path):
+    """``rope_scaling`` / ``max_position_embeddings`` may differ from the init checkpoint's only where they give the
+    same rotary tables: LongRoPE factors or attention scaling that differ rotate every position otherwise (the
+    check let them through: a 40-step tiny run's held-out loss went 1.6706 -> 1.6987 under factors of 4, and
+    -> 1.6653 under the scaling of max_position_embeddings 1024 over 128, before any QAT step)."""
+    from minicpm4_jax.train.checkpoint import Checkpointer
+    from minicpm4_jax.train.qat import resolve_init
+    from minicpm4_jax.train.step import init_train_state
+
+    src_cfg = load_config(None, _overrides(tmp_path, "src"))  # no rope_scaling, head_dim 16, 128 positions
+    _, state = init_train_state(src_cfg, 0)
+    ck = Checkpointer(src_cfg, tmp_path / "src" / "checkpoints")
+    try:
+        ck.save(1, state)
+    finally:
+        ck.close()
+
+    def qat_cfg(**kw):
+        return load_config(None, _overrides(tmp_path, "q", steps=8, **{
+            "qat.enabled": True, "qat.init_from": str(tmp_path / "src"), **kw}))
+
+    def longrope(orig, short, long_):
+        return json.dumps({"rope_type": "longrope", "original_max_position_embeddings": orig,
+                           "short_factor": [short] * 8, "long_factor": [long_] * 8})
+
+    # the same tables: a longer context without LongRoPE, or LongRoPE factors of 1 at its original length
+    assert resolve_init(qat_cfg(**{"model.max_position_embeddings": 256})).step == 1
+    assert resolve_init(qat_cfg(**{"model.rope_scaling": longrope(128, 1.0, 4.0)})).step == 1
+    # other factors (the long list of 4s, since 128 > 64) and their attention scaling sqrt(1 + ln 2 / ln 64)
+    with pytest.raises(ConfigError, match=r"another rotary embedding: model.rope_factors: all 1 != all 4; "
+                                          r"model.rope_attention_scaling: 1 != 1.08012 .*from model.rope_scaling\)"
+                       ) as e:
+        resolve_init(qat_cfg(**{"model.rope_scaling": longrope(64, 1.0, 4.0)}))
+    _one_line(e.value)
+    # the same factors (all 1), but the scaling of 1024 positions over the original 128
+    with pytest.raises(ConfigError, match=r"model.rope_attention_scaling: 1 != 1.19523 .*from model.rope_scaling "
+                                          r"and model.max_position_embeddings\): its weights would see other") as e:
+        resolve_init(qat_cfg(**{"model.rope_scaling": longrope(128, 1.0, 1.0), "model.max_position_embeddings": 1024}))
+    assert "rope_factors" not in str(e.value)
+
+
 def test_init_from_an_hf_import(qat_runs, tmp_path, tiny_tokenizer_dir):
     """``qat.init_from`` accepts the OUT of ``minicpm4 import hf`` (no optimizer state, no data state)."""
     from minicpm4_jax.convert.hf_export import write_hf

@@ -20,11 +20,13 @@ import numpy as np
 from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig, config_to_dict, diff_configs
 from minicpm4_jax.train.checkpoint import CheckpointSource, resolve_source
 
-__all__ = ["InitSource", "resolve_init", "load_init_params", "continue_data_order", "MODEL_FIELDS_MAY_DIFFER",
-           "stats_summary", "stats_lines", "SHORT_NAMES"]
+__all__ = ["InitSource", "resolve_init", "rotary_differences", "load_init_params", "continue_data_order",
+           "MODEL_FIELDS_MAY_DIFFER", "stats_summary", "stats_lines", "SHORT_NAMES"]
 
 #: Model config fields an init checkpoint may differ in: they change neither the parameters nor the math
-#: of a training forward at ``data.seq_len``.
+#: of a training forward at ``data.seq_len`` (compute dtype and attention kernel aside). ``max_position_embeddings``
+#: and ``rope_scaling`` do where they change the rotary tables (the LongRoPE factor list chosen, its attention
+#: scaling): :func:`resolve_init` compares those (:func:`rotary_differences`).
 MODEL_FIELDS_MAY_DIFFER = frozenset({
     "dtype", "param_dtype", "attention", "attention_impl", "sparse_config", "scan_layers", "remat",
     "max_position_embeddings", "rope_scaling", "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
@@ -41,6 +43,33 @@ SHORT_NAMES = {"layers/q_proj": "q", "layers/k_proj": "k", "layers/v_proj": "v",
 InitSource = CheckpointSource
 
 
+def rotary_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """How the rotary embedding of ``current`` differs from that of ``saved`` (``[]``: the same tables at every
+    position): the LongRoPE factor list each uses and its attention scaling ``sqrt(1 + ln(max/orig) / ln(orig))``
+    (:mod:`minicpm4_jax.nn.rope`; spec ``minicpm4_model.md`` §4), which ``rope_scaling`` and
+    ``max_position_embeddings`` choose. ``rope_theta`` and the head size are compared as fields by the caller.
+
+    Returns:
+        ``"name: checkpoint value != current value"`` lines (``model.rope_factors`` as min..max of the list,
+        ``model.rope_attention_scaling`` to 6 digits).
+    """
+    from minicpm4_jax.nn.rope import attention_scaling, longrope_factors
+
+    if saved.resolved_head_dim != current.resolved_head_dim:
+        return []  # another head size: the field difference names it
+    out = []
+    fa, fb = longrope_factors(saved), longrope_factors(current)
+    if not np.array_equal(fa, fb):
+        def span(f: np.ndarray) -> str:
+            return f"{float(f.min()):.6g}..{float(f.max()):.6g}" if f.min() != f.max() else f"all {float(f[0]):.6g}"
+
+        out.append(f"model.rope_factors: {span(fa)} != {span(fb)}")
+    sa, sb = attention_scaling(saved), attention_scaling(current)
+    if sa != sb:
+        out.append(f"model.rope_attention_scaling: {sa:.6g} != {sb:.6g}")
+    return out
+
+
 def resolve_init(cfg: TrainConfig) -> CheckpointSource:
     """Find ``cfg.qat.init_from`` (step ``qat.init_step`` or the latest) and check its model fits ``cfg``.
 
@@ -48,8 +77,9 @@ def resolve_init(cfg: TrainConfig) -> CheckpointSource:
 
     Raises:
         ConfigError: (one line, with the fix) no such folder / no checkpoint / no such step or an unreadable
-            saved config (:func:`~minicpm4_jax.train.checkpoint.resolve_source`), or a model whose parameters
-            or μP constants differ (the differing fields are listed).
+            saved config (:func:`~minicpm4_jax.train.checkpoint.resolve_source`), or a model whose parameters,
+            μP constants or rotary tables differ (the differing fields are listed; ``rope_scaling`` /
+            ``max_position_embeddings`` may differ only where they give the same tables, :func:`rotary_differences`).
     """
     q = cfg.qat
     src = resolve_source(q.init_from, q.init_step, path_option="qat.init_from", step_option="qat.init_step")
@@ -59,6 +89,16 @@ def resolve_init(cfg: TrainConfig) -> CheckpointSource:
         raise ConfigError(
             f"qat.init_from={q.init_from!r} (step {src.step}) holds a different model: " + "; ".join(bad)
             + " (checkpoint value != current value); give the model section of that checkpoint (its config.json)"
+        )
+    rope = rotary_differences(src.cfg.model, cfg.model)
+    if rope:
+        fields = [f"model.{n}" for n in ("rope_scaling", "max_position_embeddings")
+                  if getattr(src.cfg.model, n) != getattr(cfg.model, n)]
+        raise ConfigError(
+            f"qat.init_from={q.init_from!r} (step {src.step}) was trained with another rotary embedding: "
+            + "; ".join(rope) + f" (checkpoint value != current value, from {' and '.join(fields)}): its weights "
+            "would see other position encodings; give the rope_scaling and max_position_embeddings of that "
+            "checkpoint (its config.json)"
         )
     return src
 
