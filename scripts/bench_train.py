@@ -81,7 +81,7 @@ def bench_jax(cfg, steps: int, warmup: int, mesh_sizes: tuple[int, int, int] | N
     import jax
     import numpy as np
 
-    from minicpm4_jax.train.metrics import measure_matmul_peak_flops, mfu
+    from minicpm4_jax.train.metrics import measure_matmul_peak_flops, mfu, peak_devices
     from minicpm4_jax.train.step import init_train_state, make_train_step
 
     cfg, mesh = _mesh_for(cfg, mesh_sizes)
@@ -115,7 +115,9 @@ def bench_jax(cfg, steps: int, warmup: int, mesh_sizes: tuple[int, int, int] | N
         "step_time_s": dt / steps,
         "tokens_per_s": tps,
         "peak_flops": peak,
-        "mfu": mfu(cfg.model, t, tps, peak, mtp_depth=cfg.mtp_train_depth, mtp_distill=cfg.mtp_distill > 0),
+        # against every device's peak (one device's for fake CPU devices, which share the host's cores)
+        "mfu": mfu(cfg.model, t, tps, peak * peak_devices(mesh.devices.flat), mtp_depth=cfg.mtp_train_depth,
+                   mtp_distill=cfg.mtp_distill > 0),
         "final_loss": float(m["loss"]),
     }
 

@@ -1022,6 +1022,32 @@ def test_mfu_above_100_percent_names_the_dense_count_of_a_sparse_run(corpus, cac
                                                "fp32 peak measures"]
 
 
+def test_mfu_counts_the_peak_of_every_accelerator_of_the_mesh(corpus, cache_dir, tmp_path, monkeypatch):
+    """MFU divided the whole mesh's model FLOP/s by the matmul peak measured on one device, so a run on 8 GPUs read
+    8x its utilisation (a 40% run logged 320%, and the above-100% warning blamed a busy machine). Accelerators count
+    one peak each; fake CPU devices of one process share its cores, which one device's measurement already uses."""
+    from minicpm4_jax.train.metrics import model_flops_per_second, peak_devices
+
+    def devs(platform, processes, n=8):
+        return [types.SimpleNamespace(platform=platform, process_index=i * processes // n) for i in range(n)]
+
+    assert peak_devices(devs("gpu", 1)) == 8 and peak_devices(devs("tpu", 2)) == 8
+    assert peak_devices(devs("cpu", 1)) == 1 and peak_devices(devs("cpu", 2)) == 2
+    assert len(jax.devices()) == 8 and peak_devices(jax.devices()) == 1  # this test process's fake CPU devices
+    # the loop's MFU uses it: as if the mesh held 4 accelerators
+    monkeypatch.setattr(loop_mod, "measure_matmul_peak_flops", lambda: 1e9)
+    monkeypatch.setattr(loop_mod, "peak_devices", lambda devices: 4)
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "mfu", steps=2, log_every=1, eval_every=2, tensorboard=False,
+                   **{"checkpoint.save_every": 2, "optimizer.warmup_steps": 1, "optimizer.decay_steps": 0,
+                      "sample_tokens": 0})
+    logs: list[str] = []
+    s = run_training(cfg, log=logs.append, progress=False)
+    assert s["peak_flops"] == 4e9 and s["peak_flops_per_device"] == 1e9
+    for h in s["history"]:
+        assert h["mfu"] == pytest.approx(model_flops_per_second(cfg.model, 32, h["tokens_per_second"]) / 4e9)
+    assert any("1.0 GFLOP/s per device; MFU against the 4 devices' 4.0 GFLOP/s" in m for m in logs), logs
+
+
 def test_disk_full_during_async_checkpoint_write_cli(corpus, cache_dir, tmp_path, monkeypatch, capsys):
     import logging
 

@@ -86,7 +86,7 @@ from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, c
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
                                            params_all_finite, recorded_checkpoint_directory, sharded_abstract_state)
 from minicpm4_jax.train.metrics import (MetricsWriter, measure_matmul_peak_flops, mfu, mfu_above_peak_causes,
-                                        model_flops_per_second, ternary_scalars)
+                                        model_flops_per_second, peak_devices, ternary_scalars)
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
 from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, init_train_state,
@@ -754,7 +754,9 @@ def run_training(
     Returns:
         The summary: ``step``, ``stop_reason`` (``steps`` | ``time`` | ``signal``), ``val_loss``,
         the n-gram baselines, ``tokens_per_second`` and ``mfu`` (the median over every logged row of the whole
-        run, a resumed run's earlier segments included), ``wall_seconds`` (this call only: a resumed run's last
+        run, a resumed run's earlier segments included; MFU against ``peak_flops``, the fp32 matmul peak of every
+        training device: ``peak_flops_per_device`` x :func:`~minicpm4_jax.train.metrics.peak_devices` of the mesh),
+        ``wall_seconds`` (this call only: a resumed run's last
         segment, not the whole run), ``train_loss`` / ``attended_fraction`` / ``mtp_*`` (the last logged row's: its
         window's means) and ``last_step_loss``, ``sample`` and paths.
 
@@ -1039,8 +1041,11 @@ def run_training(
             f"batch {global_batch} x {t} tokens; {cfg.steps} steps")
         compiled = print_memory_analysis(train_step, state, sample_batch, log=say)
         step_fn = compiled if compiled is not None else train_step
-        peak = measure_matmul_peak_flops()
-        say(f"measured fp32 matmul peak on {jax.default_backend()}: {peak / 1e9:.1f} GFLOP/s")
+        device_peak = measure_matmul_peak_flops()  # one device's; MFU's denominator is every training device's
+        n_peak = peak_devices(mesh.devices.flat)
+        peak = device_peak * n_peak
+        say(f"measured fp32 matmul peak on {jax.default_backend()}: {device_peak / 1e9:.1f} GFLOP/s"
+            + (f" per device; MFU against the {n_peak} devices' {peak / 1e9:.1f} GFLOP/s" if n_peak > 1 else ""))
 
         # steps after `start` in earlier event files (a killed attempt, rows past the checkpoint) are purged
         writer = MetricsWriter(out_dir / "tensorboard", enabled=cfg.tensorboard, log=say, purge_step=start + 1)
@@ -1368,6 +1373,7 @@ def run_training(
             "step_time_s": global_batch * t / tokens_per_second if tokens_per_second > 0 else float("nan"),
             "mfu": mfu(cfg.model, t, tokens_per_second, peak, **draft),
             "peak_flops": peak,
+            "peak_flops_per_device": device_peak,
             "num_params": n_params,
             "sample_prompt": cfg.sample_prompt,
             "sample": sample,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from minicpm4_jax.config import ModelConfig
 
 __all__ = ["METRICS_FILE", "MetricsWriter", "RunHistory", "measure_matmul_peak_flops", "mfu", "mfu_above_peak_causes",
-           "model_flops_per_second", "ternary_scalars"]
+           "model_flops_per_second", "peak_devices", "ternary_scalars"]
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -272,6 +272,19 @@ def measure_matmul_peak_flops(n: int | None = None, repeats: int = 5, dtype: Any
     return 2.0 * n**3 / best
 
 
+def peak_devices(devices: Any) -> int:
+    """How many times the matmul peak of one device (:func:`measure_matmul_peak_flops`) the devices ``devices`` (a
+    mesh's, e.g. ``mesh.devices.flat``) hold: each accelerator (GPU, TPU) is a chip of its own, so their count; CPU
+    devices of one process (``JAX_NUM_CPU_DEVICES`` / ``--xla_force_host_platform_device_count``) share its host's
+    cores, which one device's measurement already uses, so the number of processes among them. MFU divides the
+    whole mesh's model FLOP/s by ``peak_devices * peak`` (a mesh of 8 GPUs against one GPU's peak read 8x too high).
+    """
+    devices = list(devices)
+    if all(getattr(d, "platform", "cpu") == "cpu" for d in devices):
+        return max(1, len({getattr(d, "process_index", 0) for d in devices}))
+    return max(1, len(devices))
+
+
 def model_flops_per_second(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, *, mtp_depth: int = 1,
                            mtp_distill: bool = False) -> float:
     """Achieved model FLOP/s: ``flops_per_token(seq_len, ...) * tokens/s`` (training, fwd+bwd; the MTP draft head's
@@ -296,7 +309,8 @@ def mfu_above_peak_causes(model_cfg: ModelConfig, seq_len: int) -> list[str]:
 
 def mfu(model_cfg: ModelConfig, seq_len: int, tokens_per_second: float, peak_flops: float, *, mtp_depth: int = 1,
         mtp_distill: bool = False) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s (:func:`model_flops_per_second`) over the measured peak, in
+    """Model FLOPs utilisation: achieved model FLOP/s (:func:`model_flops_per_second`) over the measured peak (of all
+    the devices that train: ``peak_devices(mesh devices) x`` one device's), in
     [0, 1] when the machine ran as fast while the peak was measured as while training and the FLOP count is the work
     done (above 1 when other jobs slowed the measurement, or for a cause of :func:`mfu_above_peak_causes`: a sparse
     InfLLM v2 attention counted as dense, a model dtype faster than the fp32 peak; the train loop then warns once)."""
