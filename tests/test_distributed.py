@@ -9,6 +9,7 @@ global batch (the in-process reference; ``conftest.py`` gives this process 8 CPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -305,6 +306,35 @@ def test_a_run_file_process_0_cannot_write_stops_every_process(corpus, tmp_path)
     assert "RunFileWriteError: writing " in res[0][1] and "config.json failed (No space left on device)" in res[0][1]
     assert "RunFileWriteError: process 0 could not write the run's files" in res[1][1], res[1][1][-2000:]
     assert "nothing was trained" in res[1][1] and not (tmp_path / "run" / "checkpoints" / "1").exists()
+
+
+def test_qat_init_from_in_two_processes(corpus, tmp_path):
+    """``qat.init_from`` read the source's parameters whole onto the first local device and then ``jax.device_put``
+    them into the run's shardings, which in a multi-process run span the other process's devices: every process
+    failed with a ValueError traceback ("device_put's second argument must be ... addressable devices") before the
+    first step. Each array is now read straight into its shards (as a resume reads the train state)."""
+    from minicpm4_jax.train.checkpoint import Checkpointer
+    from minicpm4_jax.train.step import init_train_state
+
+    mesh = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 1}  # the parameters split over the two processes
+    src_cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", tmp_path / "src",
+                                               **{"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 1}))
+    _, state = init_train_state(src_cfg, 0, make_mesh(dataclasses.replace(src_cfg.mesh, fsdp=-1)))
+    ck = Checkpointer(src_cfg, tmp_path / "src" / "checkpoints")
+    try:
+        ck.save(3, state)
+    finally:
+        ck.close()
+    ov = tiny_overrides(corpus, tmp_path / "cache", tmp_path / "q", steps=1, **mesh, **{
+        "qat.enabled": "true", "qat.init_from": str(tmp_path / "src"), "optimizer.warmup_steps": 0,
+        "optimizer.decay_steps": 0})
+    res = _launch({"overrides": ov, "out": str(tmp_path / "a")}, 2, 1, timeout=240.0)
+    logs = "\n".join(t for _, t in res)
+    assert [rc for rc, _ in res] == [0, 0], logs[-3000:]
+    assert f"qat: starting from the latent weights of {tmp_path / 'src' / 'checkpoints'}/3" in res[0][1]
+    a = [json.loads((tmp_path / f"a.{p}.json").read_text()) for p in range(2)]
+    assert a[0]["step"] == a[1]["step"] == 1 and a[0]["losses"] == a[1]["losses"]
+    assert 0 < a[0]["losses"]["1"] < 10
 
 
 def test_two_processes_match_one_process_preempt_and_resume(corpus, tmp_path):

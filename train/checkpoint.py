@@ -826,7 +826,7 @@ def resolve_source(path: str | Path, step: int | None, *, path_option: str, step
 
 def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = None, *,
                               check_config: Any = None, step_option: str | None = "--step",
-                              ternary: bool | None = None) -> tuple[TrainConfig, Any]:
+                              ternary: bool | None = None, shardings: Any = None) -> tuple[TrainConfig, Any]:
     """Load a trained model for generation: ``(cfg, model)``.
 
     ``checkpoint_dir`` is a run's ``out_dir`` or its ``checkpoints`` folder; the latest step is used
@@ -845,6 +845,10 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
             the model config (it raises :class:`ConfigError` to stop).
         step_option: the command's option choosing a step, named in the messages (``None``: the
             command has none).
+        shardings: where each parameter is read to: a tree of ``jax.sharding.Sharding`` with the structure of the
+            stored model's ``nnx.State`` of Params (e.g. a training run's ``train_state_shardings(cfg, mesh).params``,
+            which may span processes: every process reads only its shards); ``None``: the first local device (the
+            whole model there).
 
     Raises:
         ConfigError: no checkpoint there, or the step is incomplete/corrupt (a file of it is missing
@@ -890,6 +894,9 @@ def load_params_for_inference(checkpoint_dir: str | Path, step: int | None = Non
             check_config(cfg)
         abstract_model = nnx.eval_shape(lambda: init_model(cfg.model, 0))
         graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+        if shardings is not None:  # each array straight into its shards (no whole copy on one device)
+            abstract_params = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                           abstract_params, shardings)
         target = _with_default_sharding({"params": abstract_params})
         # Partial restore: only the params subtree of the saved state (verified against its checksums).
         restored = _restore_verified(mngr, directory, step, ocp.args.PyTreeRestore(

@@ -104,15 +104,17 @@ def resolve_init(cfg: TrainConfig) -> CheckpointSource:
 
 
 def load_init_params(src: InitSource, param_shardings: Any) -> Any:
-    """The latent float parameters of ``src`` (an ``nnx.State``), placed with ``param_shardings``."""
-    import jax
+    """The latent float parameters of ``src`` (an ``nnx.State``), each read straight into its sharding of
+    ``param_shardings`` (the run's, which may span processes). They were read whole onto the first local device and
+    then ``jax.device_put``: a multi-process run failed there (``device_put`` cannot reach another process's
+    devices), and one device held the whole model."""
     from flax import nnx
 
     from minicpm4_jax.train.checkpoint import load_params_for_inference
 
-    _cfg, model = load_params_for_inference(src.directory, src.step, step_option="qat.init_step", ternary=False)
-    params = nnx.state(model, nnx.Param)
-    return jax.device_put(params, param_shardings)
+    _cfg, model = load_params_for_inference(src.directory, src.step, step_option="qat.init_step", ternary=False,
+                                            shardings=param_shardings)
+    return nnx.state(model, nnx.Param)
 
 
 def _data_fields(cfg: TrainConfig) -> dict[str, Any]:
