@@ -1984,3 +1984,36 @@ def test_a_sweep_goes_on_past_a_diverging_run_and_reuses_its_record(corpus, cach
     cool = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=0.02, grad_clip=1.0))
     run_training(cool, log=lambda _m: None, progress=False)
     assert (root / "hot" / "summary.json").is_file() and not (root / "hot" / "diverged.json").exists()
+
+
+def test_a_sweep_resumes_an_interrupted_run_instead_of_removing_it(corpus, cache_dir, tmp_path, monkeypatch, capsys):
+    """A sweep stopped inside a run (Ctrl-C) left that run's folder without summary.json; the next invocation
+    removed the folder, checkpoints included, and trained the run from step 0. A run of the same config is now
+    resumed from its latest checkpoint (one of another config is still removed)."""
+    from minicpm4_jax.train import sweep
+
+    root = tmp_path / "runs"
+    cfg = tiny_cfg(corpus, cache_dir, root / "a", steps=4, tensorboard=False, log_every=1,
+                   **{"checkpoint.save_every": 2, "sample_tokens": 0, "optimizer.warmup_steps": 1, "optimizer.decay_steps": 1})
+
+    def interrupt(step, state):
+        if step == 3:
+            raise KeyboardInterrupt
+        return state
+
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cfg, log=lambda _m: None, progress=False, handle_signals=False, step_hook=interrupt)
+    assert not (root / "a" / "summary.json").exists() and (root / "a" / "checkpoints" / "2").is_dir()
+    calls: list[dict] = []
+    real = loop_mod.run_training
+    monkeypatch.setattr(loop_mod, "run_training", lambda c, **k: calls.append(k) or real(c, **k))
+    got = sweep.train_or_reuse("a", cfg, root)
+    assert [k.get("resume", False) for k in calls] == [True] and got["step"] == 4, calls
+    assert [h["step"] for h in got["history"]] == [1, 2, 3, 4]  # the rows of the interrupted segment up to its checkpoint are kept
+    assert "== a: resuming 4 steps into" in capsys.readouterr().out
+    # another config in that folder: removed and trained afresh
+    (root / "a" / "summary.json").unlink()
+    monkeypatch.setattr(loop_mod, "run_training", lambda c, **k: calls.append(k) or {"val_loss": 1.0})
+    assert sweep.train_or_reuse("a", dataclasses.replace(cfg, seed=1), root) == {"val_loss": 1.0}
+    assert calls[-1].get("resume", False) is False and not (root / "a").exists()
+    assert "== a: training 4 steps into" in capsys.readouterr().out
