@@ -397,6 +397,28 @@ def test_init_from_a_checkpoint_with_other_rotary_tables_is_refused(tmp_path):
     assert "rope_factors" not in str(e.value)
 
 
+def test_continue_data_with_data_sources_spelled_otherwise(qat_runs, tmp_path, monkeypatch):
+    """``qat.continue_data`` compared ``data.sources`` as spelled: a QAT run naming the init run's corpus by another
+    path to the same folder (relative instead of absolute) restarted the data order from the beginning, which a
+    resume of such a run accepts (``same_sources``). Other files are still another data order."""
+    from minicpm4_jax.train.qat import continue_data_order, resolve_init
+
+    root = qat_runs["root"]
+    monkeypatch.chdir(root)
+    logs: list[str] = []
+    got: list = []
+    it = type("It", (), {"set_state": lambda self, st: got.append(st)})()
+    rel = load_config(None, _overrides(root, "rel", steps=8, **{
+        "data.sources": "[corpus]", "qat.enabled": True, "qat.init_from": str(root / "two"), "qat.init_step": 8}))
+    assert continue_data_order(rel, resolve_init(rel), it, logs.append), logs
+    assert got and got[0]["next_index"] == 8 and "data order continues from step 8" in logs[-1]
+    (root / "other").mkdir(exist_ok=True)
+    (root / "other" / "a.txt").write_text("other text\n" * 50)
+    other = dataclasses.replace(rel, data=dataclasses.replace(rel.data, sources=("other",)))
+    assert not continue_data_order(other, resolve_init(rel), it, logs.append)
+    assert "data settings differ: data.sources" in logs[-1] and len(got) == 1
+
+
 def test_init_from_an_hf_import(qat_runs, tmp_path, tiny_tokenizer_dir):
     """``qat.init_from`` accepts the OUT of ``minicpm4 import hf`` (no optimizer state, no data state)."""
     from minicpm4_jax.convert.hf_export import write_hf

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig, config_to_dict, diff_configs
+from minicpm4_jax.config import ConfigError, ModelConfig, TrainConfig, config_to_dict, diff_configs, same_sources
 from minicpm4_jax.train.checkpoint import CheckpointSource, resolve_source
 
 __all__ = ["InitSource", "resolve_init", "rotary_differences", "load_init_params", "continue_data_order",
@@ -118,8 +118,11 @@ def load_init_params(src: InitSource, param_shardings: Any) -> Any:
 
 
 def _data_fields(cfg: TrainConfig) -> dict[str, Any]:
+    """The data settings but ``cache_dir`` and ``sources`` (compared by :func:`same_sources`: a relative and an
+    absolute spelling of the same files are the same corpus, as for a resume)."""
     d = config_to_dict(cfg.data)
     d.pop("cache_dir", None)
+    d.pop("sources", None)
     return d
 
 
@@ -160,7 +163,7 @@ def continue_data_order(cfg: TrainConfig, src: InitSource, data_iterator: Any, l
     """With ``qat.continue_data``, set ``data_iterator`` to where ``src``'s run stopped.
 
     Only when ``src`` was saved with a data-iterator state and the same data settings
-    (``cache_dir`` aside); otherwise the data order starts from the beginning, and the reason is
+    (``cache_dir`` aside; ``sources`` naming the same files, however spelled); otherwise the data order starts from the beginning, and the reason is
     logged. Returns whether the order was continued.
     """
     from minicpm4_jax.train.checkpoint import has_data_iterator_state, restore_data_iterator
@@ -172,8 +175,10 @@ def continue_data_order(cfg: TrainConfig, src: InitSource, data_iterator: Any, l
     if not has_data_iterator_state(src.directory, src.step):
         log(f"qat: data order starts from the beginning (checkpoint step {src.step} holds no data-iterator state)")
         return False
-    if _data_fields(src.cfg) != _data_fields(cfg):
-        diffs = [d for d in diff_configs(src.cfg.data, cfg.data, "data") if not d.startswith("data.cache_dir")]
+    respelled = same_sources(src.cfg.data.sources, cfg.data.sources)
+    if _data_fields(src.cfg) != _data_fields(cfg) or not respelled:
+        diffs = [d for d in diff_configs(src.cfg.data, cfg.data, "data") if not d.startswith("data.cache_dir")
+                 and not (respelled and d.startswith("data.sources"))]
         log(f"qat: data order starts from the beginning (init checkpoint's data settings differ: {'; '.join(diffs)})")
         return False
     restore_data_iterator(src.directory, src.step, data_iterator)
