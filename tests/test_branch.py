@@ -131,6 +131,22 @@ def test_branches_that_are_not_that_run_are_refused(corpus, cache_dir, tmp_path,
     assert not out.exists() or not any(out.rglob("*"))  # refused before anything is written
 
 
+def test_a_branch_may_spell_the_sources_otherwise(corpus, cache_dir, tmp_path, source, monkeypatch):  # noqa: F811
+    """``data.sources`` naming the source run's corpus by a relative path (the source gave it absolute) was refused
+    as "trained with another config: data.sources: [...] != [...]", which a resume of that run accepts
+    (``same_sources``); another corpus is still refused."""
+    from minicpm4_jax.train.branch import resolve_branch
+
+    monkeypatch.chdir(corpus.parent)
+    kw = {"optimizer.decay_steps": 4, "steps": 16, "branch_step": 6}
+    assert resolve_branch(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=source, **kw,
+                                   **{"data.sources": f"[{corpus.name}]"})).step == 6
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ConfigError, match=r"was trained with another config: data.sources: "):
+        resolve_branch(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=source, **kw,
+                                **{"data.sources": f"[{tmp_path / 'other'}]"}))
+
+
 def test_bad_branch_sources(corpus, cache_dir, tmp_path, source):  # noqa: F811
     with pytest.raises(ConfigError, match=r"branch_from: checkpoint directory '.*nowhere' does not exist"):
         run_training(tiny_cfg(corpus, cache_dir, tmp_path / "b", branch_from=tmp_path / "nowhere", steps=16), **QUIET)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minicpm4_jax.config import MTP_DRAFT_FIELDS, ConfigError, TrainConfig, diff_configs
+from minicpm4_jax.config import MTP_DRAFT_FIELDS, ConfigError, TrainConfig, diff_configs, same_sources
 from minicpm4_jax.train.checkpoint import (RESUME_MAY_CHANGE, CheckpointSource, _field_of, checkpoint_dir_of,
                                            resolve_source)
 
@@ -42,7 +42,8 @@ def resolve_branch(cfg: TrainConfig) -> CheckpointSource:
     Raises:
         ConfigError: (one line, with the fix) no such folder / checkpoint / step or an unreadable saved config
             (:func:`~minicpm4_jax.train.checkpoint.resolve_source`); this run's own folder; a config
-            that differs outside :data:`BRANCH_MAY_CHANGE`; a QAT source; a branch point at or after ``steps``;
+            that differs outside :data:`BRANCH_MAY_CHANGE` (``data.sources`` naming the same files by another
+            spelling do not differ); a QAT source; a branch point at or after ``steps``;
             learning rates that differ before the branch point (it lies inside a decay); a changed
             ``data.decay_weights`` whose source switch lies before the branch point.
     """
@@ -63,6 +64,8 @@ def resolve_branch(cfg: TrainConfig) -> CheckpointSource:
     diffs = diff_configs(saved, cfg)
     if not saved.model.mtp and not cfg.model.mtp:
         diffs = [d for d in diffs if _field_of(d) not in MTP_DRAFT_FIELDS]
+    if same_sources(saved.data.sources, cfg.data.sources):  # the same files spelled otherwise, as for a resume
+        diffs = [d for d in diffs if _field_of(d) != "data.sources"]
     refused = [d for d in diffs if _field_of(d) not in BRANCH_MAY_CHANGE | {"branch_from", "branch_step"}]
     if refused:
         raise ConfigError(f"{where} was trained with another config: " + "; ".join(refused)
