@@ -419,6 +419,25 @@ def test_continue_data_with_data_sources_spelled_otherwise(qat_runs, tmp_path, m
     assert "data settings differ: data.sources" in logs[-1] and len(got) == 1
 
 
+def test_init_from_with_another_param_dtype(qat_runs):
+    """``model.param_dtype`` may differ from the init checkpoint's (MODEL_FIELDS_MAY_DIFFER), but the weights were
+    loaded in the checkpoint's float32 beside a bfloat16 optimizer state: the train step compiled for them failed at
+    the second step ("TypeError: Argument types differ from the types for which this computation was compiled").
+    They are cast to the run's dtype."""
+    root = qat_runs["root"]
+    seen: dict = {}
+    cfg = load_config(None, _overrides(root, "bf16", steps=2, **{
+        "qat.enabled": True, "qat.init_from": str(root / "two"), "qat.init_step": 8, "model.param_dtype": "bfloat16",
+        "optimizer.warmup_steps": 0, "optimizer.decay_steps": 0, "checkpoint.save_every": 2, "tensorboard": False}))
+    s = run_training(cfg, log=lambda _m: None, progress=False, step_hook=_record_first_params(seen))
+    assert s["step"] == 2 and np.isfinite(s["val_loss"])
+    _, hp8 = load_params_for_inference(root / "two", 8, ternary=False)
+    first = jax.tree.leaves(seen["params"])
+    for a, b in zip(first, jax.tree.leaves(nnx.state(hp8, nnx.Param))):
+        assert a.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(a, np.asarray(b).astype(ml_dtypes.bfloat16))
+
+
 def test_init_from_an_hf_import(qat_runs, tmp_path, tiny_tokenizer_dir):
     """``qat.init_from`` accepts the OUT of ``minicpm4 import hf`` (no optimizer state, no data state)."""
     from minicpm4_jax.convert.hf_export import write_hf

@@ -984,7 +984,7 @@ def run_training(
             if init_src is not None:
                 from minicpm4_jax.train.qat import continue_data_order, load_init_params
 
-                params = load_init_params(init_src, train_state_shardings(cfg, mesh).params)
+                params = load_init_params(init_src, train_state_shardings(cfg, mesh).params, like=state.params)
                 state = TrainState(step=state.step, params=params, opt_state=state.opt_state)
                 say(f"qat: starting from the latent weights of {init_src.directory}/{init_src.step} "
                     "(fresh optimizer state; the learning rate re-warms)")

@@ -103,18 +103,28 @@ def resolve_init(cfg: TrainConfig) -> CheckpointSource:
     return src
 
 
-def load_init_params(src: InitSource, param_shardings: Any) -> Any:
+def load_init_params(src: InitSource, param_shardings: Any, like: Any = None) -> Any:
     """The latent float parameters of ``src`` (an ``nnx.State``), each read straight into its sharding of
     ``param_shardings`` (the run's, which may span processes). They were read whole onto the first local device and
     then ``jax.device_put``: a multi-process run failed there (``device_put`` cannot reach another process's
-    devices), and one device held the whole model."""
+    devices), and one device held the whole model.
+
+    ``like``: the run's parameters (arrays or ``jax.ShapeDtypeStruct`` s, the same tree): the loaded ones are cast
+    to their dtypes (``model.param_dtype`` may differ from the source's, :data:`MODEL_FIELDS_MAY_DIFFER`; kept in
+    the source's, the parameters no longer matched the optimizer state and the compiled train step, which failed at
+    the second step with a TypeError).
+    """
+    import jax
     from flax import nnx
 
     from minicpm4_jax.train.checkpoint import load_params_for_inference
 
     _cfg, model = load_params_for_inference(src.directory, src.step, step_option="qat.init_step", ternary=False,
                                             shardings=param_shardings)
-    return nnx.state(model, nnx.Param)
+    params = nnx.state(model, nnx.Param)
+    if like is not None:
+        params = jax.tree.map(lambda p, ref: p if p.dtype == ref.dtype else p.astype(ref.dtype), params, like)
+    return params
 
 
 def _data_fields(cfg: TrainConfig) -> dict[str, Any]:
