@@ -228,13 +228,15 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
     :class:`~minicpm4_jax.infer.engine.GenerationOutput` (timings, attended fraction, acceptance length).
 
     Raises:
-        ConfigError: empty prompt, bad sampling values, or a prompt (+ new tokens) longer than
-            ``max_position_embeddings``.
+        ConfigError: empty prompt, bad sampling values, a prompt (+ new tokens) longer than
+            ``max_position_embeddings``, or ``stop_strings`` not a list of texts (a bare string is refused: it
+            would stop at any of its characters).
     """
-    from minicpm4_jax.infer.engine import InferenceEngine
+    from minicpm4_jax.infer.engine import InferenceEngine, check_stops
 
     if not prompt:
         raise ConfigError("the prompt is empty; give some text to continue")
+    _, stop_strings = check_stops((), stop_strings)  # a bare string would be cut at any of its characters
     if prefix_ids is None:
         bos = getattr(tokenizer, "bos_id", None)
         prefix_ids = [bos] if bos is not None and bos >= 0 else []

@@ -521,6 +521,53 @@ def test_bad_requests_are_one_line_errors(weights):
         with_attention(_model(weights, BASE), "flash")
 
 
+def test_stop_lists_and_prompt_lists_of_the_wrong_shape_are_one_line_errors(weights):
+    """Break test: ``stop_strings="t19 t75"`` (one string, not a list) was read as its characters and stopped at the
+    first ``t`` (1 token of 12, reason "stop"), in the engine and in the text ``generate``; ``stop_ids=2``, a stop
+    string that is an id, and one prompt not wrapped in a list (``generate(ids, n)``) were tracebacks."""
+    from minicpm4_jax.generate import generate
+
+    eng = InferenceEngine(_model(weights, BASE), prefill_chunk=32)
+    prompt = _ids(20, seed=5)
+    sampling = SamplingParams(temperature=1.0)
+
+    def detok(ids):
+        return " ".join(f"t{i}" for i in ids)
+
+    free = eng.generate([prompt], 12, sampling=sampling, seeds=[1])
+    stop = detok(free.tokens[0][8:10])  # its characters ("t", digits, " ") occur from the first token on
+    assert stop not in detok(free.tokens[0][:9])
+    listed = eng.generate([prompt], 12, sampling=sampling, seeds=[1], stop_strings=[stop], detokenize=detok)
+    assert listed.finish_reasons == ["stop"] and listed.tokens[0] == free.tokens[0][:10]
+    with pytest.raises(ConfigError, match=rf"stop_strings='{stop}' is one string, .* \['{stop}'\]"):
+        eng.generate([prompt], 12, sampling=sampling, seeds=[1], stop_strings=stop, detokenize=detok)
+
+    class Tok:
+        bos_id, eos_id, vocab_size = 1, None, 97
+
+        def encode(self, text):
+            return [int(w[1:]) for w in text.split()]
+
+        def decode(self, ids):
+            return detok(ids)
+
+    with pytest.raises(ConfigError, match="is one string"):
+        generate(_model(weights, BASE), Tok(), "t5 t6", 4, stop_strings="t1")
+    for kw, msg in ((dict(stop_ids=2), r"stop_ids=2 must be a list of token ids \(e.g. \[2\]\)"),
+                    (dict(stop_ids=["x"]), "stop id 'x' is not an integer token id"),
+                    (dict(stop_strings=[2], detokenize=detok), "stop string 2 is not text")):
+        with pytest.raises(ConfigError, match=msg):
+            eng.generate([prompt], 3, **kw)
+    with pytest.raises(ConfigError, match=r"prompt 0 is 1 \(int\), not a list of token ids"):
+        eng.generate([1, 2, 3], 3)
+    with pytest.raises(ConfigError, match="prompts must be a list of token-id lists"):
+        eng.generate("t1 t2", 3)
+    # ids of numpy / jax integer types are ids
+    assert eng.generate([prompt], 12, sampling=sampling, seeds=[1],
+                        stop_ids=(np.int64(free.tokens[0][3]), jnp.int32(free.tokens[0][3]))).tokens[0] == (
+        free.tokens[0][:free.tokens[0].index(free.tokens[0][3]) + 1])
+
+
 @pytest.mark.parametrize("case", ["dense", "gen2"])
 def test_extend_past_the_cache_capacity_is_refused(weights, case):
     """Break test: extend() wrote a token at a position beyond the cache (a 128-slot cache fed position 128): the

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import time
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -196,6 +197,47 @@ def _check_prompt_ids(cfg: ModelConfig, prompts: Sequence[Sequence[int]]) -> Non
                               f"{cfg.vocab_size}); was it tokenized with another tokenizer?")
 
 
+def check_prompt_list(prompts: Any) -> list[int]:
+    """The length of every prompt of ``prompts`` (a list of token-id lists); one-line :class:`ConfigError` for a
+    flat list of ids (one prompt not wrapped in a list), a string, or a prompt that is not a sequence."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise ConfigError(f"prompts must be a list of token-id lists, one per sequence (got {type(prompts).__name__}); "
+                          "tokenize text first and pass [ids]")
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
+            raise ConfigError(f"prompt {i} is {p!r} ({type(p).__name__}), not a list of token ids: prompts must be "
+                              "a list of token-id lists (pass one prompt as [ids], not ids)")
+    return [len(p) for p in prompts]
+
+
+def check_stops(stop_ids: Any, stop_strings: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``(stop_ids, stop_strings)`` as tuples after checking them (one-line :class:`ConfigError`).
+
+    ``stop_ids``: integer token ids; ``stop_strings``: non-empty texts. A bare string given as ``stop_strings`` is
+    refused: as a sequence it is its characters, so ``stop_strings="END"`` stopped at the first ``E``, ``N`` or ``D``.
+    A bare integer given as ``stop_ids`` is refused too (wrap it: ``[2]``).
+    """
+    if isinstance(stop_strings, (str, bytes)):
+        raise ConfigError(f"stop_strings={stop_strings!r} is one string, which would stop at any of its characters; "
+                          f"pass a list of stop texts: [{stop_strings!r}]")
+    texts = tuple(stop_strings)
+    bad = [s for s in texts if not isinstance(s, str)]
+    if bad:
+        raise ConfigError(f"stop string {bad[0]!r} is not text; stop_strings are texts (token ids go in stop_ids)")
+    if is_integer(stop_ids) or isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
+        raise ConfigError(f"stop_ids={stop_ids!r} must be a list of token ids (e.g. [{stop_ids!r}])")
+    ids = []
+    for i in stop_ids:
+        try:
+            if isinstance(i, (bool, np.bool_)):
+                raise TypeError
+            ids.append(operator.index(i))  # ints, numpy / 0-d jax integers
+        except TypeError:
+            raise ConfigError(f"stop id {i!r} is not an integer token id; stop_ids are ids (texts go in "
+                              "stop_strings)") from None
+    return tuple(ids), texts
+
+
 def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                      seeds: Sequence[int] | int, stop_strings: Sequence[str],
                      detokenize: Callable | None, prompts: Sequence[Sequence[int]] | None = None,
@@ -203,8 +245,9 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
     """Check a generation request (one-line :class:`ConfigError`); return the per-sequence seeds ``uint32 [batch]``.
 
     Checks the prompt lengths and ``max_new_tokens`` (:func:`check_generation_request`), the prompts' ids when
-    given, the sampling values, ``vocab_limit`` (an integer >= 1), the stop strings and the seeds (one integer
-    per prompt in ``[0, 2**32)``, or one integer ``s`` giving row ``i`` the seed ``s + i``).
+    given, the sampling values, ``vocab_limit`` (an integer >= 1), the stop strings (a list of non-empty texts,
+    :func:`check_stops`) and the seeds (one integer per prompt in ``[0, 2**32)``, or one integer ``s`` giving row
+    ``i`` the seed ``s + i``).
     """
     if not is_integer(max_new_tokens):
         raise ConfigError(f"max_new_tokens={max_new_tokens!r} (--max-new-tokens) must be an integer >= 1")
@@ -215,6 +258,7 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
     if vocab_limit is not None and (not is_integer(vocab_limit) or vocab_limit < 1):
         raise ConfigError(f"vocab_limit={vocab_limit!r} must be an integer >= 1 (ids at or above it are never "
                           "produced; usually the tokenizer's vocabulary size) or None")
+    _, stop_strings = check_stops((), stop_strings)
     if stop_strings and detokenize is None:
         raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
     if any(not s for s in stop_strings):
@@ -631,7 +675,8 @@ class InferenceEngine:
     def _start(self, prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings, detokenize, vocab_limit,
                on_token) -> tuple:
         """Validate a request; ``(prompt lengths, seeds uint32 [b], first-token sampler, token collector)``."""
-        lens = [len(p) for p in prompts]
+        lens = check_prompt_list(prompts)
+        stop_ids, stop_strings = check_stops(stop_ids, stop_strings)
         seeds_arr = validate_request(self.cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize,
                                      prompts=prompts, vocab_limit=vocab_limit)
         col = _Collector(len(prompts), max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
@@ -658,8 +703,9 @@ class InferenceEngine:
             on_token: called as ``on_token(row, token_id)`` for every new token, in order (streaming).
 
         Raises:
-            ConfigError: empty prompt, ``max_new_tokens < 1``, bad sampling values, too long a request, or
-                ``stop_strings`` without ``detokenize``.
+            ConfigError: empty prompt, ``max_new_tokens < 1``, bad sampling values, too long a request,
+                ``stop_strings`` without ``detokenize``, prompts that are not a list of id lists, or stop ids / stop
+                strings that are not a list of ids / texts (:func:`check_stops`).
         """
         lens, seeds_arr, first, col = self._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
                                                   detokenize, vocab_limit, on_token)
