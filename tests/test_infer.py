@@ -568,6 +568,26 @@ def test_stop_lists_and_prompt_lists_of_the_wrong_shape_are_one_line_errors(weig
         free.tokens[0][:free.tokens[0].index(free.tokens[0][3]) + 1])
 
 
+def test_a_consumed_cache_is_a_one_line_error_and_a_copy_branches(weights):
+    """Break test: ``prefill`` / ``extend`` donate the cache; extending the same cache twice (two continuations of one
+    prefix) failed with jax's "Array has been deleted with shape=int32[1]", naming neither the cache nor the fix."""
+    eng = InferenceEngine(_model(weights, BASE), prefill_chunk=32)
+    prompt = _ids(20, seed=3)
+    cache, _, _ = eng.prefill(eng.new_cache(1, 40), [prompt])
+    branch = jax.tree.map(jnp.copy, cache)
+    pos = jnp.asarray([[20]], jnp.int32)
+    _, a, _ = eng.extend(cache, jnp.asarray([[4]], jnp.int32), pos)
+    fix = r"consumed by an earlier prefill / extend .*\(jax.tree.map\(jnp.copy, cache\)\)"
+    with pytest.raises(ValueError, match=fix):
+        eng.extend(cache, jnp.asarray([[5]], jnp.int32), pos)
+    with pytest.raises(ValueError, match="consumed by an earlier prefill"):
+        eng.prefill(cache, [prompt])
+    _, b, _ = eng.extend(branch, jnp.asarray([[5]], jnp.int32), pos)  # the copy: the other continuation
+    _, full, _ = eng.prefill(eng.new_cache(1, 40), [prompt + [5]])
+    np.testing.assert_allclose(np.asarray(b[0, 0]), np.asarray(full[0]), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("case", ["dense", "gen2"])
 def test_extend_past_the_cache_capacity_is_refused(weights, case):
     """Break test: extend() wrote a token at a position beyond the cache (a 128-slot cache fed position 128): the

@@ -317,6 +317,15 @@ class _Collector:
         return any(s in region for s in self.stop_strings)
 
 
+def _check_unconsumed(cache: KVCache) -> None:
+    """Raise a one-line ``ValueError`` when ``cache``'s buffers were donated to an earlier call (jax's own error,
+    "Array has been deleted with shape=int32[1]", named neither the cache nor the fix)."""
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(cache)):
+        raise ValueError("this KV cache was consumed by an earlier prefill / extend (its buffers are donated: updated "
+                         "in place); continue from the cache that call returned, or pass a copy "
+                         "(jax.tree.map(jnp.copy, cache)) to branch")
+
+
 def _attention(q, q_nope, lc: LayerCache, positions, dispatch_len, cfg: ModelConfig, mode: str):
     """One layer's attention of the chunk's queries over the cache; returns ``(out, fractions)`` with the attended
     fraction of every query row, float32 ``[batch, T]`` (mean over KV heads; a prefill chunk's InfLLM v2 statistic
@@ -533,12 +542,15 @@ class InferenceEngine:
                 all_rows: bool = False, return_hidden: bool = False) -> tuple:
         """Feed ``prompts`` (one per cache row, any lengths) into an empty ``cache`` in chunks.
 
+        ``cache`` is consumed (donated: updated in place); continue from the returned cache.
+
         Returns:
             ``(cache, logits, attended_fraction)``: float32 logits ``[batch, vocab]`` at each prompt's last
             token (``[batch, max_prompt, vocab]`` with ``all_rows``, padding rows undefined), and the mean
             attended fraction of the chunks (per chunk: over layers and non-padding query rows); with
             ``return_hidden`` also the final-norm hidden states ``[batch, max_prompt, hidden]``.
         """
+        _check_unconsumed(cache)
         b = cache.batch_size
         if len(prompts) != b:
             raise ValueError(f"{len(prompts)} prompts for a cache of batch {b}")
@@ -576,11 +588,15 @@ class InferenceEngine:
         The dispatch length of every row is its sequence's length after the append. Returns ``(cache, logits,
         attended_fraction)`` (and the hidden states ``[batch, T, hidden]`` with ``return_hidden``). Positions
         need not follow the cached length: writing at an earlier position overwrites (speculative rollback).
+        ``cache`` is consumed (donated: updated in place); continue from the returned cache, and to branch (two
+        continuations of one prefix) extend a copy, ``jax.tree.map(jnp.copy, cache)``, for all but the last.
 
         Raises:
             ValueError: a position at or beyond the cache's capacity (its keys would be dropped and the cached
-                length would pass the capacity: silently wrong logits); make the cache with room for them.
+                length would pass the capacity: silently wrong logits); make the cache with room for them; or a
+                cache already consumed by an earlier ``prefill`` / ``extend``.
         """
+        _check_unconsumed(cache)
         p = np.asarray(jax.device_get(positions))
         if p.size and int(p.max()) >= cache.capacity:
             raise ValueError(f"position {int(p.max())} does not fit a cache of {cache.capacity} slots (positions "
