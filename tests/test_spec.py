@@ -384,6 +384,11 @@ def test_bad_spec_settings():
     for bad in ([], [[1, 2], [3, 4]], [1.7, 2.2]):
         with pytest.raises(ConfigError, match="fr_spec_ids must be a non-empty flat list of integer token ids"):
             SpeculativeDecoder(eng, mtp, fr_spec_ids=bad)
+    # break test: a size in place of the ranking (as --fr-spec-vocab takes) was a TypeError traceback (len(8))
+    with pytest.raises(ConfigError, match=r"got int64 of shape \(\)\); a size is --fr-spec-vocab's: pass the "
+                                          r"ranking's first ids, load_frequency_ranking\(path, vocab_size\)\[:size\]"):
+        SpeculativeDecoder(eng, mtp, fr_spec_ids=8)
+    assert SpeculativeDecoder(eng, mtp, fr_spec_ids=[3, 1, 4]).vocab_rows == 3
     for bad in (2.5, None, "3", True):
         with pytest.raises(ConfigError, match=r"num_draft=.* must be an integer >= 1"):
             SpeculativeDecoder(eng, mtp, num_draft=bad)

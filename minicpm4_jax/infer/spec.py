@@ -146,8 +146,10 @@ def check_frequency_ranking(ids, vocab_size: int, what: str = "fr_spec_ids") -> 
     """
     a = np.asarray(ids)
     if a.ndim != 1 or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+        hint = ("; a size is --fr-spec-vocab's: pass the ranking's first ids, load_frequency_ranking(path, "
+                "vocab_size)[:size]") if a.ndim == 0 else ""
         raise ConfigError(f"{what} must be a non-empty flat list of integer token ids (got {a.dtype} of shape "
-                          f"{a.shape})")
+                          f"{a.shape}){hint}")
     if a.min() < 0 or a.max() >= vocab_size:
         raise ConfigError(f"{what} has ids outside [0, {vocab_size}); it was built for another tokenizer")
     if np.unique(a).size != a.size:
@@ -488,13 +490,13 @@ class SpeculativeDecoder:
                               f"drafts runs the Pallas decode kernel on k + 1 tokens, at most {PALLAS_MAX_TOKENS}; "
                               f"draft at most {PALLAS_MAX_TOKENS - 1} tokens")
         self.engine, self.cfg, self.k = engine, cfg, num_draft
-        self.vocab_rows = cfg.vocab_size if fr_spec_ids is None else len(fr_spec_ids)
         head = engine.weights.lm_head
         table = nnx.merge(engine._graphdefs[0], engine.weights.embed).embedding[...] if head is None else head.T
         if fr_spec_ids is None:
             ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32)
         else:
             ids = jnp.asarray(check_frequency_ranking(fr_spec_ids, cfg.vocab_size))
+        self.vocab_rows = int(ids.shape[0])
         mtp_gd, mtp_state = nnx.split(mtp)
         self._mtp_gd = mtp_gd
         self.draft = _Draft(mtp=mtp_state.to_pure_dict(), head_rows=jnp.take(table, ids, axis=0), ids=ids)
