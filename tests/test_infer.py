@@ -607,6 +607,34 @@ def test_a_consumed_cache_is_a_one_line_error_and_a_copy_branches(weights):
     assert not np.allclose(np.asarray(a), np.asarray(b))
 
 
+def test_extend_at_earlier_positions_rolls_the_sequence_back(weights):
+    """Break test: ``extend`` documents that writing at earlier positions overwrites (speculative rollback), but the
+    cached length stayed at its maximum, so the compressed keys of windows the overwritten tokens had completed were
+    never recomputed: after 40 rejected tokens at 200..239 were rewritten, 48 of the 128 later logit rows differed
+    from the run that never wrote them (up to 0.0055), through stale stage-1 scores of blocks 6-7, and the length
+    stayed 240 while the true sequence was 208 .. 232 tokens long."""
+    variant, sp = CASES["gen2_picks"]
+    eng = InferenceEngine(_model(weights, _cfg(variant, **sp)), prefill_chunk=32)
+    seq, wrong = _ids(330, seed=11), _ids(330, seed=12)
+
+    def run(rejected):
+        cache, _, _ = eng.prefill(eng.new_cache(1, 330), [seq[:200]])
+        if rejected:
+            for s in range(200, 240, 8):
+                cache, _, _ = eng.extend(cache, jnp.asarray([wrong[s:s + 8]]), jnp.arange(s, s + 8)[None])
+        lengths, out = [], []
+        for s in range(200, 328, 8):
+            cache, lg, _ = eng.extend(cache, jnp.asarray([seq[s:s + 8]]), jnp.arange(s, s + 8)[None])
+            lengths.append(int(cache.lengths[0]))
+            out.append(np.asarray(lg[0]))
+        return np.concatenate(out), lengths
+
+    clean, clean_lengths = run(False)
+    rolled, lengths = run(True)
+    np.testing.assert_allclose(rolled, clean, rtol=1e-5, atol=1e-5)
+    assert lengths == clean_lengths == list(range(208, 329, 8))
+
+
 @pytest.mark.parametrize("case", ["dense", "gen2"])
 def test_extend_past_the_cache_capacity_is_refused(weights, case):
     """Break test: extend() wrote a token at a position beyond the cache (a 128-slot cache fed position 128): the

@@ -603,7 +603,9 @@ class InferenceEngine:
 
         The dispatch length of every row is its sequence's length after the append. Returns ``(cache, logits,
         attended_fraction)`` (and the hidden states ``[batch, T, hidden]`` with ``return_hidden``). Positions
-        need not follow the cached length: writing at an earlier position overwrites (speculative rollback).
+        need not follow the cached length: writing at an earlier position rolls the sequence back to it (speculative
+        rollback): its cached length becomes the last written position + 1 and the compressed keys (InfLLM v2) of
+        every window from the first written position on are recomputed from the new keys.
         ``cache`` is consumed (donated: updated in place); continue from the returned cache, and to branch (two
         continuations of one prefix) extend a copy, ``jax.tree.map(jnp.copy, cache)``, for all but the last.
 
@@ -618,6 +620,9 @@ class InferenceEngine:
             raise ValueError(f"position {int(p.max())} does not fit a cache of {cache.capacity} slots (positions "
                              f"0 .. {cache.capacity - 1}); make the cache with new_cache(batch, tokens) for every "
                              "position it will hold")
+        if p.size:  # the rollback: a row's length drops to its first written position (rows writing nothing keep it)
+            first = np.where(p >= 0, p, cache.capacity).reshape(p.shape[0], -1).min(axis=1)
+            cache = dataclasses.replace(cache, lengths=jnp.minimum(cache.lengths, jnp.asarray(first, jnp.int32)))
         valid = positions >= 0
         dispatch = jnp.maximum(cache.lengths, jnp.max(jnp.where(valid, positions + 1, 0), axis=1))
         mode = "prefill"
