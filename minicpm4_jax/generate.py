@@ -85,13 +85,17 @@ def generate_ids_uncached(model: Any, prompt_ids: list[int], max_new_tokens: int
     Returns only the new ids. Deterministic for a given ``seed`` (greedy ignores it).
 
     Raises:
-        ConfigError: empty prompt, non-positive ``max_new_tokens``, bad ``temperature``/``top_p``, or
-            ``len(prompt) + max_new_tokens`` above the model's ``max_position_embeddings``.
+        ConfigError: empty prompt, non-positive ``max_new_tokens``, bad ``temperature``/``top_p``,
+            ``len(prompt) + max_new_tokens`` above the model's ``max_position_embeddings``, prompt ids outside the
+            vocabulary, ``stop_ids`` not a list of ids, a bad ``seed`` or ``vocab_limit`` (the engine's checks,
+            :func:`~minicpm4_jax.infer.engine.validate_request`).
     """
-    from minicpm4_jax.infer.engine import check_generation_request
+    from minicpm4_jax.infer.engine import check_prompt_list, check_stops, validate_request
 
-    check_generation_request(model.cfg, [len(prompt_ids)], max_new_tokens)
-    SamplingParams(temperature=temperature, top_p=top_p).validate()
+    lens = check_prompt_list([prompt_ids])
+    stop_ids, _ = check_stops(stop_ids, ())
+    validate_request(model.cfg, lens, max_new_tokens, SamplingParams(temperature=temperature, top_p=top_p), [seed],
+                     (), None, prompts=[prompt_ids], vocab_limit=vocab_limit)
     graphdef, params = nnx.split(model, nnx.Param)
     key = jax.random.key(seed)
     out: list[int] = []

@@ -241,6 +241,16 @@ def test_engine_greedy_equals_uncached_reference(weights):
     model = _model(weights, BASE)
     prompt = _ids(30, seed=4)
     assert generate_ids(model, prompt, 20) == generate_ids_uncached(model, prompt, 20)
+    # break test: the reference took prompt ids outside the vocabulary silently ([5, 500] gave [0, 0, 0]: the
+    # embedding gather of id 500 is NaN; [5, -1] read the last row), and stop_ids=2 was a TypeError traceback; it
+    # now refuses what the engine refuses, with the engine's messages
+    for bad in (500, -1):
+        with pytest.raises(ConfigError, match=rf"prompt 0 holds token id {bad}, outside the model's vocabulary"):
+            generate_ids_uncached(model, [5, bad], 3)
+    with pytest.raises(ConfigError, match=r"stop_ids=2 must be a list of token ids \(e.g. \[2\]\)"):
+        generate_ids_uncached(model, [5, 6], 3, stop_ids=2)
+    with pytest.raises(ConfigError, match=r"max_new_tokens=2.5 \(--max-new-tokens\) must be an integer"):
+        generate_ids_uncached(model, [5, 6], 2.5)
 
 
 @pytest.mark.parametrize("case", ["dense", "gen2_switch"])
