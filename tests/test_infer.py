@@ -591,6 +591,7 @@ def test_stop_lists_and_prompt_lists_of_the_wrong_shape_are_one_line_errors(weig
         eng.generate([1, 2, 3], 3)
     with pytest.raises(ConfigError, match="prompts must be a list of token-id lists"):
         eng.generate("t1 t2", 3)
+    assert eng.generate([prompt], 3, stop_ids=None, stop_strings=None).tokens == eng.generate([prompt], 3).tokens
     # ids of numpy / jax integer types are ids
     assert eng.generate([prompt], 12, sampling=sampling, seeds=[1],
                         stop_ids=(np.int64(free.tokens[0][3]), jnp.int32(free.tokens[0][3]))).tokens[0] == (

@@ -215,8 +215,10 @@ def check_stops(stop_ids: Any, stop_strings: Any) -> tuple[tuple[int, ...], tupl
 
     ``stop_ids``: integer token ids; ``stop_strings``: non-empty texts. A bare string given as ``stop_strings`` is
     refused: as a sequence it is its characters, so ``stop_strings="END"`` stopped at the first ``E``, ``N`` or ``D``.
-    A bare integer given as ``stop_ids`` is refused too (wrap it: ``[2]``).
+    A bare integer given as ``stop_ids`` is refused too (wrap it: ``[2]``). ``None`` means none.
     """
+    stop_ids = () if stop_ids is None else stop_ids
+    stop_strings = () if stop_strings is None else stop_strings
     if isinstance(stop_strings, (str, bytes)):
         raise ConfigError(f"stop_strings={stop_strings!r} is one string, which would stop at any of its characters; "
                           f"pass a list of stop texts: [{stop_strings!r}]")
