@@ -331,6 +331,11 @@ def test_frequency_ranking_build_save_load(tmp_path):
     assert ids.tolist() == [5, 2, 7, 9]  # 4x, 3x, then 1x each in id order
     with_eos = build_frequency_ranking(streams, 4, vocab_size=10, eos_id=1)
     assert with_eos.tolist() == [5, 2, 7, 1]  # EOS replaces the tail (official rule)
+    # break test: an EOS id outside the vocabulary (a tokenizer's "none" -1) became the last id ([5, 2, 7, -1]),
+    # written without a word and refused only when generate loaded the file ("built for another tokenizer")
+    for bad in (-1, 10, 2.0):
+        with pytest.raises(ConfigError, match=rf"eos_id={bad!r} is not an id of the vocabulary \[0, 10\)"):
+            build_frequency_ranking(streams, 4, vocab_size=10, eos_id=bad)
     p = save_frequency_ranking(with_eos, tmp_path / "freq_4.txt")
     assert load_frequency_ranking(p, 10).tolist() == [5, 2, 7, 1]
     with pytest.raises(ConfigError, match="outside"):

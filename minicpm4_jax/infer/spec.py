@@ -73,10 +73,14 @@ def build_frequency_ranking(token_streams: Iterable[Sequence[int]], size: int, v
         int32 ``[size]``; ties in frequency go to the lower id; ids never seen fill the tail in id order.
 
     Raises:
-        ConfigError: ``size`` outside ``[1, vocab_size]`` or an id outside the vocabulary.
+        ConfigError: ``size`` outside ``[1, vocab_size]``, an id outside the vocabulary, or ``eos_id`` neither
+            ``None`` nor an id of the vocabulary (a tokenizer's "no EOS" ``-1`` became the ranking's last id).
     """
     if not 1 <= size <= vocab_size:
         raise ConfigError(f"FR-Spec vocabulary size {size} must be in [1, vocab_size={vocab_size}]")
+    if eos_id is not None and (not is_integer(eos_id) or not 0 <= eos_id < vocab_size):
+        raise ConfigError(f"eos_id={eos_id!r} is not an id of the vocabulary [0, {vocab_size}); pass the "
+                          "tokenizer's EOS id, or None when it has none")
     counts = np.zeros(vocab_size, np.int64)
     for ids in token_streams:
         a = np.asarray(ids, np.int64)
