@@ -302,13 +302,16 @@ class EvalModel:
             return_cuts: also return the prompt tokens cut from each prompt (0 when it fit).
 
         Raises:
-            ConfigError: an empty prompt, a prompt + ``max_new_tokens`` longer than ``max_length`` (without
+            ConfigError: ``stop`` given as one string instead of a list of them, an empty prompt, a prompt + ``max_new_tokens`` longer than ``max_length`` (without
                 ``truncate``, or when ``max_new_tokens`` alone leaves no room), or bad sampling values (one line
                 naming the prompt index).
         """
         from minicpm4_jax.generate import stop_token_ids
         from minicpm4_jax.infer.sampling import SamplingParams
 
+        if isinstance(stop, (str, bytes)):  # as a sequence it is its characters: "\n\n" stopped at the first newline
+            raise ConfigError(f"stop={stop!r} is one string, which would stop at any of its characters; "
+                              f"pass a list of stop texts: stop=[{stop!r}]")
         stop = tuple(s for s in stop if s)
         encoded, cuts = [], []
         room = self.max_length - max_new_tokens - len(self.prefix_ids)  # prompt tokens that fit

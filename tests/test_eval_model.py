@@ -151,6 +151,15 @@ def test_generate_budget_counts_the_new_tokens(dense_model):
         em.generate([prompt], max_new_tokens=14)
 
 
+def test_generate_refuses_one_stop_string_not_in_a_list(dense_model):
+    """``stop="\\n\\n"`` was read as its characters, so a generation stopped at its first single newline; it is a
+    one-line error naming the fix, and the same stop in a list runs."""
+    em = EvalModel(dense_model, TOK, max_length=64, progress=False)
+    with pytest.raises(ConfigError, match=r"stop='\\n\\n' is one string.*stop=\['\\n\\n'\]"):
+        em.generate(["def f"], max_new_tokens=4, stop="\n\n")
+    assert len(em.generate(["def f"], max_new_tokens=4, stop=["\n\n"])) == 1
+
+
 def test_generation_prompts_are_cut_from_the_left_when_asked_and_counted(dense_model, capsys):
     """Thirteenth-session break test: a generation task whose prompt did not fit max_length - budget stopped the
     whole `eval bench` run (losing the tasks already scored) with a fix it cannot apply, and the lm-eval backend
