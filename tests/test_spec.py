@@ -523,3 +523,31 @@ def test_generate_refuses_an_fr_spec_file_with_ids_of_the_padded_vocabulary(tmp_
         _speculative_decoder(args, model, eng, tmp_path, small_tok)
     dec = _speculative_decoder(args, model, eng, tmp_path, types.SimpleNamespace(vocab_size=cfg.vocab_size))
     assert np.asarray(dec.draft.ids).tolist() == [1, 2, cfg.vocab_size - 1]
+
+
+def test_generate_resumes_the_plain_tail_at_the_lengths_its_rounds_kept(monkeypatch):
+    """field_faults B16 for the host bookkeeping of :meth:`SpeculativeDecoder.generate`: after rounds with rejected
+    drafts, a row that ends in plain steps at the position limit resumes with ``prompt + kept tokens - 1`` cached
+    tokens (each round keeps ``accepted + 1``; the last token is pending), pipelined or not. Mutation testing (helper
+    105): ``lengths[r] += acc[r] + 2`` in ``generate`` passed every test, since the rounds read their lengths from
+    the device and this vocabulary-11 model's tail repeats one token whatever its positions."""
+    cfg = dataclasses.replace(SMALL, max_position_embeddings=64)
+    model, mtp = _pair(cfg)
+    prompts = _prompts(cfg.vocab_size, (44, 30))  # 44 + 20 = 64: row 0 ends with plain steps at the limit
+    plain = InferenceEngine(model, prefill_chunk=16).generate(prompts, 20)
+    for pipelined in (True, False):
+        dec = _OracleDrafts(InferenceEngine(model, prefill_chunk=16, pipelined=pipelined), mtp, num_draft=3,
+                            plain=plain.tokens, prompt_lens=[len(p) for p in prompts])
+        seen, tail = [], dec._plain_tail
+
+        def spy(st, col, *a, tail=tail, seen=seen, **kw):
+            seen.append([(n, len(p) + len(o) - 1) for n, p, o, on in zip(st.lengths, prompts, col.out, col.active)
+                         if on])
+            return tail(st, col, *a, **kw)
+
+        monkeypatch.setattr(dec, "_plain_tail", spy)
+        spec = dec.generate(prompts, 20)
+        assert spec.tokens == plain.tokens
+        assert 1.0 < spec.acceptance_length < 4.0  # rounds with rejections ran before the tail
+        assert len(seen) == 1 and seen[0], (pipelined, seen)  # the tail ran, for row 0 at least
+        assert all(n == want for n, want in seen[0]), (pipelined, seen)
