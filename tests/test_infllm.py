@@ -469,6 +469,31 @@ def test_b02_causality_sparse_forced(variant, impl):
 
 
 @pytest.mark.parametrize("variant", ["gen1", "gen2"])
+def test_b02_stage1_scores_of_a_row_ignore_later_tokens(variant):
+    """B02 on the stage-1 scores themselves, not only through the top-k: the fine compressed keys a row can see,
+    its kernel scores and its pooled block scores are bit-identical when every later token changes. A kernel that
+    also averaged the token after its window (``k`` shifted by one before compression) leaked that token into the
+    rows ending the window and, through gen-1's softmax / gen-2's coarse normaliser, into every score of the row,
+    but test_b02_causality_sparse_forced still passed: no top-k pick flipped at its cut points (mutation testing,
+    helper 105)."""
+    cfg = dataclasses.replace(TINY, variant=variant, dense_len=0)
+    p = select_params(cfg)
+    t_len = 512
+    q, k, _ = _qkv(52, 1, t_len, 8, 2, 32)
+    q2, k2, _ = _qkv(62, 1, t_len, 8, 2, 32)
+    pos = _pos(1, t_len)
+    base = {key: np.asarray(x) for key, x in selection_scores(q, k, q_positions=pos, params=p).items()}
+    for t in (31, 47, 63, 100, 127, 255, 447):  # 31 + 16 j: a fine kernel ends there; 127 + 64 j: a coarse one
+        later = (jnp.arange(t_len) > t)[None, :, None, None]
+        got = selection_scores(jnp.where(later, q2, q), jnp.where(later, k2, k), q_positions=pos, params=p)
+        nk = (t + 1 - 32) // 16 + 1  # fine kernels ending at or before t
+        np.testing.assert_array_equal(np.asarray(got["ck1"])[:, :nk], base["ck1"][:, :nk], err_msg=f"t={t}")
+        for key in ("scores", "block_scores"):
+            np.testing.assert_array_equal(np.asarray(got[key])[:, :, : t + 1], base[key][:, :, : t + 1],
+                                          err_msg=f"{key}, t={t}")
+
+
+@pytest.mark.parametrize("variant", ["gen1", "gen2"])
 def test_b03_causal_mask_before_topk(variant):
     cfg = dataclasses.replace(TINY, variant=variant, dense_len=0)
     p = select_params(cfg)
