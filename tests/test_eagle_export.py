@@ -79,6 +79,9 @@ def test_eagle_folder_layout_config_and_bit_identical_round_trip(tmp_path):
               "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_scaling", "vocab_size"):
         assert ec[k] == base[k], k
     assert ec["mup_denominator"] == cfg.num_hidden_layers + 1  # vLLM's rule then gives CPM.cu's residual scale
+    # the draft layer's residual multiplier as written: scale_depth / sqrt(L_base + 1) = 1.9 / 2 (field_faults B10;
+    # mutation testing, helper 105: scale_depth / sqrt(L_base) in this key passed every test)
+    assert ec["residual_scale"] == pytest.approx(cfg.scale_depth / np.sqrt(ec["mup_denominator"]), rel=1e-12)
     assert "sparse_config" not in ec
     assert res.manifest["format"] == "eagle-minicpm4"
 
