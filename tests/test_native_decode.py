@@ -385,3 +385,49 @@ def test_calls_large_enough_for_the_thread_pool_equal_reference(b):
         np.testing.assert_allclose(np.asarray(got_w), np.asarray(ref_w), atol=2e-6, rtol=1e-5)
     if b == 2:
         assert np.all(np.asarray(out)[1] == 0.0)
+
+
+@pytest.mark.parametrize("variant", ["gen2", "gen1"])
+def test_native_selection_keeps_future_kernels_out_of_each_heads_normaliser(variant):
+    """field_faults B02/B03 for the native selection: a kernel that ends after the query stays out of each head's
+    softmax normaliser (gen-1's fine, gen-2's coarse), not only out of the top-k. Query head 0 of the group peaks on
+    block P = 3, head 1 (a little less) on block Q = 5, and the keys after each query score far higher for head 0:
+    with one more fine and coarse kernel counted visible (``floor((p + 1 - ks) / st) + 2``), or one more coarse
+    kernel only, head 0's weight left P and Q took the pick, while test_native_selection_equals_reference still
+    passed (its rows' kernel counts are clipped by the cache, or its future keys favour every head alike; mutation
+    testing, helper 105)."""
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+
+    bs, st, ks, nb, nkv, g, d = 32, 16, 32, 16, 1, 2, 32
+    p = select_params(SparseConfig(kernel_size=ks, kernel_stride=st, block_size=bs, window_size=64,
+                                   topk=3 if variant == "gen2" else 2, init_blocks=1, variant=variant, dense_len=-1))
+    cap = nb * bs
+    rng = np.random.default_rng(7)
+    firsts = np.array([300, 311, 319])  # one query each; its cache holds keys after it (a chunk, a stale tail)
+    b = len(firsts)
+    u = np.ones(d, np.float32) / np.sqrt(d)
+    w = np.tile([1.0, -1.0], d // 2).astype(np.float32) / np.sqrt(d)  # orthogonal to u
+    slot = np.arange(cap)[None, :, None, None]
+    k = rng.standard_normal((b, cap, nkv, d)).astype(np.float32)
+    k = k + 8.0 * u * ((slot >= 96) & (slot < 128)) + 6.0 * w * ((slot >= 160) & (slot < 192))  # blocks P, Q
+    k = k + 200.0 * u * (slot > firsts[:, None, None, None])  # after each query
+    k = jnp.asarray(k)
+    q = rng.standard_normal((b, 1, nkv * g, d)).astype(np.float32) * 0.01
+    q[:, :, 0] += 4.0 * u  # head 0 of the group peaks on P (outside the forced init and window blocks)
+    q[:, :, 1] += 4.0 * w  # head 1 on Q
+    q = jnp.asarray(q)
+    vc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    ck1 = compress_keys(k, ks, st)
+    ck2 = compress_keys(k, *coarse_geometry(ks, st)) if variant == "gen2" else None
+    pos = jnp.asarray(firsts[:, None], jnp.int32)
+    init_b, win_b, width = stage2_forced_split(p, min(p.topk_cfg, nb))
+    sel = select_blocks_compressed(q, ck1, ck2, q_positions=pos, params=p, num_blocks=nb, kv_len=pos[:, 0] + 1,
+                                   q_tile=1)
+    _, idx = native.select_decode_attention(q, k.transpose(0, 2, 1, 3), vc, ck1, ck2, q_positions=pos, params=p,
+                                            init_blocks=init_b, window_blocks=win_b, gather_width=width)
+    ref_idx = np.asarray(sel.topk_idx)
+    assert np.all(np.any(ref_idx == 3, axis=-1)) and not np.any(ref_idx == 5)  # the reference picks P, never Q
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
