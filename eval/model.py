@@ -302,9 +302,9 @@ class EvalModel:
             return_cuts: also return the prompt tokens cut from each prompt (0 when it fit).
 
         Raises:
-            ConfigError: ``stop`` given as one string instead of a list of them, an empty prompt, a prompt + ``max_new_tokens`` longer than ``max_length`` (without
-                ``truncate``, or when ``max_new_tokens`` alone leaves no room), or bad sampling values (one line
-                naming the prompt index).
+            ConfigError: ``stop`` given as one string instead of a list of them, an empty prompt, a prompt +
+                ``max_new_tokens`` longer than ``max_length`` (without ``truncate``, or when ``max_new_tokens``
+                alone leaves no room), or bad sampling values (one line naming the prompt index).
         """
         from minicpm4_jax.generate import stop_token_ids
         from minicpm4_jax.infer.sampling import SamplingParams

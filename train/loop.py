@@ -90,7 +90,7 @@ from minicpm4_jax.train.metrics import (MetricsWriter, measure_matmul_peak_flops
 from minicpm4_jax.sharding import (batch_sharding, check_batch_size, check_vocab_size, make_global_batch, make_mesh,
                                    process_batch_rows, replicated)
 from minicpm4_jax.train.step import (TrainState, decay_start_step, init_model, init_train_state,
-                                     make_eval_step, make_train_step, print_memory_analysis,
+                                     kernels_under_mesh, make_eval_step, make_train_step, print_memory_analysis,
                                      train_state_shardings)
 
 __all__ = ["run_training", "TrainingDiverged", "CheckpointWriteError", "RunFileWriteError", "check_output_dir",
@@ -1027,8 +1027,10 @@ def run_training(
         train_step = make_train_step(cfg, graphdef, mesh)
         # batch-sharded activations (train/step.py activation_sharding) when every validation batch is split
         eval_mesh = mesh if all(vb.shape[0] % n_split == 0 for vb in val) else None
-        eval_step = jax.jit(make_eval_step(graphdef, eval_mesh, cfg.logits_chunk_size,
-                                           cfg.gradient_accumulation_steps), out_shardings=replicated(mesh))
+        # the kernels of attention_impl=pallas run per device as in the train step (whole arrays otherwise)
+        eval_step = kernels_under_mesh(jax.jit(make_eval_step(graphdef, eval_mesh, cfg.logits_chunk_size,
+                                                              cfg.gradient_accumulation_steps),
+                                               out_shardings=replicated(mesh)), cfg.model.attention_impl, mesh)
         b, t = cfg.data.batch_size, cfg.data.seq_len
         global_batch = b  # data.batch_size is the global batch; each process feeds its rows of it
         # abstract, with its sharding: lowering a numpy batch would fail with several processes

@@ -395,9 +395,17 @@ def make_train_step(cfg: TrainConfig, graphdef: nnx.GraphDef,
 
     jitted = jax.jit(train_step, in_shardings=(state_sh, batch_sharding(mesh)),
                      out_shardings=(state_sh, replicated(mesh)), donate_argnums=0)
-    if resolve_impl(cfg.model.attention_impl) == "pallas" and mesh.size > 1:
-        # the Pallas kernels are single-device programs: traced under the mesh, they run per device
-        # (jax.shard_map over batch and heads, minicpm4_jax.ops.dispatch.on_mesh)
+    return kernels_under_mesh(jitted, cfg.model.attention_impl, mesh)
+
+
+def kernels_under_mesh(jitted: Any, attention_impl: str, mesh: Mesh | None) -> Any:
+    """``jitted`` traced, lowered and called under ``jax.set_mesh(mesh)`` when it runs Pallas kernels on a mesh.
+
+    The Pallas kernels are single-device programs: traced under the mesh, they run per device (``jax.shard_map``
+    over batch and heads, :func:`minicpm4_jax.ops.dispatch.on_mesh`); traced without it, each kernel runs on
+    whole (gathered) arrays. With ``attention_impl`` resolving to ``"xla"``, no mesh or one device: ``jitted``.
+    """
+    if mesh is not None and mesh.size > 1 and resolve_impl(attention_impl) == "pallas":
         return _UnderMesh(jitted, mesh)
     return jitted
 
