@@ -182,6 +182,32 @@ def test_quirk_drops_exactly_one_kernel_at_15_mod_16():
     np.testing.assert_array_equal(np.asarray(qk), np.maximum(np.asarray(c) - 1, 0))
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_quirk_counts_each_sequences_own_rows_in_a_padded_batch(impl):
+    """§5.2 quirk per sequence (official varlen: ``Nq`` = the sequence's own rows): a 63-token sequence
+    right-padded to 64 (positions ``-1``) selects as it does alone (63 = 15 mod 16 drops a kernel), and a
+    1-token sequence padded to 64 keeps the decode (clean) rule. Counting the padded ``T = 64`` rows gave the
+    63-token sequence the clean counts and other picks."""
+    cfg = dataclasses.replace(SMALL, variant="gen1", topk=2, window_size=16, kernel_size=16, kernel_stride=8)
+    p = select_params(cfg, kernel_offby1_quirk=True)
+    n = 64
+    q, k, _ = _qkv(71, 3, n, 4, 2, 16)
+    pos = _pos(3, n).at[1, 63:].set(-1).at[2, 1:].set(-1)
+    sel = infllm.select_blocks(q, k, q_positions=pos, params=p, q_tile=16, impl=impl)
+    for bi, ln in [(0, 64), (1, 63), (2, 1)]:
+        alone = infllm.select_blocks(q[bi:bi + 1, :ln], k[bi:bi + 1, :ln], q_positions=pos[bi:bi + 1, :ln], params=p,
+                                     q_tile=16, impl=impl)
+        want = _np_selection(q[bi:bi + 1, :ln], k[bi:bi + 1, :ln], pos[bi:bi + 1, :ln], cfg, quirk=True)
+        np.testing.assert_array_equal(np.asarray(alone.topk_idx), want["topk_idx"])
+        np.testing.assert_array_equal(np.asarray(sel.topk_idx[bi:bi + 1, :, :ln]), want["topk_idx"])
+    # the input really exercises the quirk: the clean rule selects otherwise for the 63-token sequence
+    clean = _np_selection(q[1:2, :63], k[1:2, :63], pos[1:2, :63], cfg, quirk=False)
+    assert (clean["topk_idx"] != np.asarray(sel.topk_idx[1:2, :, :63])).any()
+    cnt = visible_kernel_count(pos, jnp.array([64, 63, 1]), jnp.array([64, 63, 1]), num_kernels(n, 16, 8), 16, 8, True)
+    np.testing.assert_array_equal(np.asarray(cnt[1, :63]), np.maximum(np.asarray(
+        visible_kernel_count(pos[1:2, :63], jnp.array([63]), 63, num_kernels(63, 16, 8), 16, 8, False))[0] - 1, 0))
+
+
 def test_selection_format_sorted_sentinel_counts():
     cfg = dataclasses.replace(SMALL, variant="gen2", topk=4)
     q, k, _ = _qkv(3, 2, 200, 4, 2, 16)

@@ -76,6 +76,7 @@ __all__ = [
     "Selection",
     "select_params",
     "visible_kernel_count",
+    "query_rows",
     "stage1_scores",
     "stage1_scores_causal",
     "pool_block_scores",
@@ -166,31 +167,45 @@ def _floordiv(a, b: int):
     return jnp.floor_divide(a, b)
 
 
-def visible_kernel_count(q_positions: jax.Array, kv_len: jax.Array, num_q: int, num_k: int,
+def query_rows(q_positions: jax.Array) -> jax.Array:
+    """The quirk's ``num_q`` of each sequence: its query rows (``q_positions >= 0``), int32 ``[batch]``.
+
+    The official kernel runs each sequence of a varlen batch with its own ``Nq`` (spec §5.2), so a right-padded
+    sequence counts its live rows, not the padded ``T`` of the call.
+    """
+    return jnp.sum(q_positions >= 0, axis=1, dtype=jnp.int32)
+
+
+def visible_kernel_count(q_positions: jax.Array, kv_len: jax.Array, num_q: int | jax.Array, num_k: int,
                          kernel_size: int, kernel_stride: int, quirk: bool = False) -> jax.Array:
     """Number of kernels visible to each query row (kernel ``j`` is visible iff ``j < count``).
 
     Args:
         q_positions: int ``[batch, T]`` absolute query positions (``-1`` = padding row).
         kv_len: int ``[batch]`` keys per sequence (cache + new), used by the quirk only.
-        num_q: static number of query rows ``T`` of the call (quirk only).
+        num_q: query rows of the call (quirk only): a static ``T`` shared by every sequence, or int ``[batch]``
+            per sequence (:func:`query_rows`, what the selection passes: a right-padded sequence's own rows).
         num_k: static number of kernels over the kv axis (upper clip).
         kernel_size, kernel_stride: kernel geometry.
-        quirk: reproduce the official off-by-one (module docstring); ignored when ``num_q == 1``.
+        quirk: reproduce the official off-by-one (module docstring); ignored for a sequence with ``num_q == 1``
+            (decode is non-causal in the official code, which is the clean rule).
 
     Returns:
         int32 ``[batch, T]`` in ``[0, num_k]``. Clean rule: ``#{j : st*j + ks - 1 <= p}``.
     """
     p = q_positions.astype(jnp.int32)
     clean = _floordiv(p + 1 - kernel_size, kernel_stride) + 1
-    if quirk and num_q > 1:
+    static_one = isinstance(num_q, int) and num_q <= 1
+    if quirk and not static_one:
+        nq = jnp.asarray(num_q, jnp.int32)
+        nq = nq[:, None] if nq.ndim else nq
         kv_len = kv_len.astype(jnp.int32)[:, None]
         nk_seq = jnp.maximum(_floordiv(kv_len - kernel_size, kernel_stride) + 1, 0)
-        r = p - (kv_len - num_q)  # row index, bottom-right aligned
+        r = p - (kv_len - nq)  # row index, bottom-right aligned
         cnt = (_floordiv(r + 1 - kernel_size, kernel_stride) + nk_seq
-               - ((num_q + 1 - kernel_size) // kernel_stride))
+               - _floordiv(nq + 1 - kernel_size, kernel_stride))
         cnt = jnp.minimum(cnt, nk_seq)
-        cnt = jnp.where(p < 0, 0, cnt)
+        cnt = jnp.where(p < 0, 0, jnp.where(nq > 1, cnt, clean))
     else:
         cnt = clean
     return jnp.clip(cnt, 0, num_k).astype(jnp.int32)
@@ -242,7 +257,8 @@ def stage1_scores(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *, q_posi
         kv_len: int ``[batch]`` keys per sequence (quirk only).
         params: :class:`SelectParams`.
         scale: logit scale, default ``head_dim ** -0.5``.
-        num_q: ``T`` of the whole call when ``q`` is a tile of it (quirk only); default ``q.shape[1]``.
+        num_q: query rows of the whole call when ``q`` is a tile of it (quirk only): ``T``, or int ``[batch]``
+            per sequence (:func:`query_rows`); default ``q.shape[1]``.
 
     Returns:
         ``[batch, num_kv_heads, T, Nc1]`` in ``params.score_dtype``; exactly 0 on invisible kernels,
@@ -395,12 +411,14 @@ def _stage1(impl: str, q, ck1, ck2, **kw) -> jax.Array:
 
     backend, interpret = pallas_target()
     qpos, kv_len = kw.pop("q_positions"), kw.pop("kv_len")
+    num_q = kw.pop("num_q", None)
+    rows = None if num_q is None or isinstance(num_q, int) else num_q  # per sequence: sharded with the batch
 
-    def kernel(q_, ck1_, ck2_, qpos_, kv_len_):
+    def kernel(q_, ck1_, ck2_, qpos_, kv_len_, rows_):
         return stage1_scores_pallas(q_, ck1_, ck2_, q_positions=qpos_, kv_len=kv_len_, backend=backend,
-                                    interpret=interpret, **kw)
+                                    interpret=interpret, num_q=num_q if rows_ is None else rows_, **kw)
 
-    return on_mesh(kernel, (q, ck1, ck2, qpos, kv_len), ("b.h.", "b.h.", "b.h.", "b.", "b"), "bh..")
+    return on_mesh(kernel, (q, ck1, ck2, qpos, kv_len, rows), ("b.h.", "b.h.", "b.h.", "b.", "b", "b"), "bh..")
 
 
 def _default_kv_len(q_positions: jax.Array) -> jax.Array:
@@ -483,13 +501,15 @@ def select_blocks_compressed(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None
     b, t, nq, d = q.shape
     kv_len = _default_kv_len(q_positions) if kv_len is None else kv_len.astype(jnp.int32)
     nb = num_blocks
+    # the quirk's row count: each sequence's own rows (a right-padded one has fewer than T)
+    num_q = query_rows(q_positions) if params.kernel_offby1_quirk and t > 1 else t
     tile = max(1, min(q_tile, t))
     qp, pp = query_tiles(q, q_positions, tile)
     n_tiles = qp.shape[0]
 
     def one(args):
         q_t, pos_t = args
-        s = _stage1(impl, q_t, ck1, ck2, q_positions=pos_t, kv_len=kv_len, params=params, scale=scale, num_q=t)
+        s = _stage1(impl, q_t, ck1, ck2, q_positions=pos_t, kv_len=kv_len, params=params, scale=scale, num_q=num_q)
         bs = pool_block_scores(s, q_positions=pos_t, num_blocks=nb, params=params)
         return topk_blocks(bs, q_positions=pos_t, params=params)
 

@@ -277,7 +277,8 @@ def stage1_scores_pallas(q: jax.Array, ck1: jax.Array, ck2: jax.Array | None, *,
         params: :class:`~minicpm4_jax.infllm.select.SelectParams` (``variant``, kernel geometry,
             ``kernel_offby1_quirk``, ``score_dtype``).
         scale: logit scale, default ``head_dim ** -0.5``.
-        num_q: ``T`` of the whole call when ``q`` is a tile of it (quirk only); default ``q.shape[1]``.
+        num_q: query rows of the whole call when ``q`` is a tile of it (quirk only): ``T``, or int ``[batch]``
+            per sequence (:func:`~minicpm4_jax.infllm.select.query_rows`); default ``q.shape[1]``.
         backend: ``"tpu"`` (Mosaic TPU) or ``"triton"`` (NVIDIA GPU via Pallas's Triton lowering).
         interpret: ``True`` runs the kernel in Pallas interpret mode (CPU); a ``pltpu.InterpretParams`` selects
             the TPU interpret mode (TPU backend only).
