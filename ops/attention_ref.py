@@ -12,18 +12,29 @@ import jax.numpy as jnp
 __all__ = ["dense_attention", "check_qkv"]
 
 
-def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, int, int, int]:
-    """Validate ``q [batch, T, heads, d]``, ``k``/``v [batch, S, kv_heads, d]``; return ``(b, T, heads, d, S, kv_heads)``.
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array | None = None,
+              kv_positions: jax.Array | None = None,
+              kv_valid: jax.Array | None = None) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q [batch, T, heads, d]``, ``k``/``v [batch, S, kv_heads, d]`` and, when given, ``q_positions
+    [batch, T]``, ``kv_positions`` / ``kv_valid [batch, S]``; return ``(b, T, heads, d, S, kv_heads)``.
 
     Raises:
-        ValueError: ``heads`` not a multiple of ``kv_heads`` or mismatched shapes.
+        ValueError: ``heads`` not a multiple of ``kv_heads`` or mismatched shapes (one line naming the array).
     """
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q {q.shape} must be [batch, T, heads, head_dim] and k {k.shape} [batch, S, kv_heads, "
+                         "head_dim]")
     b, t, nq, d = q.shape
     _, s, nkv, _ = k.shape
     if nq % nkv:
         raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
     if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    for name, x, want in (("q_positions", q_positions, (b, t)), ("kv_positions", kv_positions, (b, s)),
+                          ("kv_valid", kv_valid, (b, s))):
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(f"{name} shape {tuple(x.shape)} must be {list(want)} (batch, "
+                             f"{'T' if name == 'q_positions' else 'kv_len'}) for q {q.shape}, k {k.shape}")
     return b, t, nq, d, s, nkv
 
 
@@ -56,7 +67,7 @@ def dense_attention(
     Raises:
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads`` or mismatched shapes.
     """
-    b, t, nq, d, s, nkv = check_qkv(q, k, v)
+    b, t, nq, d, s, nkv = check_qkv(q, k, v, q_positions, kv_positions, kv_valid)
     g = nq // nkv
     scale = d**-0.5 if scale is None else scale
     # explicit 3-D batched dots over (batch, kv head) with the group's heads x queries as rows: the 5-D

@@ -22,8 +22,9 @@ from minicpm4_jax.ops.infllm_ref import _merge, compact_topk  # one online-softm
 __all__ = ["decode_shapes", "dense_decode_attention", "sparse_decode_attention"]
 
 
-def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple:
-    """Checks of a decode call's operands, shared by the reference and the kernels.
+def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array | None = None) -> tuple:
+    """Checks of a decode call's operands (and, when given, of ``q_positions``: ``[batch]`` for the one-token
+    ``q``, else ``[batch, T]``), shared by the reference and the kernels.
 
     Returns:
         ``(single, q4, batch, T, num_heads, head_dim, num_kv_heads, capacity)``: ``single`` when ``q`` is the
@@ -31,7 +32,7 @@ def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple
 
     Raises:
         ValueError: ``q`` not 3-D/4-D, caches not ``[batch, num_kv_heads, capacity, head_dim]`` matching ``q``,
-            or heads not a multiple of KV heads.
+            heads not a multiple of KV heads, or ``q_positions`` of another shape.
     """
     if q.ndim not in (3, 4):
         raise ValueError(f"q shape {q.shape}: expected [batch, heads, head_dim] or [batch, T, heads, head_dim]")
@@ -44,6 +45,9 @@ def decode_shapes(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple
     nkv, cap = k_cache.shape[1], k_cache.shape[2]
     if nkv < 1 or nq % nkv:
         raise ValueError(f"num_heads={nq} is not a multiple of num_kv_heads={nkv}")
+    want = (b,) if single else (b, t)
+    if q_positions is not None and tuple(q_positions.shape) != want:
+        raise ValueError(f"q_positions shape {tuple(q_positions.shape)} must be {list(want)} for q {q.shape}")
     return single, q4, b, t, nq, d, nkv, cap
 
 
@@ -99,6 +103,7 @@ def dense_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         ValueError: mismatched shapes or heads not a multiple of kv heads, or ``window`` with a 4-D ``q`` or
             ``window < 1``.
     """
+    decode_shapes(q, k_cache, v_cache, q_positions)
     if window is not None:
         if q.ndim != 3:
             raise ValueError(f"window={window} takes one token per sequence (q [batch, heads, head_dim]), "
@@ -188,13 +193,10 @@ def sparse_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
         ValueError: mismatched shapes, a capacity that is not a multiple of ``block_size``, negative
             ``window_blocks`` / ``init_blocks`` / ``gather_width``.
     """
-    single = q.ndim == 3
-    q4 = q[:, None] if single else q
+    single, q4, b, t, nq, d, nkv, s = decode_shapes(q, k_cache, v_cache, q_positions)
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)  # [b, t]
     idx = (topk_idx[:, :, None] if single else topk_idx).astype(jnp.int32)  # [b, kv, t, K]
-    b, t = q4.shape[:2]
-    _, nq, d, nkv, s = _check(q4[:, 0], k_cache, v_cache)
-    if s % block_size:
+    if block_size < 1 or s % block_size:
         raise ValueError(f"cache capacity {s} is not a multiple of block_size={block_size}")
     if idx.ndim != 4 or idx.shape[:3] != (b, nkv, t):
         raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, (T={t},) K]")

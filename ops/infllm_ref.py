@@ -155,9 +155,11 @@ def infllmv2_stage2(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: jax.Arra
     Raises:
         ValueError: heads not a multiple of kv heads, mismatched shapes, negative window/init/width.
     """
-    b, t, nq, d, s, nkv = check_qkv(q, k, v)
-    if topk_idx.shape[:3] != (b, nkv, t):
+    b, t, nq, d, s, nkv = check_qkv(q, k, v, q_positions, kv_positions, kv_valid)
+    if topk_idx.ndim != 4 or topk_idx.shape[:3] != (b, nkv, t):
         raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, T={t}, K]")
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
     kk = topk_idx.shape[-1]
     width = kk if gather_width is None else gather_width
     if min(window_blocks, init_blocks, width) < 0:

@@ -448,6 +448,49 @@ def test_use_nope_requires_selection_inputs():
                                atol=1e-6, rtol=1e-6)
 
 
+def test_bad_positions_and_selection_shapes_are_one_line_errors():
+    """The XLA references name a mismatched positions / kv_valid / topk_idx shape or a bad block size in one
+    ValueError line. Before, ``infllmv2_stage2`` with ``q_positions`` ``[1, 3]`` for ``T = 40`` returned an
+    output (broadcast positions, no error) and the others raised XLA's reshape/broadcast TypeErrors or a
+    ZeroDivisionError."""
+    from minicpm4_jax.ops import decode_ref  # noqa: PLC0415
+
+    q, k, v = _qkv(3, 1, 40, 4, 2, 16)
+    pos = _pos(1, 40)
+    idx = jnp.zeros((1, 2, 40, 2), jnp.int32)
+    st2 = dict(kv_positions=pos, block_size=16)
+    cases = [
+        (lambda: infllm_ref.infllmv2_stage2(q, k, v, idx, q_positions=pos[:, :3], **st2), r"q_positions shape \(1, 3\)"),
+        (lambda: infllm_ref.infllmv2_stage2(q, k, v, idx, q_positions=pos, kv_positions=pos[:, :30], block_size=16),
+         r"kv_positions shape \(1, 30\)"),
+        (lambda: infllm_ref.infllmv2_stage2(q, k, v, idx, q_positions=pos, kv_valid=jnp.ones((1, 39), bool), **st2),
+         r"kv_valid shape \(1, 39\)"),
+        (lambda: infllm_ref.infllmv2_stage2(q, k, v, idx[..., 0], q_positions=pos, **st2), r"topk_idx shape \(1, 2, 40\)"),
+        (lambda: infllm_ref.infllmv2_stage2(q, k, v, idx, q_positions=pos, kv_positions=pos, block_size=0),
+         "block_size=0"),
+        (lambda: infllm_attention.infllmv2_attention(q, k, v, q_positions=pos[:, :30], kv_positions=pos,
+                                                     sparse_cfg=SMALL), r"q_positions shape \(1, 30\)"),
+        (lambda: infllm_attention.infllmv2_attention(q, k, v, q_positions=pos, kv_positions=pos[:, :30],
+                                                     sparse_cfg=SMALL), r"kv_positions shape \(1, 30\)"),
+        (lambda: infllm_attention.infllmv2_attention(q, k[..., :8], v[..., :8], q_positions=pos, kv_positions=pos,
+                                                     sparse_cfg=SMALL), "shape mismatch"),
+        (lambda: attention_ref.dense_attention(q, k, v, q_positions=pos[:, :3], kv_positions=pos),
+         r"q_positions shape \(1, 3\)"),
+        (lambda: decode_ref.sparse_decode_attention(q[:, 0], k.transpose(0, 2, 1, 3)[:, :, :32],
+                                                    v.transpose(0, 2, 1, 3)[:, :, :32], idx[:, :, 0],
+                                                    q_positions=jnp.arange(2), block_size=16), r"q_positions shape \(2,\)"),
+        (lambda: decode_ref.sparse_decode_attention(q[:, 0], k.transpose(0, 2, 1, 3)[:, :, :32],
+                                                    v.transpose(0, 2, 1, 3)[:, :, :32], idx[:, :, 0],
+                                                    q_positions=jnp.arange(1), block_size=0), "block_size=0"),
+        (lambda: decode_ref.dense_decode_attention(q[:, :2], k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                                   q_positions=jnp.arange(2)), r"q_positions shape \(2,\)"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg) as e:
+            fn()
+        assert len(str(e.value).splitlines()) == 1, str(e.value)
+
+
 # ------------------------------------------------------------------------------- field faults B02-B23
 # the XLA reference and the native CPU stage 2 (what attention_impl=auto runs on CPU in float32)
 IMPLS = ["xla", pytest.param("native", marks=pytest.mark.skipif(

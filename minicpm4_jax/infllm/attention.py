@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.select import (SelectParams, Selection, select_blocks, select_blocks_compressed,
                                         select_params)
-from minicpm4_jax.ops.attention_ref import dense_attention
+from minicpm4_jax.ops.attention_ref import check_qkv, dense_attention
 from minicpm4_jax.ops.flash_xla import flash_attention
 from minicpm4_jax.ops.infllm_ref import compact_topk, infllmv2_stage2, tiled_dense_attention
 
@@ -230,8 +230,7 @@ def infllmv2_attention(
     use_native = impl == "native"
     impl = "xla" if use_native else impl  # the selection of the native path is the XLA one
     params = select_params(sparse_cfg, kernel_offby1_quirk=kernel_offby1_quirk, score_dtype=score_dtype)
-    b, t, nq, d = q.shape
-    s = k.shape[1]
+    b, t, nq, d, s, _ = check_qkv(q, k, v, q_positions, kv_positions, kv_valid)
     dl = sparse_cfg.dense_len
     if dl > 0 and s < dl:
         dense_fn = flash_attention if flash_dense else dense_attention

@@ -78,10 +78,7 @@ def _normalise(q, k_cache, v_cache, q_positions, backend):
     """Shared checks; returns ``(single, q4 [b, T, nq, d], pos [b, T] int32)``."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {_BACKENDS}")
-    single, q4, b, t, *_ = decode_shapes(q, k_cache, v_cache)
-    want = (b,) if single else (b, t)
-    if tuple(q_positions.shape) != want:
-        raise ValueError(f"q_positions shape {q_positions.shape} != {want}")
+    single, q4, b, t, *_ = decode_shapes(q, k_cache, v_cache, q_positions)
     if t > _MAX_T:
         raise ValueError(f"T={t} new tokens per sequence; the decode kernel takes at most {_MAX_T}")
     pos = (q_positions[:, None] if single else q_positions).astype(jnp.int32)

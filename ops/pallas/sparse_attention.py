@@ -227,14 +227,9 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, topk_idx: j
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; use one of {BACKENDS}")
-    b, t, nq, d, s, nkv = check_qkv(q, k, v)
+    b, t, nq, d, s, nkv = check_qkv(q, k, v, q_positions, kv_positions, kv_valid)
     if topk_idx.ndim != 4 or topk_idx.shape[:3] != (b, nkv, t):
         raise ValueError(f"topk_idx shape {topk_idx.shape} does not match [batch={b}, kv_heads={nkv}, T={t}, K]")
-    if q_positions.shape != (b, t) or kv_positions.shape != (b, s):
-        raise ValueError(f"q_positions {q_positions.shape} / kv_positions {kv_positions.shape} must be "
-                         f"[{b}, {t}] / [{b}, {s}]")
-    if kv_valid is not None and kv_valid.shape != (b, s):
-        raise ValueError(f"kv_valid shape {kv_valid.shape} must be [{b}, {s}]")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two >= 16")
     if min(window_blocks, init_blocks) < 0:
