@@ -598,6 +598,24 @@ def test_stop_lists_and_prompt_lists_of_the_wrong_shape_are_one_line_errors(weig
         free.tokens[0][:free.tokens[0].index(free.tokens[0][3]) + 1])
 
 
+def test_stop_lists_that_are_not_iterable_are_one_line_errors():
+    """Break test of check_stops (0297002): ``stop_strings=5`` (a number, not a list of texts) and ``stop_ids`` given as
+    a 0-d array were ``TypeError`` tracebacks ("'int' object is not iterable", "iteration over a 0-d array"), and
+    ``stop_ids=5.0`` suggested the fix ``[5.0]``, which is refused in turn. Lists of numpy / jax ids still pass."""
+    from minicpm4_jax.infer.engine import check_stops
+
+    for bad in (5, 3.5, np.array("x")):
+        with pytest.raises(ConfigError, match=r"stop_strings=.* must be a list of stop texts \(token ids go in"):
+            check_stops(None, bad)
+    for bad in (jnp.asarray(2), np.array(2.0), 5.0):
+        with pytest.raises(ConfigError, match=r"stop_ids=.* must be a list of token ids \(integers; texts go in"):
+            check_stops(bad, None)
+    with pytest.raises(ConfigError, match=r"stop_ids=2 must be a list of token ids \(e.g. \[2\]\)"):
+        check_stops(2, None)
+    assert check_stops(np.array([1, 2]), ["a"]) == ((1, 2), ("a",))
+    assert check_stops([np.int64(3), jnp.int32(4)], None) == ((3, 4), ())
+
+
 def test_a_consumed_cache_is_a_one_line_error_and_a_copy_branches(weights):
     """Break test: ``prefill`` / ``extend`` donate the cache; extending the same cache twice (two continuations of one
     prefix) failed with jax's "Array has been deleted with shape=int32[1]", naming neither the cache nor the fix."""

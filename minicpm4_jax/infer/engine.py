@@ -215,21 +215,31 @@ def check_stops(stop_ids: Any, stop_strings: Any) -> tuple[tuple[int, ...], tupl
 
     ``stop_ids``: integer token ids; ``stop_strings``: non-empty texts. A bare string given as ``stop_strings`` is
     refused: as a sequence it is its characters, so ``stop_strings="END"`` stopped at the first ``E``, ``N`` or ``D``.
-    A bare integer given as ``stop_ids`` is refused too (wrap it: ``[2]``). ``None`` means none.
+    A bare integer given as ``stop_ids`` is refused too (wrap it: ``[2]``), and so is one given as
+    ``stop_strings`` (it was a ``TypeError`` traceback). ``None`` means none.
     """
     stop_ids = () if stop_ids is None else stop_ids
     stop_strings = () if stop_strings is None else stop_strings
     if isinstance(stop_strings, (str, bytes)):
         raise ConfigError(f"stop_strings={stop_strings!r} is one string, which would stop at any of its characters; "
                           f"pass a list of stop texts: [{stop_strings!r}]")
-    texts = tuple(stop_strings)
+    try:  # a bare number (or a 0-d array) was a TypeError traceback here
+        texts = tuple(stop_strings)
+    except TypeError:
+        raise ConfigError(f"stop_strings={stop_strings!r} must be a list of stop texts (token ids go in "
+                          "stop_ids)") from None
     bad = [s for s in texts if not isinstance(s, str)]
     if bad:
         raise ConfigError(f"stop string {bad[0]!r} is not text; stop_strings are texts (token ids go in stop_ids)")
-    if is_integer(stop_ids) or isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__iter__"):
-        raise ConfigError(f"stop_ids={stop_ids!r} must be a list of token ids (e.g. [{stop_ids!r}])")
+    try:  # a bare integer (also a 0-d array: iterating it was a TypeError traceback) or a string is no list
+        items = None if is_integer(stop_ids) or isinstance(stop_ids, (str, bytes)) else tuple(stop_ids)
+    except TypeError:
+        items = None
+    if items is None:
+        hint = f" (e.g. [{stop_ids!r}])" if is_integer(stop_ids) else " (integers; texts go in stop_strings)"
+        raise ConfigError(f"stop_ids={stop_ids!r} must be a list of token ids{hint}")
     ids = []
-    for i in stop_ids:
+    for i in items:
         try:
             if isinstance(i, (bool, np.bool_)):
                 raise TypeError
