@@ -284,7 +284,7 @@ class EvalModel:
 
         return tqdm(total=total, desc=desc, disable=not self.progress, leave=False)
 
-    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] | None = (),
                  temperature: float = 0.0, seed: int = 0, top_p: float = 1.0, top_k: int = 0,
                  truncate: bool = False, return_cuts: bool = False) -> list[str] | tuple[list[str], list[int]]:
         """Continue each prompt; returns the continuation texts (cut before the first stop string, no EOS).
@@ -302,7 +302,8 @@ class EvalModel:
             return_cuts: also return the prompt tokens cut from each prompt (0 when it fit).
 
         Raises:
-            ConfigError: ``stop`` given as one string instead of a list of them, an empty prompt, a prompt +
+            ConfigError: ``stop`` given as one string or a number instead of a list of texts (``None``: none),
+                an empty prompt, a prompt +
                 ``max_new_tokens`` longer than ``max_length`` (without ``truncate``, or when ``max_new_tokens``
                 alone leaves no room), or bad sampling values (one line naming the prompt index).
         """
@@ -312,7 +313,10 @@ class EvalModel:
         if isinstance(stop, (str, bytes)):  # as a sequence it is its characters: "\n\n" stopped at the first newline
             raise ConfigError(f"stop={stop!r} is one string, which would stop at any of its characters; "
                               f"pass a list of stop texts: stop=[{stop!r}]")
-        stop = tuple(s for s in stop if s)
+        try:  # None: no stop strings, as the engine reads it (it was a TypeError traceback, as a number still was)
+            stop = tuple(s for s in (() if stop is None else stop) if s)
+        except TypeError:
+            raise ConfigError(f"stop={stop!r} must be a list of stop texts (or None for none)") from None
         encoded, cuts = [], []
         room = self.max_length - max_new_tokens - len(self.prefix_ids)  # prompt tokens that fit
         for i, p in enumerate(prompts):

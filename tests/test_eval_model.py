@@ -160,6 +160,16 @@ def test_generate_refuses_one_stop_string_not_in_a_list(dense_model):
     assert len(em.generate(["def f"], max_new_tokens=4, stop=["\n\n"])) == 1
 
 
+def test_generate_stop_none_is_no_stop_and_a_number_is_one_line(dense_model):
+    """Break test of 67ee359: ``stop=None`` (what the engine's ``stop_strings=None`` means: none, since abc8d5a) and
+    ``stop=5`` were ``TypeError`` tracebacks ('NoneType' / 'int' object is not iterable) in EvalModel.generate; None
+    now generates as ``stop=()`` does and a number is a one-line error."""
+    em = EvalModel(dense_model, TOK, max_length=64, progress=False)
+    assert em.generate(["def f"], max_new_tokens=4, stop=None) == em.generate(["def f"], max_new_tokens=4, stop=())
+    with pytest.raises(ConfigError, match=r"stop=5 must be a list of stop texts \(or None for none\)"):
+        em.generate(["def f"], max_new_tokens=4, stop=5)
+
+
 def test_generation_prompts_are_cut_from_the_left_when_asked_and_counted(dense_model, capsys):
     """Thirteenth-session break test: a generation task whose prompt did not fit max_length - budget stopped the
     whole `eval bench` run (losing the tasks already scored) with a fix it cannot apply, and the lm-eval backend
