@@ -283,6 +283,12 @@ t = process_allgather(np.array([1.7e9 + 0.25 + pid, 1e-12 * pid]))
 flags = process_allgather(np.array([[True, pid == 1]]))
 print("got", big.dtype, big.tolist(), t.dtype, t.tolist(), flags.shape, flags.tolist(),
       repr(broadcast_from_process_0(2**40 + pid)), flush=True)
+for mine in ((np.zeros((2, 3), np.int32) if pid == 0 else np.zeros((3, 2), np.int32)),
+             (np.int64(7) if pid == 0 else np.float64(7.0))):  # the same bytes per process, another value
+    try:
+        print("silently", process_allgather(mine).tolist(), flush=True)
+    except ValueError as e:
+        print("refused:", e, flush=True)
 '''
 
 
@@ -294,6 +300,13 @@ def test_gather_keeps_64_bit_values_and_dtypes():
     want = ("got int64 [1099511627776, 1099511627777] float64 [[1700000000.25, 0.0], [1700000001.25, 1e-12]] "
             "(2, 1, 2) [[[True, False]], [[True, True]]] np.int64(1099511627776)")
     assert all(want in o for o in outs), outs
+    # the same number of bytes in another shape or dtype was read as this process's (after daa4b5b): one line
+    for p, o in enumerate(outs):
+        assert "silently" not in o, o
+        assert (f"refused: process_allgather: process {1 - p} gave a value of dtype and shape "
+                f"int32 {[[3, 2], [2, 3]][p]}, process {p} int32 {[[2, 3], [3, 2]][p]}; give every process a value "
+                "of one dtype and shape") in o, o
+        assert f"process {1 - p} gave a value of dtype and shape {['float64', 'int64'][p]} []" in o, o
 
 
 def test_a_run_file_process_0_cannot_write_stops_every_process(corpus, tmp_path):

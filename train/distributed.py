@@ -134,8 +134,11 @@ def process_allgather(value: Any) -> Any:
     line. Here the result is awaited on every local device before it is read.
 
     Raises:
-        ValueError: ``value`` differs in shape between processes (from the collective).
+        ValueError: ``value`` differs in dtype or shape between processes (one line naming both; a different
+            byte size fails in the collective itself).
     """
+    import hashlib
+
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -143,8 +146,13 @@ def process_allgather(value: Any) -> Any:
     if jax.process_count() == 1:
         return host
     # sent as its bytes: a 64-bit value (int64, float64, a Python int or float) would be narrowed to 32 bits
-    # without jax_enable_x64 (2**40 arrived as 0), unlike the one-process result
-    raw = np.ascontiguousarray(host).reshape(1, -1).view(np.uint8)
+    # without jax_enable_x64 (2**40 arrived as 0), unlike the one-process result. Bytes alone would let values of
+    # one size but another shape or dtype through silently ([2, 3] read as [3, 2], an int64 read as float64
+    # bits), so each row starts with a header naming its dtype and shape, compared after the gather.
+    desc = f"{host.dtype} {list(host.shape[1:])}".encode()
+    head = (desc[:_HEADER - 20].ljust(_HEADER - 20, b" ") + hashlib.sha1(desc).digest())
+    raw = np.concatenate([np.frombuffer(head, np.uint8),
+                          np.ascontiguousarray(host).reshape(-1).view(np.uint8)]).reshape(1, -1)
     mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count()),
                 ("processes", "local_devices"))
     rows = jax.make_array_from_single_device_arrays(
@@ -152,7 +160,20 @@ def process_allgather(value: Any) -> Any:
         [jax.device_put(raw, d) for d in jax.local_devices()])
     out = _replicate(NamedSharding(mesh, PartitionSpec()))(rows)
     out.block_until_ready()  # every local device, not only the one read below
-    return np.asarray(out.addressable_data(0)).view(host.dtype).reshape(jax.process_count(), *host.shape[1:])
+    got = np.asarray(out.addressable_data(0))
+    heads = [bytes(r[:_HEADER]) for r in got]
+    odd = [i for i, h in enumerate(heads) if h != head]
+    if odd:
+        def name(h: bytes) -> str:
+            return h[:_HEADER - 20].decode(errors="replace").rstrip()
+
+        raise ValueError(f"process_allgather: process {odd[0]} gave a value of dtype and shape {name(heads[odd[0]])}, "
+                         f"process {jax.process_index()} {name(head)}; give every process a value of one dtype and "
+                         "shape (e.g. np.int32(x) everywhere)")
+    return np.ascontiguousarray(got[:, _HEADER:]).view(host.dtype).reshape(jax.process_count(), *host.shape[1:])
+
+
+_HEADER = 64  # bytes before each process's value in process_allgather: its dtype and shape, then their SHA-1
 
 
 def _identity(x: Any) -> Any:
