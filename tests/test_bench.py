@@ -557,6 +557,20 @@ def test_empty_files_and_unexpected_layouts_are_one_line_data_errors(tmp_path):
         with pytest.raises(DataError, match=rf"none of its 1 files is a {task} subject \(e\.g\. 'abstract_algebra_"):
             load_task(task, mmlu_like, k_shot=0)
     assert len(load_task("cmmlu", folder("cm", {"cmmlu/test/agronomy.csv": ",Question,A,B,C,D,Answer\n0," + row + "1," + row}), k_shot=0).items) == 2
+    # one benchmark's folder given for another (helper 107: --data-dir .../gsm8k --tasks mmlu read gsm8k's
+    # test.jsonl as MMLU's one-file layout and said only "missing field 'subject' for mmlu" at line 1)
+    for task in ("mmlu", "cmmlu", "ceval"):
+        split = "val" if task == "ceval" else "test"
+        gsm = folder(f"gsm_{task}", {f"{split}.jsonl": json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n"})
+        with pytest.raises(DataError, match=rf"{split}\.jsonl: no record has a 'subject' column \(fields: answer, "
+                                            rf"question\): this looks like another benchmark's data, not {task}'s; "
+                                            rf"pass the {task} data \({task}/{split}/<subject> files"):
+            load_task(task, gsm, k_shot=0)
+    # a file with the column on some rows only is still a broken row, named by its line
+    part = folder("part", {"test.jsonl": json.dumps({"subject": "x", "question": "q", "choices": ["a", "b"], "answer": 0})
+                           + "\n" + json.dumps({"question": "q"}) + "\n"})
+    with pytest.raises(DataError, match=r"test\.jsonl:2: missing field 'subject' for mmlu"):
+        load_task("mmlu", part, k_shot=0)
     assert normalize_number("inf") == "inf" and normalize_number("1e999") == "1e999"
     assert normalize_number("1,234.") == "1234" and normalize_number("1,234.0") == "1234.0"  # lm-eval's rules
     assert parse_tasks("gsm8k,mmlu,gsm8k") == ["gsm8k", "mmlu"]

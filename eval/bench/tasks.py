@@ -202,6 +202,13 @@ def _single_file_mc(name: str, data_dir: Path, folder: str, eval_split: str, des
                         f"and {folder}/{eval_split}.jsonl|json|csv|parquet with a 'subject' column)")
     files = find_files(root, pats)
     recs = [r for f in files for r in read_records(f)]
+    if recs and not any(r.get("subject") is not None for r in recs):
+        # a whole file without the column is another benchmark's (e.g. --data-dir gsm8k/ with --tasks mmlu found
+        # gsm8k's test.jsonl), not a broken row: say so instead of "missing field 'subject'" at line 1 (helper 107)
+        have = sorted(k for k in recs[0] if k != WHERE)
+        raise DataError(f"{files[0]}: no record has a 'subject' column (fields: {', '.join(have)}): this looks like "
+                        f"another benchmark's data, not {name}'s; pass the {name} data ({folder}/{eval_split}/"
+                        f"<subject> files, or a {eval_split} file with a 'subject' column)")
     require(recs, ["subject"], name)
     by_dev: dict[str, list[dict]] = {}
     dev_files: list[Path] = []
