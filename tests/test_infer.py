@@ -284,25 +284,6 @@ def test_repeated_generate_calls_compile_nothing_new(weights, case):
         monitoring.unregister_event_duration_listener(count)
 
 
-def test_engines_share_programs_only_for_the_same_kernel_target(weights, monkeypatch):
-    """Break test: the shared programs were keyed on the config alone, so an engine built while ``pallas_target``
-    gave the Triton kernels (``tests/test_pallas_model.py``'s GPU decode case, interpreted) reused the programs of
-    an engine of the same config built for the TPU kernels: the Triton kernels were never traced."""
-    import minicpm4_jax.infer.engine as engine_mod
-
-    model = _model(weights, dataclasses.replace(_cfg("gen2", dense_len=-1), attention_impl="pallas"))
-    sampling = SamplingParams()
-    monkeypatch.setattr(engine_mod, "pallas_target", lambda: ("tpu", True))
-    tpu = InferenceEngine(model)
-    monkeypatch.setattr(engine_mod, "pallas_target", lambda: ("triton", True))
-    triton = InferenceEngine(model)
-    assert triton._forward is not tpu._forward
-    assert triton.decode_fn(sampling) is not tpu.decode_fn(sampling)
-    monkeypatch.setattr(engine_mod, "pallas_target", lambda: ("tpu", True))
-    again = InferenceEngine(model)  # the same target: shared
-    assert again._forward is tpu._forward and again.decode_fn(sampling) is tpu.decode_fn(sampling)
-
-
 def test_stop_ids_stop_strings_and_length(weights):
     eng = InferenceEngine(_model(weights, BASE), prefill_chunk=32)
     prompt = _ids(20, seed=5)

@@ -475,40 +475,25 @@ def _first_tokens(logits, seeds, *, sampling, vocab_limit):
     return sample_tokens(logits, row_keys(seeds, 0), sampling, vocab_limit)
 
 
-def _program(fn: Callable, bound: tuple, static_argnames: tuple = (), donate_argnums: tuple = (),
-             env: tuple = ()) -> Callable:
-    """``jax.jit(partial(fn, **dict(bound)), ...)``, one per distinct ``(fn, bound, ..., env)`` in the process.
+def _program(fn: Callable, bound: tuple, static_argnames: tuple = (), donate_argnums: tuple = ()) -> Callable:
+    """``jax.jit(partial(fn, **dict(bound)), ...)``, one per distinct ``(fn, bound, ...)`` in the process.
 
     ``bound``: ``(name, value)`` pairs of keyword arguments (the config, graph definitions, sampling settings).
     Every engine of the same model config shares these compiled programs (the weights and the cache are
     arguments, not constants): ``generate()`` without an ``engine``, which builds a new engine per call, compiled
     the prefill, decode and first-token programs again on every call (3 compilations, ~9 s of a 9.4 s call of 16
     tokens with the ``make train`` model on the 2-core CPU). An unhashable value (a hand-built config holding a
-    list) gets a program of its own. ``env``: what else the trace reads (:func:`_trace_env`), part of the key only.
+    list) gets a program of its own.
     """
     try:
-        hash((bound, env))
+        hash(bound)
     except TypeError:
-        return _jit(fn, bound, static_argnames, donate_argnums, env)
-    return _shared_jit(fn, bound, static_argnames, donate_argnums, env)
+        return _jit(fn, bound, static_argnames, donate_argnums)
+    return _shared_jit(fn, bound, static_argnames, donate_argnums)
 
 
-def _jit(fn: Callable, bound: tuple, static_argnames: tuple, donate_argnums: tuple, env: tuple = ()) -> Callable:
+def _jit(fn: Callable, bound: tuple, static_argnames: tuple, donate_argnums: tuple) -> Callable:
     return jax.jit(partial(fn, **dict(bound)), static_argnames=static_argnames, donate_argnums=donate_argnums)
-
-
-def _trace_env(cfg: ModelConfig) -> tuple:
-    """What a traced forward reads besides its bound arguments: the default backend and, with Pallas kernels, the
-    kernel target (:func:`~minicpm4_jax.ops.dispatch.pallas_target` as this module calls it when tracing).
-
-    A shared program keyed on the config alone kept the kernels of the first engine's target: with
-    ``pallas_target`` giving ``("triton", True)`` (the GPU decode kernels, interpreted) an engine of a config that
-    had run with the TPU kernels reused their programs, so the Triton kernels were never traced
-    (``tests/test_pallas_model.py``, the gen-2 TPU and Triton cases in one process).
-    """
-    if resolve_impl(cfg.attention_impl) != "pallas":
-        return (jax.default_backend(),)
-    return (jax.default_backend(), pallas_target())
 
 
 _shared_jit = functools.lru_cache(maxsize=64)(_jit)
@@ -551,9 +536,8 @@ class InferenceEngine:
         # and nnx States flatten in Python (~60 us per decode step for cpu_tiny, ~13 us as dicts)
         self.weights = _Weights(emb_state.to_pure_dict(), layers, model.norm[...], lm_head)
         self._graphdefs = (emb_gd, layer_gd)
-        self._env = _trace_env(cfg)
         self._forward = _program(_forward, (("cfg", cfg), ("graphdefs", self._graphdefs)),
-                                 ("all_rows", "mode", "return_hidden"), (1,), env=self._env)
+                                 ("all_rows", "mode", "return_hidden"), (1,))
         self._decode = {}
         self._first = {}
 
@@ -656,7 +640,7 @@ class InferenceEngine:
         if key not in self._decode:
             self._decode[key] = _program(_decode_step, (("cfg", self.cfg), ("graphdefs", self._graphdefs),
                                                         ("sampling", sampling), ("vocab_limit", vocab_limit),
-                                                        ("mode", mode)), donate_argnums=(1,), env=self._env)
+                                                        ("mode", mode)), donate_argnums=(1,))
         return self._decode[key]
 
     def _first_fn(self, sampling: SamplingParams, vocab_limit: int | None) -> Callable:
