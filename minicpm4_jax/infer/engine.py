@@ -27,7 +27,6 @@ attend them sparsely.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 import time
 from functools import partial
@@ -475,30 +474,6 @@ def _first_tokens(logits, seeds, *, sampling, vocab_limit):
     return sample_tokens(logits, row_keys(seeds, 0), sampling, vocab_limit)
 
 
-def _program(fn: Callable, bound: tuple, static_argnames: tuple = (), donate_argnums: tuple = ()) -> Callable:
-    """``jax.jit(partial(fn, **dict(bound)), ...)``, one per distinct ``(fn, bound, ...)`` in the process.
-
-    ``bound``: ``(name, value)`` pairs of keyword arguments (the config, graph definitions, sampling settings).
-    Every engine of the same model config shares these compiled programs (the weights and the cache are
-    arguments, not constants): ``generate()`` without an ``engine``, which builds a new engine per call, compiled
-    the prefill, decode and first-token programs again on every call (3 compilations, ~9 s of a 9.4 s call of 16
-    tokens with the ``make train`` model on the 2-core CPU). An unhashable value (a hand-built config holding a
-    list) gets a program of its own.
-    """
-    try:
-        hash(bound)
-    except TypeError:
-        return _jit(fn, bound, static_argnames, donate_argnums)
-    return _shared_jit(fn, bound, static_argnames, donate_argnums)
-
-
-def _jit(fn: Callable, bound: tuple, static_argnames: tuple, donate_argnums: tuple) -> Callable:
-    return jax.jit(partial(fn, **dict(bound)), static_argnames=static_argnames, donate_argnums=donate_argnums)
-
-
-_shared_jit = functools.lru_cache(maxsize=64)(_jit)
-
-
 class InferenceEngine:
     """Generation with a KV cache for a :class:`~minicpm4_jax.nn.model.MiniCPM4` (dense or InfLLM v2).
 
@@ -536,8 +511,8 @@ class InferenceEngine:
         # and nnx States flatten in Python (~60 us per decode step for cpu_tiny, ~13 us as dicts)
         self.weights = _Weights(emb_state.to_pure_dict(), layers, model.norm[...], lm_head)
         self._graphdefs = (emb_gd, layer_gd)
-        self._forward = _program(_forward, (("cfg", cfg), ("graphdefs", self._graphdefs)),
-                                 ("all_rows", "mode", "return_hidden"), (1,))
+        self._forward = jax.jit(partial(_forward, cfg=cfg, graphdefs=self._graphdefs),
+                                static_argnames=("all_rows", "mode", "return_hidden"), donate_argnums=(1,))
         self._decode = {}
         self._first = {}
 
@@ -638,15 +613,15 @@ class InferenceEngine:
             mode = "dense"
         key = (sampling, vocab_limit, mode)
         if key not in self._decode:
-            self._decode[key] = _program(_decode_step, (("cfg", self.cfg), ("graphdefs", self._graphdefs),
-                                                        ("sampling", sampling), ("vocab_limit", vocab_limit),
-                                                        ("mode", mode)), donate_argnums=(1,))
+            self._decode[key] = jax.jit(partial(_decode_step, cfg=self.cfg, graphdefs=self._graphdefs,
+                                                sampling=sampling, vocab_limit=vocab_limit, mode=mode),
+                                        donate_argnums=(1,))
         return self._decode[key]
 
     def _first_fn(self, sampling: SamplingParams, vocab_limit: int | None) -> Callable:
         key = (sampling, vocab_limit)
         if key not in self._first:
-            self._first[key] = _program(_first_tokens, (("sampling", sampling), ("vocab_limit", vocab_limit)))
+            self._first[key] = jax.jit(partial(_first_tokens, sampling=sampling, vocab_limit=vocab_limit))
         return self._first[key]
 
     # -- the generation loop -----------------------------------------------------------------------------
