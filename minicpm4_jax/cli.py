@@ -16,15 +16,25 @@ from typing import Sequence
 
 __all__ = ["main", "build_parser"]
 
-_TRAIN_EPILOG = """\
-overrides are dotted config keys with YAML values, e.g.
-  minicpm4 train --config cpu_tiny steps=200 optimizer.learning_rate=0.005 data.batch_size=8
-  minicpm4 train --config configs/cpu_tiny.yaml --resume log_every=5   # continue; logging may change
-sections: model, optimizer, data, mesh, checkpoint, qat (ternary QAT, e.g. qat.enabled=true
-qat.init_from=runs/cpu_tiny), and top-level keys (steps, seed, log_every,
-eval_every, eval_batches, out_dir, tensorboard, max_train_minutes, sample_prompt, sample_tokens, sample_temperature, sample_top_p);
-every key, its type and default: minicpm4_jax/config.py (one dataclass per section).
-"""
+def _train_epilog() -> str:
+    """The ``train --help`` epilog: the override syntax and every config section and top-level key, listed from
+    :class:`~minicpm4_jax.config.TrainConfig` itself (a hand-kept list missed ``distributed`` and every key added
+    later)."""
+    import dataclasses
+    import textwrap
+
+    from minicpm4_jax.config import TrainConfig
+
+    fields = dataclasses.fields(TrainConfig)
+    sections = [f.name for f in fields if dataclasses.is_dataclass(f.default_factory)]
+    keys = [f.name for f in fields if f.name not in sections]
+    lines = textwrap.wrap(f"sections: {', '.join(sections)} (e.g. qat.enabled=true qat.init_from=runs/cpu_tiny); "
+                          f"top-level keys: {', '.join(keys)};", 116)
+    return ("overrides are dotted config keys with YAML values, e.g.\n"
+            "  minicpm4 train --config cpu_tiny steps=200 optimizer.learning_rate=0.005 data.batch_size=8\n"
+            "  minicpm4 train --config configs/cpu_tiny.yaml --resume log_every=5   # continue; logging may change\n"
+            + "\n".join(lines) + "\nevery key, its type and default: minicpm4_jax/config.py (one dataclass per "
+            "section).\n")
 
 
 class _Once(argparse.Action):
@@ -49,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a model from a config preset (the main job)",
         description="Train MiniCPM4 from a YAML preset with dotted key=value overrides; writes checkpoints, "
         "TensorBoard logs, the tokenizer and summary.json under out_dir.",
-        epilog=_TRAIN_EPILOG,
+        epilog=_train_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("--config", "-c", metavar="PRESET_OR_PATH", default="cpu_tiny",

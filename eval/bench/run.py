@@ -282,8 +282,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="few-shot examples: N for the tasks with a dev/train pool (MMLU, CMMLU, C-Eval, ARC, "
                              "GSM8K), or per task as 'mmlu=5,bbh=0'. Defaults: MMLU/CMMLU/C-Eval/GSM8K 5, BBH 3 "
                              "and MBPP 3 (fixed exemplars, at most 3), ARC/MATH-500/HumanEval 0")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences per generation / log-likelihood batch (default 8)")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="prompt tokens per prefill step (a multiple of 16; default 512)")
     parser.add_argument("--prefix", choices=("auto", "eos", "bos", "none"), default="auto",
                         help="document-start token before each context: auto (default) = the run's own (eos for a "
                              "run trained here, bos for an imported official checkpoint)")
@@ -293,7 +295,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="k values reported when samples allow (default: %(default)s)")
     parser.add_argument("--code-temperature", type=float, default=None,
                         help="sampling temperature for code when --pass-k-samples > 1 (default 0.8)")
-    parser.add_argument("--seed", type=int, default=1234, help="few-shot sampling and generation seed")
+    parser.add_argument("--seed", type=int, default=1234, help="few-shot sampling and generation seed (default 1234)")
     parser.add_argument("--out", "--out-dir", dest="out_dir", default=None,
                         help="write the JSON + Markdown results here")
     parser.add_argument("--overwrite", action="store_true",
@@ -305,10 +307,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     att.add_argument("--dense", dest="attention", action="store_const", const="dense", help="dense attention")
     parser.add_argument("--allow-code-execution", action="store_true",
                         help="run model-written programs (HumanEval, MBPP) in the sandbox (needs root on Linux)")
-    parser.add_argument("--exec-timeout", type=float, default=10.0, help="wall-clock seconds per program")
-    parser.add_argument("--exec-memory-mb", type=int, default=1024, help="address-space limit per process")
-    parser.add_argument("--exec-workers", type=int, default=4, help="programs executed in parallel")
-    parser.add_argument("--math-timeout", type=float, default=5.0, help="seconds per sympy equivalence check")
+    parser.add_argument("--exec-timeout", type=float, default=10.0, help="wall-clock seconds per program (default 10.0)")
+    parser.add_argument("--exec-memory-mb", type=int, default=1024, help="address-space limit per process, MiB (default 1024)")
+    parser.add_argument("--exec-workers", type=int, default=4, help="programs executed in parallel (default 4)")
+    parser.add_argument("--math-timeout", type=float, default=5.0, help="seconds per sympy equivalence check (default 5.0)")
 
 
 def _ints(spec: str) -> list[int]:

@@ -595,8 +595,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", choices=("auto", "eos", "bos", "none"), default="auto",
                         help="document-start token before each prompt: auto (default) = the run's own (eos for a run "
                              "trained here, bos for an imported official checkpoint); counted in the length budget")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch")
-    parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per generation batch (default 8)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step (a multiple of 16; default 512)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="model positions to allow (default max_position_embeddings)")
     parser.add_argument("--tokenizer", default=None,
