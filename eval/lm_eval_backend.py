@@ -391,7 +391,8 @@ def _check_cli_args(args: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """lm-eval's command line with ``minicpm4-jax`` registered (this module is imported)."""
+    """lm-eval's command line with ``minicpm4-jax`` registered (this module is imported); the persistent
+    compilation cache is on as for ``minicpm4`` (:mod:`minicpm4_jax.compilation_cache`)."""
     if not HAVE_LM_EVAL:
         print("error: the lm-eval backend needs the lm-eval package (pip install 'lm-eval>=0.4.13,<0.5')",
               file=sys.stderr)
@@ -402,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.argv = ["lm-eval", *args]
     try:
         _check_cli_args(args)
+        from minicpm4_jax.compilation_cache import configure_compilation_cache
+
+        configure_compilation_cache()  # as the `minicpm4` command: a re-run loads the compiled programs
         cli_evaluate()
     except ConfigError as e:  # this backend's own input errors (model_args, checkpoint): one line, status 2
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

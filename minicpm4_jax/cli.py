@@ -487,7 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``minicpm4`` console script; returns the exit status.
 
     Ctrl-C (or SIGTERM) outside ``train`` ends the command with one ``error: interrupted by ...`` line and status
-    128 + the signal number (130 / 143); ``eval bench`` also says which finished tasks its ``--out`` kept."""
+    128 + the signal number (130 / 143); ``eval bench`` also says which finished tasks its ``--out`` kept.
+
+    Every subcommand first switches on JAX's persistent compilation cache
+    (:func:`minicpm4_jax.compilation_cache.configure_compilation_cache`: ``$MINICPM4_JAX_CACHE/xla`` unless
+    ``JAX_COMPILATION_CACHE_DIR`` is set; ``MINICPM4_JAX_COMPILATION_CACHE=0`` turns it off)."""
     from minicpm4_jax.config import ConfigError
 
     parser = build_parser()
@@ -511,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if own_sigterm:
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        from minicpm4_jax.compilation_cache import configure_compilation_cache
+
+        configure_compilation_cache()  # before anything compiles: a rerun loads the programs (README)
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "generate":
