@@ -164,6 +164,29 @@ def test_unusable_folder_is_one_warning_then_uncached(tmp_path, blocked):
     assert "set MINICPM4_JAX_CACHE to a writable folder" in lines[0]
 
 
+def test_permission_denied_is_one_warning(tmp_path, monkeypatch):
+    """A read-only home as root sees it too (root writes into a mode-0500 folder): the probe's EACCES."""
+    import minicpm4_jax.compilation_cache as cc
+
+    def denied(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setenv("MINICPM4_JAX_CACHE", str(tmp_path / "home"))
+    monkeypatch.delenv("MINICPM4_JAX_COMPILATION_CACHE", raising=False)
+    monkeypatch.setattr(cc.tempfile, "mkstemp", denied)
+    user = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)  # as in a process nobody configured
+    try:
+        lines = []
+        assert configure_compilation_cache(warn=lines.append) is None
+        assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", user)
+    assert lines == [f"warning: compilation cache folder {tmp_path / 'home' / 'xla'} is not writable (Permission "
+                     "denied); running without it: set MINICPM4_JAX_CACHE to a writable folder (or "
+                     "MINICPM4_JAX_COMPILATION_CACHE=0)"]
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into a read-only folder")
 def test_read_only_folder_is_one_warning_then_uncached(tmp_path):
     root = tmp_path / "root"
