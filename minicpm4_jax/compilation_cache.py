@@ -3,7 +3,8 @@
 A resumed training run, a second ``minicpm4 generate`` on the same checkpoint or an eval re-run then loads the
 compiled programs from disk instead of compiling them again (as MaxText's ``jax_cache_dir`` and Levanter do).
 Nothing here reads or writes cache entries: JAX does (``jax_compilation_cache_dir``, its file cache, its key over
-the program, the compile options, the devices and the jax/jaxlib versions; spec ``jax_stack.md``).
+the program, the compile options, the devices and the jax/jaxlib versions; source: JAX's documentation, "Persistent
+compilation cache", and ``jax/_src/compilation_cache.py``; the project's specs do not cover it).
 
 Where, in this order:
 
