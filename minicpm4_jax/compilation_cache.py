@@ -14,8 +14,11 @@ Where, in this order:
    ``jax_compilation_cache_dir`` already set in the process, e.g. by the test suite's ``conftest.py`` or a
    program embedding :func:`minicpm4_jax.cli.main`), and ``JAX_ENABLE_COMPILATION_CACHE=false``.
 3. Otherwise ``$MINICPM4_JAX_CACHE/xla`` (default ``~/.cache/minicpm4_jax/xla``, beside the native kernel's
-   ``native/`` build cache, ``ops/native``). A folder that cannot be created or written is one ``warning:`` line
-   naming it and the fix; the command then runs uncached.
+   ``native/`` build cache, ``ops/native``).
+
+A local folder (the user's or the default) that cannot be created or written is one ``warning:`` line naming it
+and the fix; the command then runs uncached (for the user's folder by ``jax_enable_compilation_cache=False``:
+a read-only cache is not used).
 
 Minimum compile time: ``0`` s (every program is written; JAX's default skips programs that compile in under 1 s),
 unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set. Measured on the 2-core CPU VM (2026-12-05, jax
@@ -99,7 +102,8 @@ def configure_compilation_cache(warn: Callable[[str], None] | None = None) -> st
 
     Returns:
         The cache folder JAX uses from now on (the user's or the default), or ``None``: switched off
-        (``MINICPM4_JAX_COMPILATION_CACHE=0``, ``JAX_ENABLE_COMPILATION_CACHE=false``) or the folder unusable.
+        (``MINICPM4_JAX_COMPILATION_CACHE=0``, ``JAX_ENABLE_COMPILATION_CACHE=false``) or the folder unusable
+        (then the cache is off in this process).
 
     Raises:
         ConfigError: ``MINICPM4_JAX_COMPILATION_CACHE`` is neither on (``1``/``true``/``on``/``yes``/empty) nor off
@@ -118,6 +122,14 @@ def configure_compilation_cache(warn: Callable[[str], None] | None = None) -> st
     if not jax.config.jax_enable_compilation_cache:
         return None
     user = jax.config.jax_compilation_cache_dir
+    if user and "://" not in str(user):  # a local folder (JAX also takes gs:// and other etils paths: not probed)
+        reason = _writable(Path(user))
+        if reason is not None:  # JAX would warn in two lines at the first compilation, then run uncached
+            jax.config.update("jax_enable_compilation_cache", False)
+            (warn or _stderr)(f"warning: compilation cache folder {user} is not writable ({reason}); running "
+                              "without it: make it writable, or set JAX_COMPILATION_CACHE_DIR to a writable folder "
+                              "(or unset it: the command's default is $MINICPM4_JAX_CACHE/xla)")
+            return None
     if not user:
         folder = cache_root() / "xla"
         reason = _writable(folder)

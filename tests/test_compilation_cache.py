@@ -147,21 +147,29 @@ def test_default_folder_and_the_off_switch(tmp_path):
     assert r.stderr.startswith("error: MINICPM4_JAX_COMPILATION_CACHE='maybe'") and "give 1" in r.stderr
 
 
-@pytest.mark.parametrize("blocked", ["root", "xla"])
+@pytest.mark.parametrize("blocked", ["root", "xla", "user"])
 def test_unusable_folder_is_one_warning_then_uncached(tmp_path, blocked):
-    # a file where the cache root (or its xla folder) should be: no cache, one line naming the folder and the fix
+    # a file where the cache root (its xla folder, the user's folder) should be: no cache, one line naming the
+    # folder and the fix (for the user's folder JAX itself warned in two lines at the first compilation)
     root = tmp_path / "root"
     if blocked == "root":
         root.write_text("not a folder")
     else:
         root.mkdir()
         (root / "xla").write_text("not a folder")
-    res, err = _probe(_env(root))
-    assert res["single"] == 12.0 and res["folder"] is None and res["jax_dir"] is None
+    extra = {"JAX_COMPILATION_CACHE_DIR": str(root / "xla" / "user")} if blocked == "user" else {}
+    res, err = _probe(_env(root, **extra))
+    assert res["single"] == 12.0 and res["folder"] is None
+    if blocked == "user":  # the folder stays as the user set it, the cache is off: no program is looked up
+        assert res["jax_dir"] == str(root / "xla" / "user") and res["keyed"] == 0
+    else:
+        assert res["jax_dir"] is None
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, err
-    assert lines[0].startswith(f"warning: compilation cache folder {root / 'xla'} is not writable (")
-    assert "set MINICPM4_JAX_CACHE to a writable folder" in lines[0]
+    folder = root / "xla" / "user" if blocked == "user" else root / "xla"
+    assert lines[0].startswith(f"warning: compilation cache folder {folder} is not writable (")
+    assert ("set JAX_COMPILATION_CACHE_DIR to a writable folder" if blocked == "user"
+            else "set MINICPM4_JAX_CACHE to a writable folder") in lines[0]
 
 
 def test_permission_denied_is_one_warning(tmp_path, monkeypatch):
