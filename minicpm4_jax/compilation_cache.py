@@ -20,8 +20,9 @@ A local folder (the user's or the default) that cannot be created or written is 
 and the fix; the command then runs uncached (for the user's folder by ``jax_enable_compilation_cache=False``:
 a read-only cache is not used).
 
-Minimum compile time: ``0`` s (every program is written; JAX's default skips programs that compile in under 1 s),
-unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set. Measured on the 2-core CPU VM (2026-12-05, jax
+Minimum compile time in the default folder: ``0`` s (every program is written; JAX's default skips programs that
+compile in under 1 s), unless ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` is set (a folder the user configured
+keeps JAX's threshold, or theirs). Measured on the 2-core CPU VM (2026-12-05, jax
 0.12.0.1): ``minicpm4 generate`` on a 4-step ``cpu_tiny`` run compiles 47 programs in 6.0-7.4 s, of which only 2
 (3.1 s) take 1 s or more and 33 take under 0.1 s (0.8 s together); loading all 47 from the cache took 0.27-0.30 s
 (6 ms each on average, 400 KiB on disk). Warm wall time of the whole command: 4.2-4.9 s with threshold 0, 4.5-4.7 s
@@ -98,7 +99,8 @@ def configure_compilation_cache(warn: Callable[[str], None] | None = None) -> st
     the first compilation (the ``minicpm4`` command does, for every subcommand).
 
     Args:
-        warn: receives the one warning line when the default folder is unusable (default: print to stderr).
+        warn: receives the one warning line when the folder (the user's or the default) is unusable (default:
+            print to stderr).
 
     Returns:
         The cache folder JAX uses from now on (the user's or the default), or ``None``: switched off
