@@ -588,3 +588,22 @@ def test_export_size_and_allow_dense_arguments_are_named(runs, capsys):
     err = _one_line_error(capsys, [*base, "--layout", "minicpm", "--allow-dense"])
     assert err.startswith("error: --allow-dense applies to --layout llama (and GGUF)"), err
     assert not (runs["run"].parent / "never").exists()
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf", "eagle"])
+@pytest.mark.parametrize("what", ["missing", "file"])
+def test_export_of_a_bad_checkpoint_path_raises_convert_error(tmp_path, fmt, what):
+    """Every export documents ``ConvertError`` for a missing checkpoint; a missing folder (or a file) gave the run
+    side's plain ``ConfigError`` ("checkpoint directory 'runs/nonexist' does not exist"), which an
+    ``except ConvertError`` around ``export_hf`` / ``export_gguf`` / ``export_eagle`` let through."""
+    from minicpm4_jax.convert.eagle import export_eagle
+    from minicpm4_jax.convert.gguf_export import export_gguf
+    from minicpm4_jax.convert.hf_export import export_hf
+
+    src = tmp_path / "run"
+    if what == "file":
+        src.write_text("not a run\n")
+    export = {"hf": export_hf, "gguf": export_gguf, "eagle": export_eagle}[fmt]
+    with pytest.raises(ConvertError, match="run"):
+        export(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

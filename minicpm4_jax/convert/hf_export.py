@@ -207,14 +207,19 @@ def resolve_export_source(checkpoint: str | Path, *, step: int | None = None, to
             tokenizer is required.
 
     Raises:
-        ConfigError/ConvertError: no checkpoint there (or a file, or one step's folder), no such step,
-            no tokenizer (or a folder without tokenizer files), ``--tokenizer`` with ``--no-tokenizer``.
+        ConvertError: no checkpoint there (or a file, or one step's folder), no such step, no tokenizer (or a
+            folder without tokenizer files), ``--tokenizer`` with ``--no-tokenizer``.
     """
     import orbax.checkpoint as ocp
 
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir
 
-    ckpt_dir = find_checkpoint_dir(checkpoint, step_option=step_option)
+    try:  # a plain ConfigError from the run-side lookup: every export documents ConvertError for a bad source
+        ckpt_dir = find_checkpoint_dir(checkpoint, step_option=step_option)
+    except ConvertError:
+        raise
+    except ConfigError as e:
+        raise ConvertError(str(e)) from None
     given = Path(checkpoint).expanduser().resolve()
     run_dir = given if given != ckpt_dir else (ckpt_dir.parent if ckpt_dir.name == "checkpoints" else None)
     if no_tokenizer and tokenizer is not None:
@@ -767,6 +772,30 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, layout: str = "minicpm
     without ``force``), ``out`` itself (not under a file, empty unless ``force``), then, from the
     stored config alone, a sparse model for the llama layout, the tokenizer against ``vocab_size``
     and the free disk space. Only then are the parameters read.
+
+    Args:
+        checkpoint: a run's ``out_dir`` (or an import's ``OUT``) or its ``checkpoints`` folder.
+        out: the output folder (absent or empty unless ``force``).
+        layout: ``"minicpm"`` (official ``MiniCPMForCausalLM``) or ``"llama"`` (μP folded ``LlamaForCausalLM``).
+        dtype: stored dtype, ``"float32"`` | ``"bfloat16"`` | ``"float16"``.
+        step: the checkpoint step (default: the latest).
+        tokenizer: tokenizer folder (default: the run's ``tokenizer/``).
+        force: replace an earlier output in ``out``.
+        max_shard_size: the largest safetensors shard, bytes or ``"5GB"`` / ``"500MB"`` / ``"2GiB"``.
+        log: receives warnings and notes (one line each).
+        no_tokenizer: write no tokenizer files (recorded in the manifest).
+        allow_dense: write a sparse (InfLLM v2) model to the dense-only llama layout.
+
+    Returns:
+        :class:`ExportResult` (``path``, ``files``, ``manifest``).
+
+    Raises:
+        ConvertError: any of the checks above (a bad layout, dtype or shard size, ``allow_dense`` with the
+            minicpm layout, no checkpoint / step / tokenizer, ``out`` over the source or not empty without
+            ``force``, a sparse model for the llama layout without ``allow_dense``, a tokenizer larger than the
+            vocabulary, too little disk space), before anything is written.
+        ConfigError: a damaged checkpoint step, found while the parameters are read (the base class of
+            ``ConvertError``: catch ``ConfigError`` for both).
     """
     if layout not in LAYOUTS:
         raise ConvertError(f"--layout {layout!r} is not supported; use 'minicpm' (official) or 'llama' (folded)")
