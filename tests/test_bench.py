@@ -760,3 +760,26 @@ def test_subject_csv_folders_may_be_gzip_compressed(tmp_path):
     (tmp_path / "mmlu" / "mmlu" / "test" / "bar_test.csv.gz").write_bytes(gzip.compress(rows.encode()))
     items = load_task("mmlu", tmp_path / "mmlu", k_shot=0).items
     assert [i["gold"] for i in items] == [0, 1, 2] and items[0]["context"].split("\n")[2] == "What?"
+
+
+def test_evaluate_refuses_a_limit_below_one_naming_it(tmp_path):
+    """``evaluate(..., limit=0)`` (the Python entry point; the CLI checks ``--limit`` itself) raised
+    ``DataError: mmlu: no records in <every subject file>``, blaming intact data; now one line naming ``limit``."""
+    from minicpm4_jax.eval.bench.run import evaluate
+
+    t = tmp_path / "mmlu"
+    (t / "test").mkdir(parents=True)
+    (t / "dev").mkdir()
+    (t / "test" / "astronomy_test.csv").write_text("Q1,a,b,c,d,A\nQ2,a,b,c,d,C\n")
+    (t / "dev" / "astronomy_dev.csv").write_text("Dev q,w,x,y,z,D\n")
+
+    class Never:  # no task may run
+        def loglikelihood(self, reqs):
+            raise AssertionError("scored despite a bad limit")
+
+        generate = loglikelihood
+
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=rf"limit={bad} \(--limit\) must be >= 1") as e:
+            evaluate(Never(), "mmlu", tmp_path, limit=bad, k_shot=0, log=lambda *a: None)
+        assert not isinstance(e.value, DataError)

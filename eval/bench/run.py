@@ -124,6 +124,13 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
     Code tasks refuse to run unless ``allow_code_execution`` and the sandbox can isolate code.
     ``on_task(result)``, if given, is called after each task with the result so far (the return value's layout;
     the tasks not yet run are named in ``scores["incomplete"]``), so that an interrupted run keeps what finished.
+
+    Raises:
+        ValueError: an unknown task, ``limit`` or ``n_samples`` < 1, a bad ``k_shot``;
+            :class:`~minicpm4_jax.eval.bench.readers.DataError` (a ``ValueError``): a benchmark's files missing or
+            malformed (one line naming file and row), before any task runs.
+        CodeExecutionNotAllowed: a code task without ``allow_code_execution``.
+        SandboxUnavailable: a code task where the sandbox cannot isolate programs (not root, no namespaces).
     """
     from minicpm4_jax.eval.bench.code import CodeExecutionNotAllowed, score_code
     from minicpm4_jax.eval.bench.gen import score_gen
@@ -132,6 +139,8 @@ def evaluate(model, tasks: Sequence[str] | str | None, data_dir: str | Path, *, 
     names = parse_tasks(tasks)
     if n_samples < 1:
         raise ValueError(f"pass@k samples must be >= 1, got {n_samples}")
+    if limit is not None and limit < 1:  # (was: limit=0 gave "no records in <every file>", blaming the data)
+        raise ValueError(f"limit={limit} (--limit) must be >= 1 item per task, or None for all")
     if any(t in CODE_TASKS for t in names):
         if not allow_code_execution:
             raise CodeExecutionNotAllowed(
