@@ -710,10 +710,15 @@ class InferenceEngine:
             vocab_limit: never produce ids at or above it.
             on_token: called as ``on_token(row, token_id)`` for every new token, in order (streaming).
 
+        Returns:
+            :class:`GenerationOutput`: ``tokens`` (one list of new ids per prompt, a stop id kept as the last),
+            ``finish_reasons``, token counts, prefill / decode seconds, decode steps and the mean attended fraction.
+
         Raises:
             ConfigError: empty prompt, ``max_new_tokens < 1``, bad sampling values, too long a request,
-                ``stop_strings`` without ``detokenize``, prompts that are not a list of id lists, or stop ids / stop
-                strings that are not a list of ids / texts (:func:`check_stops`).
+                ``stop_strings`` without ``detokenize``, prompts that are not a list of id lists or hold ids outside
+                ``[0, vocab_size)``, a seed list whose length is not the number of prompts, a ``vocab_limit``
+                below 1, or stop ids / stop strings that are not a list of ids / texts (:func:`check_stops`).
         """
         lens, seeds_arr, first, col = self._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
                                                   detokenize, vocab_limit, on_token)
