@@ -67,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     when = t.add_mutually_exclusive_group()
     when.add_argument("--resume", action="store_true",
                       help="continue from the latest checkpoint of the run (train state and data order), bitwise "
-                           "identical to an uninterrupted run; the config must match the checkpoint's except logging, "
-                           "eval, sampling, checkpoint frequency/location, max_train_minutes and out_dir")
+                           "identical to an uninterrupted run on the same mesh; the config must match the checkpoint's "
+                           "except the keys that change neither the math nor the data order: log_every, eval_every, "
+                           "eval_batches, tensorboard, max_train_minutes, sample_*, checkpoint.*, out_dir, "
+                           "data.cache_dir, logits_chunk_size, gradient_accumulation_steps, model.remat, "
+                           "model.attention_impl, branch_from, branch_step, profile_*, mesh.* and distributed.*")
     when.add_argument("--auto-resume", action="store_true",
                       help="--resume when the run's checkpoint folder holds a complete step, else start the run: one "
                            "command for a job that is requeued after preemption (SLURM --requeue, GKE, Cloud TPU)")

@@ -62,3 +62,17 @@ def test_help_prints_and_exits_zero(argv, capsys):
         build_parser().parse_args(argv)
     assert e.value.code == 0
     assert "usage: minicpm4" in capsys.readouterr().out
+
+
+def test_resume_help_names_every_key_a_resume_may_change():
+    """``train --resume``'s help said a resume may change only "logging, eval, sampling, checkpoint frequency/location,
+    max_train_minutes and out_dir"; the code also lets it change the mesh, the process layout, gradient accumulation,
+    logits_chunk_size, remat, the attention implementation, profiling, data.cache_dir and the branch keys
+    (``RESUME_MAY_CHANGE``)."""
+    from minicpm4_jax.train.checkpoint import RESUME_MAY_CHANGE
+
+    train = dict((p[-1], parser) for p, parser in _parsers(build_parser()))["train"]
+    text = " ".join(next(a.help for a in train._actions if "--resume" in a.option_strings).split())
+    absent = [k for k in sorted(RESUME_MAY_CHANGE)
+              if k not in text and f"{k.split('.')[0]}.*" not in text and f"{k.split('_')[0]}_*" not in text]
+    assert not absent, f"keys a resume may change but --resume's help does not name: {absent}"
