@@ -1,4 +1,4 @@
-"""The ``minicpm4`` command line: ``train``, ``generate``, ``import hf`` and ``export hf|gguf|eagle``.
+"""The ``minicpm4`` command line: ``train``, ``generate``, ``import hf``, ``export hf|gguf|eagle``, ``eval``.
 
 Errors in the user's input (:class:`~minicpm4_jax.config.ConfigError`) print ``error: <message>``
 on stderr and exit with status 2, without a traceback. A diverged run or a failed checkpoint write
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``minicpm4`` command (``train``, ``generate``, ``import``, ``export``, ``eval``)."""
     p = argparse.ArgumentParser(
         prog="minicpm4",
-        description="MiniCPM4 in JAX/Flax NNX: train a model or sample text from a checkpoint.",
+        description="MiniCPM4 in JAX/Flax NNX: train a model, sample text from a checkpoint, import or export "
+                    "checkpoints (Hugging Face, GGUF, EAGLE draft) and evaluate them (RULER, benchmarks).",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
