@@ -204,6 +204,9 @@ class EvalModel:
         self.engine = InferenceEngine(model, prefill_chunk=prefill_chunk)
         self.vocab_limit = min(int(getattr(tokenizer, "vocab_size", cfg.vocab_size)), cfg.vocab_size)
         self._hash: str | None = None
+        #: ``(prompt index, position)`` of every generation prompt whose logits went non-finite (:meth:`generate`)
+        self.nonfinite_prompts: list[tuple[int, int]] = []
+        self._finite_seen = False  # a generation prompt decoded with finite logits throughout
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, step: int | None = None, attention: str | None = None,
@@ -295,6 +298,14 @@ class EvalModel:
         Prompts are batched longest first (``batch_size`` per batch); prompt ``i`` uses seed ``seed + i``, so
         its text depends only on the prompt and the seed, never on the batching.
 
+        Non-finite logits (NaN/Inf: a bad checkpoint, a bfloat16 overflow; noticed per prompt at every step by the
+        engine): while no prompt of this model has yet decoded with finite logits throughout, a batch in which
+        every prompt fails raises :class:`~minicpm4_jax.infer.engine.NonFiniteLogitsError` (broken weights fail
+        on the first batch, not after thousands of prompts). Otherwise a failing prompt costs only itself: its
+        continuation ends before the bad step (scored as it is, usually wrong), a ``warning: prompt i: ...`` line
+        goes to stderr, ``(prompt index, position)`` is appended to ``nonfinite_prompts``, and the other prompts
+        are unaffected (the engine's rows never depend on their neighbours).
+
         Args:
             truncate: a prompt longer than ``max_length - max_new_tokens`` tokens keeps its last tokens (after
                 the prefix token), as lm-eval's Hugging Face backend cuts ``generate_until`` contexts; without it
@@ -306,6 +317,8 @@ class EvalModel:
                 an empty prompt, a prompt +
                 ``max_new_tokens`` longer than ``max_length`` (without ``truncate``, or when ``max_new_tokens``
                 alone leaves no room), or bad sampling values (one line naming the prompt index).
+            NonFiniteLogitsError: (a ``ConfigError``) every prompt of a batch had non-finite logits before any
+                prompt of this model decoded cleanly (above).
         """
         from minicpm4_jax.generate import stop_token_ids
         from minicpm4_jax.infer.sampling import SamplingParams
@@ -342,7 +355,9 @@ class EvalModel:
                 rows = order[lo:lo + self.batch_size]
                 out = self.engine.generate([encoded[i] for i in rows], max_new_tokens, sampling=sampling,
                                            seeds=[seed + i for i in rows], stop_ids=stop_ids, stop_strings=stop,
-                                           detokenize=self.tokenizer.decode, vocab_limit=self.vocab_limit)
+                                           detokenize=self.tokenizer.decode, vocab_limit=self.vocab_limit,
+                                           on_nonfinite="keep")
+                self._check_finite(out, rows)
                 for r, toks in zip(rows, out.tokens):
                     toks = list(toks)
                     if toks and toks[-1] in stop_ids:
@@ -352,6 +367,21 @@ class EvalModel:
                     texts[r] = text[:min(at)] if at else text
                 bar.update(len(rows))
         return (texts, cuts) if return_cuts else texts
+
+    def _check_finite(self, out: Any, rows: list[int]) -> None:
+        """Apply :meth:`generate`'s non-finite policy to one batch's output (``rows``: the prompts' indices)."""
+        from minicpm4_jax.infer.engine import NonFiniteLogitsError
+
+        bad = [(i, p) for i, p in zip(rows, out.nonfinite) if p is not None]
+        seen = self._finite_seen
+        if bad and len(bad) == len(rows) and not seen:
+            raise NonFiniteLogitsError(out, label="prompt", names=rows)
+        self._finite_seen = seen or len(bad) < len(rows)
+        for (i, p), r in zip(bad, [r for r, q in enumerate(out.nonfinite) if q is not None]):
+            self.nonfinite_prompts.append((i, p))
+            print(f"warning: prompt {i}: non-finite logits at position {p} (new token {len(out.tokens[r])}): the "
+                  "weights or the activations hold NaN/Inf (bf16 overflow: try dtype=float32); its continuation ends "
+                  "there and is scored as it is", file=sys.stderr, flush=True)
 
     # -- log-likelihoods ---------------------------------------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:

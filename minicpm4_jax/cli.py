@@ -337,7 +337,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from minicpm4_jax.generate import generate
-    from minicpm4_jax.infer.engine import InferenceEngine, without_prefill_quirk
+    from minicpm4_jax.infer.engine import InferenceEngine, NonFiniteLogitsError, without_prefill_quirk
     from minicpm4_jax.config import ConfigError
     from minicpm4_jax.tokenizer import check_tokenizer_vocab, document_start, load_run_tokenizer
     from minicpm4_jax.train.checkpoint import find_checkpoint_dir, load_params_for_inference
@@ -384,10 +384,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 shown[0] = True
             print(piece, end="", flush=True)
 
-    text, out = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_p=args.top_p, seed=args.seed, prefix_ids=prefix, top_k=args.top_k,
-                         stop_strings=args.stop, stream=stream, engine=engine, speculative=speculative,
-                         return_output=True)
+    try:
+        text, out = generate(model, tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, seed=args.seed, prefix_ids=prefix, top_k=args.top_k,
+                             stop_strings=args.stop, stream=stream, engine=engine, speculative=speculative,
+                             return_output=True)
+    except NonFiniteLogitsError:  # main prints "error: non-finite logits for sequence 0 at position ..." (status 2)
+        if shown[0]:
+            print(flush=True)  # the streamed text left the line open
+        raise
     print("" if shown[0] else args.prompt + text, flush=True)
     attn = model.cfg.attention
     if out.decode_steps == 0:  # every token came from the prefill: no decode to measure

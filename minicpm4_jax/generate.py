@@ -125,6 +125,8 @@ def generate_ids(model: Any, prompt_ids: list[int], max_new_tokens: int, *, temp
     Raises:
         ConfigError: empty prompt, non-positive ``max_new_tokens``, bad sampling values, or a request longer
             than ``max_position_embeddings``.
+        NonFiniteLogitsError: (a ``ConfigError``) the logits held NaN/Inf at some step (bad weights, a bfloat16
+            overflow); its ``output`` holds the tokens before that step.
     """
     from minicpm4_jax.infer.engine import InferenceEngine
 
@@ -235,6 +237,9 @@ def generate(model: Any, tokenizer: _Tokenizer, prompt: str, max_new_tokens: int
         ConfigError: empty prompt, bad sampling values, a prompt (+ new tokens) longer than
             ``max_position_embeddings``, or ``stop_strings`` not a list of texts (a bare string is refused: it
             would stop at any of its characters).
+        NonFiniteLogitsError: (a ``ConfigError``) the logits held NaN/Inf at some step: one line naming the
+            position and the likely cause (:class:`~minicpm4_jax.infer.engine.NonFiniteLogitsError`; before, the
+            step's token was decoded silently: greedy gave the first NaN's id).
     """
     from minicpm4_jax.infer.engine import InferenceEngine, check_stops
 

@@ -140,8 +140,8 @@ class Runner:
         t0 = time.perf_counter()
         for _ in range(steps):
             # the step as a numpy scalar, as the engine passes it (a jnp scalar dispatches a program of its own)
-            self.cache, self.tok, frac = self.step_fn(self.engine.weights, self.cache, self.tok, self.active,
-                                                      self.seeds, np.int32(self.i))
+            self.cache, self.tok, frac, _ = self.step_fn(self.engine.weights, self.cache, self.tok, self.active,
+                                                         self.seeds, np.int32(self.i))
             self.i += 1
         self.tok.block_until_ready()
         self.fracs.append(float(np.mean(frac)))

@@ -40,7 +40,7 @@ from flax import nnx
 from minicpm4_jax.config import ConfigError, ModelConfig, validate_model
 from minicpm4_jax.infer.cache import KVCache, LayerCache, cache_capacity, init_cache, update_compressed, write_tokens
 from minicpm4_jax.infer.detok import IncrementalText
-from minicpm4_jax.infer.sampling import SamplingParams, is_integer, row_keys, sample_tokens
+from minicpm4_jax.infer.sampling import SamplingParams, is_integer, nonfinite_rows, row_keys, sample_tokens
 from minicpm4_jax.infllm.attention import attended_keys, infllmv2_attention, stage2_forced_split
 from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
 from minicpm4_jax.nn.layers import dtype_of, rms_norm
@@ -52,8 +52,8 @@ from minicpm4_jax.ops.dispatch import native_decode, pallas_target, resolve_impl
 from minicpm4_jax.ops.flash_xla import flash_attention
 from minicpm4_jax.ops.pallas.decode import dense_decode_attention_pallas, sparse_decode_attention_pallas
 
-__all__ = ["InferenceEngine", "GenerationOutput", "check_generation_request", "decode_mode", "with_attention",
-           "without_prefill_quirk"]
+__all__ = ["InferenceEngine", "GenerationOutput", "NonFiniteLogitsError", "check_generation_request", "decode_mode",
+           "with_attention", "without_prefill_quirk"]
 
 
 @jax.tree_util.register_dataclass
@@ -70,8 +70,10 @@ class GenerationOutput:
     """What :meth:`InferenceEngine.generate` returns.
 
     Attributes:
-        tokens: per sequence, the new token ids (an EOS / stop id that ended it included).
-        finish_reasons: per sequence ``"eos"`` (a stop id), ``"stop"`` (a stop string), or ``"length"``.
+        tokens: per sequence, the new token ids (an EOS / stop id that ended it included; for a ``"nonfinite"``
+            sequence the tokens before the step whose logits were not finite).
+        finish_reasons: per sequence ``"eos"`` (a stop id), ``"stop"`` (a stop string), ``"length"``, or
+            ``"nonfinite"`` (its logits held NaN/Inf: it ended there, see :class:`NonFiniteLogitsError`).
         prompt_tokens: tokens prefilled (all sequences).
         new_tokens: tokens generated (all sequences).
         prefill_seconds, decode_seconds: wall time of the two phases (the first call includes compilation).
@@ -81,6 +83,8 @@ class GenerationOutput:
             and KV heads of attended keys / causal keys (1.0 for dense attention; NaN when no decode step ran).
         acceptance_length: speculative decoding only: tokens produced per sequence per verify forward
             (accepted drafts + 1), averaged over rounds and sequences; NaN otherwise.
+        nonfinite: per sequence, the position whose logits held NaN/Inf (the input token's position: the
+            logits there would have given new token ``len(tokens[r])``), or ``None`` (all finite).
     """
 
     tokens: list[list[int]]
@@ -92,12 +96,37 @@ class GenerationOutput:
     decode_steps: int
     attended_fraction: float
     acceptance_length: float = float("nan")
+    nonfinite: list = dataclasses.field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float:
         """Generated tokens per second of the decode phase (the first token comes from prefill)."""
         n = self.new_tokens - len(self.tokens)
         return n / self.decode_seconds if self.decode_seconds > 0 and n > 0 else float("nan")
+
+
+class NonFiniteLogitsError(ConfigError):
+    """A sequence's logits held NaN or Inf: its next token would have been garbage (greedy: the first NaN's index).
+
+    Raised by :meth:`InferenceEngine.generate` (and the speculative decoder's) after the whole batch has run; one
+    line naming the first such sequence, its position and the likely cause and fix. ``output`` is the complete
+    :class:`GenerationOutput`: every other sequence's tokens as if it had run alone, and the refused ones' tokens up
+    to the step that failed (finish reason ``"nonfinite"``). ``sequences``: ``[(row, position), ...]``.
+    A :class:`~minicpm4_jax.config.ConfigError`: the CLI prints ``error: <message>`` and exits with status 2.
+    """
+
+    def __init__(self, output: "GenerationOutput", label: str = "sequence", names: Sequence[int] | None = None):
+        """``label``/``names``: how the message names row ``r`` (``f"{label} {names[r]}"``; default its row)."""
+        self.output = output
+        self.sequences = [(r, p) for r, p in enumerate(output.nonfinite) if p is not None]
+        name = (lambda r: r) if names is None else (lambda r: names[r])
+        r, p = self.sequences[0]
+        rest = [str(name(x)) for x, _ in self.sequences[1:]]
+        more = (f" (and {label}{'s' if len(rest) > 1 else ''} {', '.join(rest[:8])}{', ...' if len(rest) > 8 else ''}"
+                ")") if rest else ""
+        super().__init__(f"non-finite logits for {label} {name(r)} at position {p} (new token "
+                         f"{len(output.tokens[r])}){more}: the weights or the activations hold NaN/Inf (check the "
+                         "checkpoint; bf16 overflow: try dtype=float32)")
 
 
 def check_generation_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int) -> None:
@@ -298,8 +327,11 @@ class _Collector:
     token changed plus the ``len(longest stop string) - 1`` characters before it.
     """
 
-    def __init__(self, b: int, max_new_tokens: int, stop_ids, stop_strings, detokenize, on_token):
+    def __init__(self, b: int, max_new_tokens: int, stop_ids, stop_strings, detokenize, on_token,
+                 prompt_lens: Sequence[int] | None = None):
         self.out: list[list[int]] = [[] for _ in range(b)]
+        self.prompt_lens = list(prompt_lens) if prompt_lens is not None else [0] * b
+        self.nonfinite: list[int | None] = [None] * b
         self.reasons = ["length"] * b
         self.active = [True] * b
         self.max_new, self.stop_set = max_new_tokens, set(int(i) for i in stop_ids)
@@ -321,11 +353,34 @@ class _Collector:
         if self.active[row] and len(self.out[row]) >= self.max_new:
             self.active[row] = False
 
+    def fail(self, row: int) -> None:
+        """End sequence ``row`` at its next token, whose logits were not finite (the token is dropped); records the
+        position of those logits (``prompt + kept tokens - 1``)."""
+        if not self.active[row]:
+            return
+        self.nonfinite[row] = self.prompt_lens[row] + len(self.out[row]) - 1
+        self.reasons[row], self.active[row] = "nonfinite", False
+
+    def take_checked(self, row: int, t: int, bad: bool) -> None:
+        """:meth:`take` ``t``, or :meth:`fail` when the logits that gave it were not finite (``bad``)."""
+        if bad:
+            self.fail(row)
+        else:
+            self.take(row, t)
+
     def _stop_string_in(self, row: int, t: int) -> bool:
         """Whether the text of sequence ``row`` holds a stop string once ``t`` is added (searching what changed)."""
         text = self.texts[row]
         region = text.text_from(text.push(t) - self.overlap)
         return any(s in region for s in self.stop_strings)
+
+
+def finish(output: GenerationOutput, on_nonfinite: str) -> GenerationOutput:
+    """``output``, or a :class:`NonFiniteLogitsError` carrying it when a sequence ended on non-finite logits and
+    ``on_nonfinite`` is ``"raise"``."""
+    if on_nonfinite == "raise" and any(p is not None for p in output.nonfinite):
+        raise NonFiniteLogitsError(output)
+    return output
 
 
 def _check_unconsumed(cache: KVCache) -> None:
@@ -467,11 +522,19 @@ def _decode_step(weights, cache, tokens, active, seeds, step, *, cfg, graphdefs,
     cache, logits, _, rows = _forward(weights, cache, tokens[:, None], pos, cache.lengths + 1, cfg=cfg,
                                       graphdefs=graphdefs, mode=mode, return_row_fractions=True)
     nxt = sample_tokens(logits, row_keys(seeds, step), sampling, vocab_limit)
-    return cache, jnp.where(active, nxt, 0), rows[:, 0]
+    return cache, jnp.where(active, nxt, 0), rows[:, 0], active & nonfinite_rows(logits, checked_vocab(cfg, vocab_limit))
 
 
-def _first_tokens(logits, seeds, *, sampling, vocab_limit):
-    return sample_tokens(logits, row_keys(seeds, 0), sampling, vocab_limit)
+def checked_vocab(cfg: ModelConfig, vocab_limit: int | None) -> int:
+    """The ids whose logits must be finite: below ``vocab_limit`` and ``cfg.vocab_size`` (the padding columns of a
+    padded vocabulary are ``-inf`` by design, :func:`~minicpm4_jax.nn.model.head_logits`)."""
+    return cfg.vocab_size if vocab_limit is None else min(int(vocab_limit), cfg.vocab_size)
+
+
+def _first_tokens(logits, seeds, *, sampling, vocab_limit, checked):
+    """The first new token of every sequence int32 ``[b]`` and whether its logits (ids below ``checked``) were not
+    finite, bool ``[b]``."""
+    return sample_tokens(logits, row_keys(seeds, 0), sampling, vocab_limit), nonfinite_rows(logits, checked)
 
 
 class InferenceEngine:
@@ -603,11 +666,13 @@ class InferenceEngine:
                              return_hidden=return_hidden)
 
     def decode_fn(self, sampling: SamplingParams, vocab_limit: int | None = None, mode: str = "sparse") -> Callable:
-        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fractions)``.
+        """The jitted ``(weights, cache, tokens, active, seeds, step) -> (cache, next_tokens, fractions, nonfinite)``.
 
         ``tokens``/``next_tokens`` int32 ``[batch]`` (0 for an inactive row), ``active`` bool ``[batch]``,
         ``fractions`` float32 ``[batch]``: each active row's attended fraction, averaged over the layers (0 for
-        an inactive row). ``mode``: :func:`decode_mode` of the step (a dense model always runs ``"dense"``).
+        an inactive row), ``nonfinite`` bool ``[batch]``: an active row whose logits held NaN/Inf
+        (:func:`~minicpm4_jax.infer.sampling.nonfinite_rows`; its token is meaningless). ``mode``:
+        :func:`decode_mode` of the step (a dense model always runs ``"dense"``).
         """
         if self.cfg.attention != "infllmv2":
             mode = "dense"
@@ -621,7 +686,8 @@ class InferenceEngine:
     def _first_fn(self, sampling: SamplingParams, vocab_limit: int | None) -> Callable:
         key = (sampling, vocab_limit)
         if key not in self._first:
-            self._first[key] = jax.jit(partial(_first_tokens, sampling=sampling, vocab_limit=vocab_limit))
+            self._first[key] = jax.jit(partial(_first_tokens, sampling=sampling, vocab_limit=vocab_limit,
+                                               checked=checked_vocab(self.cfg, vocab_limit)))
         return self._first[key]
 
     # -- the generation loop -----------------------------------------------------------------------------
@@ -646,11 +712,17 @@ class InferenceEngine:
         runs more steps than its remaining ``max_new_tokens`` (the cache's capacity). A sequence's tokens do not
         depend on this: its sampling key depends only on its seed and the step, and every row attends by its own
         length whatever the batch's :func:`decode_mode`.
+        A step whose logits hold NaN/Inf for a sequence ends that sequence there (``col.fail``: the token is dropped,
+        its finish reason is ``"nonfinite"``); the flag is read with the step's tokens, in the same transfer.
         """
-        def collect(tok_dev, frac_dev, rows):
-            tok_host, frac_host = jax.device_get((tok_dev, frac_dev))
+        def collect(tok_dev, frac_dev, bad_dev, rows):
+            # one read of the step's results (the non-finite flags come with the tokens)
+            tok_host, frac_host, bad_host = jax.device_get((tok_dev, frac_dev, bad_dev))
             for r in range(b):
                 if rows[r] and col.active[r]:
+                    if bad_host[r]:
+                        col.fail(r)
+                        continue
                     col.take(r, int(tok_host[r]))
                     fractions.append(float(frac_host[r]))
 
@@ -667,10 +739,10 @@ class InferenceEngine:
                     lengths[r] += int(rows[r])
                     sent[r] += int(rows[r])
                 # numpy inputs: the jitted call takes them without a dispatch of their own
-                cache, tok, frac = self.decode_fn(sampling, vocab_limit, mode)(
+                cache, tok, frac, bad = self.decode_fn(sampling, vocab_limit, mode)(
                     self.weights, cache, tok, np.asarray(rows), seeds, np.asarray(step0 + steps, np.int32))
                 steps += 1
-                launched = (tok, frac, rows)
+                launched = (tok, frac, bad, rows)
             if pending is not None:  # the previous step's tokens, read while this step runs
                 collect(*pending)
             if launched is None:
@@ -681,21 +753,33 @@ class InferenceEngine:
                 pending = None
 
     def _start(self, prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings, detokenize, vocab_limit,
-               on_token) -> tuple:
+               on_token, on_nonfinite: str = "raise") -> tuple:
         """Validate a request; ``(prompt lengths, seeds uint32 [b], first-token sampler, token collector)``."""
+        if on_nonfinite not in ("raise", "keep"):
+            raise ConfigError(f"on_nonfinite={on_nonfinite!r}; use 'raise' (refuse a sequence whose logits hold "
+                              "NaN/Inf) or 'keep' (return it with finish reason 'nonfinite')")
         lens = check_prompt_list(prompts)
         stop_ids, stop_strings = check_stops(stop_ids, stop_strings)
         seeds_arr = validate_request(self.cfg, lens, max_new_tokens, sampling, seeds, stop_strings, detokenize,
                                      prompts=prompts, vocab_limit=vocab_limit)
-        col = _Collector(len(prompts), max_new_tokens, stop_ids, stop_strings, detokenize, on_token)
+        col = _Collector(len(prompts), max_new_tokens, stop_ids, stop_strings, detokenize, on_token, lens)
         return lens, seeds_arr, self._first_fn(sampling, vocab_limit), col
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
                  stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
                  detokenize: Callable[[list[int]], str] | None = None, vocab_limit: int | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
+                 on_token: Callable[[int, int], None] | None = None, on_nonfinite: str = "raise") -> GenerationOutput:
         """Generate up to ``max_new_tokens`` tokens after each prompt (a batch of any lengths).
+
+        Non-finite logits (NaN/Inf in the weights or activations: a bad checkpoint, a bfloat16 overflow) are
+        noticed at every step, prefill included, per sequence (the flag comes back with the step's tokens: no
+        extra transfer, the pipelined loop stays pipelined). Such a sequence ends at that step: the token is
+        dropped, its finish reason is ``"nonfinite"`` and ``output.nonfinite[row]`` its position. The other
+        sequences of the batch run on unchanged (their tokens never depend on their neighbours), so one bad prompt
+        does not cost the batch's results: with ``on_nonfinite="raise"`` (the default) a
+        :class:`NonFiniteLogitsError` is raised once the batch has finished, carrying the whole output
+        (``error.output``); with ``"keep"`` the output is returned and the caller looks at ``finish_reasons``.
 
         Args:
             prompts: token id lists.
@@ -709,6 +793,7 @@ class InferenceEngine:
             detokenize: ids -> text, for ``stop_strings``.
             vocab_limit: never produce ids at or above it.
             on_token: called as ``on_token(row, token_id)`` for every new token, in order (streaming).
+            on_nonfinite: ``"raise"`` or ``"keep"`` (above).
 
         Returns:
             :class:`GenerationOutput`: ``tokens`` (one list of new ids per prompt, a stop id kept as the last),
@@ -718,26 +803,29 @@ class InferenceEngine:
             ConfigError: empty prompt, ``max_new_tokens < 1``, bad sampling values, too long a request,
                 ``stop_strings`` without ``detokenize``, prompts that are not a list of id lists or hold ids outside
                 ``[0, vocab_size)``, a seed list whose length is not the number of prompts, a ``vocab_limit``
-                below 1, or stop ids / stop strings that are not a list of ids / texts (:func:`check_stops`).
+                below 1, stop ids / stop strings that are not a list of ids / texts (:func:`check_stops`), or a bad
+                ``on_nonfinite``.
+            NonFiniteLogitsError: (a ``ConfigError``) a sequence's logits held NaN/Inf, with ``on_nonfinite="raise"``.
         """
         lens, seeds_arr, first, col = self._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
-                                                  detokenize, vocab_limit, on_token)
+                                                  detokenize, vocab_limit, on_token, on_nonfinite)
         b = len(prompts)
-        out, reasons, take = col.out, col.reasons, col.take
+        out, reasons = col.out, col.reasons
 
         t0 = time.perf_counter()
         cache = self.new_cache(b, max(lens) + max_new_tokens - 1)
         cache, logits, _ = self.prefill(cache, prompts)
-        tok = first(logits, seeds_arr)
-        tok_host = [int(x) for x in jax.device_get(tok)]
+        tok, bad = first(logits, seeds_arr)
+        tok_host, bad_host = jax.device_get((tok, bad))
         t1 = time.perf_counter()
 
         for r in range(b):
-            take(r, tok_host[r])
+            col.take_checked(r, int(tok_host[r]), bool(bad_host[r]))
         fracs: list[float] = []
         cache, steps = self.decode_loop(cache, tok, list(lens), col, seeds_arr, 1, sampling, vocab_limit, fracs)
         t2 = time.perf_counter()
-        return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
-                                new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
-                                decode_seconds=t2 - t1, decode_steps=steps,
-                                attended_fraction=float(np.mean(fracs)) if fracs else float("nan"))
+        return finish(GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
+                                       new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
+                                       decode_seconds=t2 - t1, decode_steps=steps,
+                                       attended_fraction=float(np.mean(fracs)) if fracs else float("nan"),
+                                       nonfinite=col.nonfinite), on_nonfinite)

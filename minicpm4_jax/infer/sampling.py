@@ -10,7 +10,8 @@ import numpy as np
 
 from minicpm4_jax.config import ConfigError, check_temperature
 
-__all__ = ["SamplingParams", "top_p_filter", "top_k_filter", "sample_tokens", "row_keys", "greedy_tokens", "is_integer"]
+__all__ = ["SamplingParams", "top_p_filter", "top_k_filter", "sample_tokens", "row_keys", "greedy_tokens", "is_integer",
+           "nonfinite_rows"]
 
 
 def is_integer(x) -> bool:
@@ -95,6 +96,22 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
     m = jnp.max(logits, axis=-1, keepdims=True)
     first_max = jnp.min(jnp.where(logits == m, iota, v), axis=-1)
     return jnp.where(first_nan < v, first_nan, first_max)
+
+
+def nonfinite_rows(logits: jax.Array, vocab_limit: int | None = None) -> jax.Array:
+    """bool ``[...]``: whether each row of float ``logits [..., vocab]`` holds a NaN or an infinity.
+
+    Only ids below ``vocab_limit`` count (the ids :func:`sample_tokens` may draw; the rows of a vocabulary padded
+    beyond the tokenizer's are never sampled). A model's logits are finite unless its weights or activations hold
+    NaN/Inf (a bad checkpoint, a bfloat16 overflow); greedy decoding then returns the first NaN's index and
+    sampling a meaningless id, so the engine reads this flag with each step's tokens and refuses the sequence
+    (:class:`~minicpm4_jax.infer.engine.NonFiniteLogitsError`). One elementwise pass and a reduction over the
+    row, in the same program as the sampling.
+    """
+    ok = jnp.isfinite(logits)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        ok = ok | (jnp.arange(logits.shape[-1]) >= vocab_limit)
+    return ~jnp.all(ok, axis=-1)
 
 
 def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:

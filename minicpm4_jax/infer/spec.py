@@ -42,9 +42,10 @@ from flax import nnx
 
 from minicpm4_jax.config import ConfigError, ModelConfig
 from minicpm4_jax.infer.cache import LayerCache, init_cache, write_tokens
-from minicpm4_jax.infer.engine import GenerationOutput, InferenceEngine, _forward, decode_mode
-from minicpm4_jax.infer.sampling import (SamplingParams, greedy_tokens, is_integer, row_keys, top_k_filter,
-                                         top_p_filter)
+from minicpm4_jax.infer.engine import (GenerationOutput, InferenceEngine, _forward, checked_vocab, decode_mode,
+                                       finish)
+from minicpm4_jax.infer.sampling import (SamplingParams, greedy_tokens, is_integer, nonfinite_rows, row_keys,
+                                         top_k_filter, top_p_filter)
 from minicpm4_jax.nn.layers import dtype_of
 from minicpm4_jax.nn.mtp import MTPHead, mtp_layer_config
 from minicpm4_jax.nn.model import dense_rows
@@ -406,9 +407,9 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     rejected tokens), ``active`` bool ``[b]`` (an inactive row's cache, state and length are left as they were).
     Returns ``(cache, dcache, h_last, next_tokens [b], lengths [b], packed)``: the lengths after the round
     (``lengths + accepted + 1`` on active rows, so the next round can start without the host reading this one) and
-    int32 ``packed [b, 2k + 3]`` = (accepted drafts, the token after them, the ``k`` drafts, then the attended
-    fraction of each of the ``k + 1`` verified rows as float32 bits) per row, so the host reads the round's result
-    in one transfer. Row ``j`` of the verify is the step that produces the round's ``j``-th token, so the host
+    int32 ``packed [b, 2k + 4]`` = (accepted drafts, the token after them, the ``k`` drafts, the first verified
+    row whose logits hold NaN/Inf (``k + 1``: none), then the attended fraction of each of the ``k + 1`` verified
+    rows as float32 bits) per row, so the host reads the round's result in one transfer. Row ``j`` of the verify is the step that produces the round's ``j``-th token, so the host
     averages the fractions of the rows whose tokens it keeps, as plain decoding would. One compiled program per round:
     each eager op between separate programs cost more host time than a draft step. ``propose``: the draft step
     traced into the round (default :func:`_draft_propose`; tests substitute known drafts).
@@ -426,6 +427,8 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
                                        graphdefs=graphdefs, all_rows=True, mode=mode, return_hidden=True,
                                        return_row_fractions=True)
     a, nxt = _accept(lg, drafts, q, seeds, rnd, sampling=sampling, vocab_limit=vocab_limit)
+    bad = nonfinite_rows(lg, checked_vocab(cfg, vocab_limit))  # [b, k+1]
+    first_bad = jnp.where(jnp.any(bad, axis=1), jnp.argmax(bad, axis=1), k + 1).astype(jnp.int32)
     # refresh the draft cache at the accepted positions n .. n+a-1 with the true hidden states
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
     fpos = jnp.where(active[:, None] & (j < a[:, None]), lengths[:, None] + j, -1)
@@ -434,8 +437,8 @@ def _round(weights, draft: _Draft, cache, dcache: LayerCache, h_last, tok, lengt
     h_new = jnp.take_along_axis(hid, a[:, None, None], axis=1)[:, 0]
     h_new = jnp.where(active[:, None], h_new, h_last.astype(h_new.dtype))
     nxt = jnp.where(active, nxt, tok)
-    packed = jnp.concatenate([a[:, None], nxt[:, None], drafts, jax.lax.bitcast_convert_type(rows, jnp.int32)],
-                             axis=1).astype(jnp.int32)
+    packed = jnp.concatenate([a[:, None], nxt[:, None], drafts, first_bad[:, None],
+                              jax.lax.bitcast_convert_type(rows, jnp.int32)], axis=1).astype(jnp.int32)
     return cache, dcache, h_new, nxt, lengths + jnp.where(active, a + 1, 0), packed
 
 
@@ -562,7 +565,7 @@ class SpeculativeDecoder:
         mode = self._mode([n[r] for r in range(b) if active[r]], 0)
         out, _, packed = self._launch(st.cache, st.dcache, st.h_last, st.tok, np.asarray(n, np.int32), active,
                                       seeds, rnd, sampling, vocab_limit, mode)
-        acc, d_host, nxt_host, fractions = self._unpack(np.asarray(packed))
+        acc, d_host, nxt_host, fractions, _ = self._unpack(np.asarray(packed))
         for r in range(b):
             if active[r]:
                 n[r] += acc[r] + 1
@@ -584,11 +587,12 @@ class SpeculativeDecoder:
         return (cache, dcache, h_last, nxt), new_lengths, packed
 
     def _unpack(self, packed: np.ndarray) -> tuple:
-        """A round's host result ``packed [b, 2k + 3]`` -> ``(accepted [b] ints, drafts [b, k], next tokens [b],
-        row fractions float32 [b, k + 1])``."""
+        """A round's host result ``packed [b, 2k + 4]`` -> ``(accepted [b] ints, drafts [b, k], next tokens [b],
+        row fractions float32 [b, k + 1], first non-finite verify row [b] ints (k + 1: none))``."""
         k = self.k
-        fractions = np.ascontiguousarray(packed[:, 2 + k:]).view(np.float32)
-        return [int(x) for x in packed[:, 0]], packed[:, 2:2 + k], packed[:, 1], fractions
+        fractions = np.ascontiguousarray(packed[:, 3 + k:]).view(np.float32)
+        return ([int(x) for x in packed[:, 0]], packed[:, 2:2 + k], packed[:, 1], fractions,
+                [int(x) for x in packed[:, 2 + k]])
 
     def prefill(self, prompts: Sequence[Sequence[int]], tokens: int,
                 first_token: Callable[[jax.Array], jax.Array]) -> SpecState:
@@ -641,8 +645,14 @@ class SpeculativeDecoder:
                  sampling: SamplingParams = SamplingParams(), seeds: Sequence[int] | int = 0,
                  stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
                  detokenize: Callable[[list[int]], str] | None = None, vocab_limit: int | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> GenerationOutput:
+                 on_token: Callable[[int, int], None] | None = None, on_nonfinite: str = "raise") -> GenerationOutput:
         """Like :meth:`InferenceEngine.generate`, with draft-and-verify rounds.
+
+        Non-finite logits end a sequence as in :meth:`InferenceEngine.generate` (``on_nonfinite`` the same): the
+        prefill's flag comes with the first tokens, a round's with its packed result (the first verified row
+        whose logits hold NaN/Inf). A round keeps the tokens its rows before that one produced (the drafts they
+        accepted) and ends the sequence at that row's position, the one plain decoding would have stopped at;
+        verified rows past the accepted drafts are never read, as plain decoding never computes them.
 
         The output's ``acceptance_length`` is the number of tokens kept per target forward over the speculative
         rounds (accepted drafts + 1, less any that a stop id, stop string or ``max_new_tokens`` discards);
@@ -662,24 +672,32 @@ class SpeculativeDecoder:
 
         Raises:
             ConfigError: as :meth:`InferenceEngine.generate`.
+            NonFiniteLogitsError: as :meth:`InferenceEngine.generate`.
         """
         cfg, eng, k = self.cfg, self.engine, self.k
         lens, seeds_arr, first, col = eng._start(prompts, max_new_tokens, sampling, seeds, stop_ids, stop_strings,
-                                                 detokenize, vocab_limit, on_token)
+                                                 detokenize, vocab_limit, on_token, on_nonfinite)
         b = len(prompts)
         out, reasons, active, take = col.out, col.reasons, col.active, col.take
 
         t0 = time.perf_counter()
+        first_bad = []  # the prefill logits' non-finite flags, read with the first tokens
+
+        def first_token(lg):
+            tok, bad = first(lg, seeds_arr)
+            first_bad.append(bad)
+            return tok
+
         # room for one round past a sequence's last tokens: the pipelined loop dispatches a round before it has read
         # whether the one before finished the sequence
-        state = self.prefill(prompts, max(lens) + max_new_tokens + 2 * k + 1, lambda lg: first(lg, seeds_arr))
+        state = self.prefill(prompts, max(lens) + max_new_tokens + 2 * k + 1, first_token)
         # wait for the whole prefill (target and draft caches): its time is prefill time, not decode time
         jax.block_until_ready((state.cache, state.dcache, state.h_last))
-        tok_host = [int(x) for x in jax.device_get(state.tok)]
+        tok_host, bad_host = jax.device_get((state.tok, first_bad[0]))
         t1 = time.perf_counter()
 
-        for r, t in enumerate(tok_host):
-            take(r, t)
+        for r in range(b):
+            col.take_checked(r, int(tok_host[r]), bool(bad_host[r]))
         rounds, tail_steps, spec_rounds, produced, fracs = 0, 0, 0, 0, []
         max_pos = cfg.max_position_embeddings
         lengths = list(state.lengths)  # cached tokens per row after the rounds read so far (host)
@@ -688,16 +706,16 @@ class SpeculativeDecoder:
 
         def collect(packed, rows):
             nonlocal spec_rounds, produced
-            acc, d_host, nxt_host, row_frac = self._unpack(np.asarray(packed))
+            acc, d_host, nxt_host, row_frac, bad_row = self._unpack(np.asarray(packed))
             for r in range(b):
                 if not (rows[r] and active[r]):  # a row that finished in the round before: its result is dropped
                     continue
                 lengths[r] += acc[r] + 1
                 spec_rounds += 1
                 before = len(out[r])
-                for j in range(acc[r]):
+                for j in range(min(acc[r], bad_row[r])):  # verify row j (finite) accepted draft j
                     take(r, int(d_host[r, j]))
-                take(r, int(nxt_host[r]))
+                col.take_checked(r, int(nxt_host[r]), bad_row[r] <= acc[r])
                 kept = len(out[r]) - before  # tokens after a stop or past max_new_tokens are discarded
                 produced += kept
                 fracs.extend(float(x) for x in row_frac[r, :kept])
@@ -738,8 +756,9 @@ class SpeculativeDecoder:
             st = SpecState(cache=carry[0], dcache=carry[1], lengths=lengths, h_last=carry[2], tok=carry[3])
             tail_steps = self._plain_tail(st, col, seeds_arr, sampling, vocab_limit, fracs)
         t2 = time.perf_counter()
-        return GenerationOutput(tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens),
-                                new_tokens=sum(len(o) for o in out), prefill_seconds=t1 - t0,
-                                decode_seconds=t2 - t1, decode_steps=rounds + tail_steps,
-                                attended_fraction=float(np.mean([float(f) for f in fracs])) if fracs else float("nan"),
-                                acceptance_length=produced / spec_rounds if spec_rounds else float("nan"))
+        return finish(GenerationOutput(
+            tokens=out, finish_reasons=reasons, prompt_tokens=sum(lens), new_tokens=sum(len(o) for o in out),
+            prefill_seconds=t1 - t0, decode_seconds=t2 - t1, decode_steps=rounds + tail_steps,
+            attended_fraction=float(np.mean([float(f) for f in fracs])) if fracs else float("nan"),
+            acceptance_length=produced / spec_rounds if spec_rounds else float("nan"), nonfinite=col.nonfinite),
+            on_nonfinite)
