@@ -313,23 +313,20 @@ class EvalModel:
             return_cuts: also return the prompt tokens cut from each prompt (0 when it fit).
 
         Raises:
-            ConfigError: ``stop`` given as one string or a number instead of a list of texts (``None``: none),
-                an empty prompt, a prompt +
+            ConfigError: ``stop`` given as one string or a number instead of a list of texts (``None``: none;
+                empty texts are dropped), a stop that is not text, an empty prompt, a prompt +
                 ``max_new_tokens`` longer than ``max_length`` (without ``truncate``, or when ``max_new_tokens``
                 alone leaves no room), or bad sampling values (one line naming the prompt index).
             NonFiniteLogitsError: (a ``ConfigError``) every prompt of a batch had non-finite logits before any
                 prompt of this model decoded cleanly (above).
         """
         from minicpm4_jax.generate import stop_token_ids
+        from minicpm4_jax.infer.engine import check_stops
         from minicpm4_jax.infer.sampling import SamplingParams
 
-        if isinstance(stop, (str, bytes)):  # as a sequence it is its characters: "\n\n" stopped at the first newline
-            raise ConfigError(f"stop={stop!r} is one string, which would stop at any of its characters; "
-                              f"pass a list of stop texts: stop=[{stop!r}]")
-        try:  # None: no stop strings, as the engine reads it (it was a TypeError traceback, as a number still was)
-            stop = tuple(s for s in (() if stop is None else stop) if s)
-        except TypeError:
-            raise ConfigError(f"stop={stop!r} must be a list of stop texts (or None for none)") from None
+        # one string refused (as a sequence it is its characters: "\n\n" stopped at the first newline), None = none,
+        # a number refused (a TypeError traceback), empty texts dropped (lm-eval passes them)
+        _, stop = check_stops((), stop, name="stop", ids_name=None, empty="drop")
         encoded, cuts = [], []
         room = self.max_length - max_new_tokens - len(self.prefix_ids)  # prompt tokens that fit
         for i, p in enumerate(prompts):

@@ -170,6 +170,16 @@ def test_generate_stop_none_is_no_stop_and_a_number_is_one_line(dense_model):
         em.generate(["def f"], max_new_tokens=4, stop=5)
 
 
+def test_generate_stop_that_is_not_text_names_stop_and_empty_texts_are_dropped(dense_model):
+    """EvalModel.generate's own ``stop`` check (now check_stops') let ``stop=[5]`` through to the engine, whose error
+    named parameters this method does not have ("stop_strings are texts (token ids go in stop_ids)"); empty stop
+    texts (lm-eval's ``until=[""]``) are still dropped, so they generate as no stop."""
+    em = EvalModel(dense_model, TOK, max_length=64, progress=False)
+    with pytest.raises(ConfigError, match=r"^stop string 5 is not text; stop= takes texts$"):
+        em.generate(["def f"], max_new_tokens=4, stop=[5])
+    assert em.generate(["def f"], max_new_tokens=4, stop=[""]) == em.generate(["def f"], max_new_tokens=4, stop=None)
+
+
 def test_generation_prompts_are_cut_from_the_left_when_asked_and_counted(dense_model, capsys):
     """Thirteenth-session break test: a generation task whose prompt did not fit max_length - budget stopped the
     whole `eval bench` run (losing the tasks already scored) with a fix it cannot apply, and the lm-eval backend

@@ -566,6 +566,30 @@ def test_stop_lists_that_are_not_iterable_are_one_line_errors():
     assert check_stops([np.int64(3), jnp.int32(4)], None) == ((3, 4), ())
 
 
+def test_check_stops_names_the_callers_parameter_and_its_empty_text_policy():
+    """check_stops serves EvalModel.generate too (its ``stop=`` check was a near-copy): the caller's parameter name in
+    every message, no token-id hint where the caller takes no ids, and empty texts refused (the engine: a stop that
+    matches at once) or dropped (eval: lm-eval passes ``until=[""]``). Before, check_stops let ``""`` through (only
+    validate_request refused it) and had no name or policy to give."""
+    from minicpm4_jax.infer.engine import check_stops
+
+    with pytest.raises(ConfigError, match=r"^a stop string is empty; give non-empty stop texts$"):
+        check_stops((), ["END", ""])
+    assert check_stops((), ["", "END", ""], name="stop", ids_name=None, empty="drop") == ((), ("END",))
+    with pytest.raises(ConfigError, match=r"^stop='\\n' is one string, .*; pass a list of stop texts: \['\\n'\] "
+                                          r"\(stop=\['\\n'\]\)$"):
+        check_stops((), "\n", name="stop", ids_name=None, empty="drop")
+    with pytest.raises(ConfigError, match=r"^stop=7 must be a list of stop texts \(or None for none\)$"):
+        check_stops((), 7, name="stop", ids_name=None)
+    with pytest.raises(ConfigError, match=r"^stop string 7 is not text; stop= takes texts$"):
+        check_stops((), ["a", 7], name="stop", ids_name=None)
+    with pytest.raises(ConfigError, match=r"^stop string 7 is not text; stop_strings= takes texts \(token ids go in "
+                                          r"stop_ids\)$"):
+        check_stops((), [7])
+    with pytest.raises(ConfigError, match=r"^empty='keep'; use 'refuse' or 'drop'$"):
+        check_stops((), ["a"], empty="keep")
+
+
 def test_a_consumed_cache_is_a_one_line_error_and_a_copy_branches(weights):
     """Break test: ``prefill`` / ``extend`` donate the cache; extending the same cache twice (two continuations of one
     prefix) failed with jax's "Array has been deleted with shape=int32[1]", naming neither the cache nor the fix."""

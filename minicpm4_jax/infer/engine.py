@@ -238,27 +238,44 @@ def check_prompt_list(prompts: Any) -> list[int]:
     return [len(p) for p in prompts]
 
 
-def check_stops(stop_ids: Any, stop_strings: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def check_stops(stop_ids: Any, stop_strings: Any, *, name: str = "stop_strings", ids_name: str | None = "stop_ids",
+                empty: str = "refuse") -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``(stop_ids, stop_strings)`` as tuples after checking them (one-line :class:`ConfigError`).
 
-    ``stop_ids``: integer token ids; ``stop_strings``: non-empty texts. A bare string given as ``stop_strings`` is
+    ``stop_ids``: integer token ids; ``stop_strings``: texts. A bare string given as ``stop_strings`` is
     refused: as a sequence it is its characters, so ``stop_strings="END"`` stopped at the first ``E``, ``N`` or ``D``.
     A bare integer given as ``stop_ids`` is refused too (wrap it: ``[2]``), and so is one given as
     ``stop_strings`` (it was a ``TypeError`` traceback). ``None`` means none.
+
+    Args:
+        name: the caller's name of ``stop_strings`` in the messages (``EvalModel.generate``: ``"stop"``).
+        ids_name: where token ids go instead, named in the messages (``None``: the caller takes no ids).
+        empty: an empty stop text is ``"refuse"``-d (it would stop at once) or ``"drop"``-ped (lm-eval passes them
+            for "no stop": ``EvalModel.generate``).
+
+    Raises:
+        ConfigError: as above, naming ``name``; an empty text with ``empty="refuse"``; a bad ``empty``.
     """
+    if empty not in ("refuse", "drop"):
+        raise ConfigError(f"empty={empty!r}; use 'refuse' or 'drop'")
+    ids_hint = f"(token ids go in {ids_name})" if ids_name else ""
     stop_ids = () if stop_ids is None else stop_ids
     stop_strings = () if stop_strings is None else stop_strings
     if isinstance(stop_strings, (str, bytes)):
-        raise ConfigError(f"stop_strings={stop_strings!r} is one string, which would stop at any of its characters; "
-                          f"pass a list of stop texts: [{stop_strings!r}]")
+        raise ConfigError(f"{name}={stop_strings!r} is one string, which would stop at any of its characters; "
+                          f"pass a list of stop texts: [{stop_strings!r}] ({name}=[{stop_strings!r}])")
     try:  # a bare number (or a 0-d array) was a TypeError traceback here
         texts = tuple(stop_strings)
     except TypeError:
-        raise ConfigError(f"stop_strings={stop_strings!r} must be a list of stop texts (token ids go in "
-                          "stop_ids)") from None
+        raise ConfigError(f"{name}={stop_strings!r} must be a list of stop texts "
+                          f"{ids_hint or '(or None for none)'}") from None  # eval: stop=None is none
     bad = [s for s in texts if not isinstance(s, str)]
     if bad:
-        raise ConfigError(f"stop string {bad[0]!r} is not text; stop_strings are texts (token ids go in stop_ids)")
+        raise ConfigError(f"stop string {bad[0]!r} is not text; {name}= takes texts {ids_hint}".rstrip())
+    if empty == "drop":
+        texts = tuple(s for s in texts if s)
+    elif any(not s for s in texts):
+        raise ConfigError("a stop string is empty; give non-empty stop texts")
     try:  # a bare integer (also a 0-d array: iterating it was a TypeError traceback) or a string is no list
         items = None if is_integer(stop_ids) or isinstance(stop_ids, (str, bytes)) else tuple(stop_ids)
     except TypeError:
@@ -298,11 +315,9 @@ def validate_request(cfg: ModelConfig, prompt_lens: Sequence[int], max_new_token
     if vocab_limit is not None and (not is_integer(vocab_limit) or vocab_limit < 1):
         raise ConfigError(f"vocab_limit={vocab_limit!r} must be an integer >= 1 (ids at or above it are never "
                           "produced; usually the tokenizer's vocabulary size) or None")
-    _, stop_strings = check_stops((), stop_strings)
+    _, stop_strings = check_stops((), stop_strings)  # also refuses an empty stop text
     if stop_strings and detokenize is None:
         raise ConfigError("stop_strings need a detokenize function (the tokenizer's decode)")
-    if any(not s for s in stop_strings):
-        raise ConfigError("a stop string is empty; give non-empty stop texts")
     b = len(prompt_lens)
     if is_integer(seeds):
         seed_list = [int(seeds) + i for i in range(b)]
