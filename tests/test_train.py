@@ -366,6 +366,28 @@ def test_run_with_the_official_kernel_quirk_ends_with_its_sample_and_summary(cor
     assert any(m.startswith("sample (") for m in logs) and any("kernel_offby1_quirk" in m for m in logs), logs
 
 
+def test_run_whose_sample_has_nonfinite_logits_ends_with_its_summary(corpus, cache_dir, tmp_path, monkeypatch):
+    """Since bee1cfe generate() refuses non-finite logits (NonFiniteLogitsError); the end-of-run sample of a model
+    whose logits go NaN (here its sample copy's embedding, set to NaN) then raised out of run_training after every
+    step had trained, without summary.json. The sample now says why there is none and the run ends normally."""
+    import minicpm4_jax.generate as gen_mod
+
+    real = gen_mod.generate
+
+    def poisoned(model, *a, **kw):
+        e = model.embed_tokens.embedding
+        e[...] = jnp.full_like(e[...], jnp.nan)  # the sample's own copy of the weights, not the trained state
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(gen_mod, "generate", poisoned)
+    over = {"tensorboard": False, "steps": 2, "log_every": 1, "eval_every": 2, "checkpoint.save_every": 2,
+            "optimizer.warmup_steps": 1, "optimizer.decay_steps": 1, "sample_tokens": 4}
+    logs: list[str] = []
+    s = run_training(tiny_cfg(corpus, cache_dir, tmp_path / "nan", **over), log=logs.append, progress=False)
+    assert s["step"] == 2 and (tmp_path / "nan" / "summary.json").is_file()
+    assert any(m.startswith("sample: none (non-finite logits for sequence 0 at position ") for m in logs), logs
+
+
 def test_sparse_run_logs_attended_fraction(corpus, cache_dir, tmp_path):
     """InfLLM v2 training: every log row carries the mean attended key fraction, and it is really < 1."""
     sparse = {**TINY_SPARSE, "tensorboard": False, "sample_tokens": 0}

@@ -1341,13 +1341,19 @@ def run_training(
             n_new = min(cfg.sample_tokens,
                         cfg.model.max_position_embeddings - len(tok.encode(cfg.sample_prompt)) - len(prefix))
             if n_new > 0:
-                sample = generate(model, tok, cfg.sample_prompt, n_new, temperature=cfg.sample_temperature,
-                                  top_p=cfg.sample_top_p, seed=cfg.seed, prefix_ids=prefix)
-                how = "greedy" if cfg.sample_temperature == 0 else (
-                    f"temperature {cfg.sample_temperature}, top-p {cfg.sample_top_p}, seed {cfg.seed}")
-                say(f"sample ({how}) from {cfg.sample_prompt!r}:\n{cfg.sample_prompt}{sample}")
-                if writer is not None:
-                    writer.text(step, "sample", cfg.sample_prompt + sample)
+                from minicpm4_jax.infer.engine import NonFiniteLogitsError
+
+                try:
+                    sample = generate(model, tok, cfg.sample_prompt, n_new, temperature=cfg.sample_temperature,
+                                      top_p=cfg.sample_top_p, seed=cfg.seed, prefix_ids=prefix)
+                except NonFiniteLogitsError as e:  # the sample is no reason to end the run without its summary
+                    say(f"sample: none ({e})")
+                else:
+                    how = "greedy" if cfg.sample_temperature == 0 else (
+                        f"temperature {cfg.sample_temperature}, top-p {cfg.sample_top_p}, seed {cfg.seed}")
+                    say(f"sample ({how}) from {cfg.sample_prompt!r}:\n{cfg.sample_prompt}{sample}")
+                    if writer is not None:
+                        writer.text(step, "sample", cfg.sample_prompt + sample)
         wait_ckpt()
         # the whole run's median (a resumed run's rows before the resume included)
         tokens_per_second = hist.median_rate()
