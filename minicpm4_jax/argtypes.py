@@ -1,4 +1,4 @@
-"""argparse ``type=`` validators for bounded numbers, shared by the scripts in ``scripts/``.
+"""argparse ``type=`` validators for bounded numbers and the help formatter, shared by the scripts in ``scripts/``.
 
 A bad value is argparse's one-line usage error (exit 2) naming the option, the value and the allowed range, e.g.
 ``error: argument --rounds: 0 is out of range: give an integer >= 1``, instead of a traceback (or a silent
@@ -12,7 +12,7 @@ import argparse
 import math
 from typing import Callable
 
-__all__ = ["int_range", "float_range"]
+__all__ = ["int_range", "float_range", "DefaultsHelpFormatter"]
 
 
 def _ranged(convert: Callable[[str], float], noun: str, kind: str, lo, hi, lo_open: bool,
@@ -55,3 +55,18 @@ def float_range(lo: float | None = None, hi: float | None = None, *, lo_open: bo
     or an out-of-range value.
     """
     return _ranged(float, "a number", "a finite number", lo, hi, lo_open, hi_open)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """A help formatter that shows every option's default: ``(default: X)`` is appended to an option's help unless
+    the help already names its default or the option has none (``None`` / ``False`` / an empty list).
+
+    The scripts' ``--help`` left most defaults out (``bench_decode.py --steps`` 32, ``--rounds`` 5, ...); written
+    into each help by hand they drift from the code, this reads them from the parser."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (text and action.option_strings and "default" not in text.lower()
+                and action.default not in (None, False, [], argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from minicpm4_jax.argtypes import int_range
+from minicpm4_jax.argtypes import DefaultsHelpFormatter, int_range
 from minicpm4_jax.config import SparseConfig
 from minicpm4_jax.infllm.attention import infllmv2_attention
 from minicpm4_jax.infllm.select import select_blocks, select_params
@@ -185,11 +185,13 @@ def _attended(t, q, k, cfg):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int_range(1), nargs="+", default=[4096, 8192, 16384, 32768])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter)
+    ap.add_argument("--lengths", type=int_range(1), nargs="+", default=[4096, 8192, 16384, 32768],
+                    help="sequence lengths (tokens) of the forward comparison")
     ap.add_argument("--bwd-max", type=int_range(0), default=16384, help="forward+backward for lengths up to this")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--repeats", type=int_range(1), default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype of q, k, v and the layer")
+    ap.add_argument("--repeats", type=int_range(1), default=3, help="timed calls per method and length (best kept)")
     ap.add_argument("--attn-q-tile", type=int_range(1), default=64, help="stage-2 query tile (dense forced part)")
     ap.add_argument("--gather-tile", type=int_range(1), default=None,
                     help="stage-2 sub-tile of the gathered top-k part (default: automatic, 2 for this layout)")

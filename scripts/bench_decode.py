@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minicpm4_jax.argtypes import int_range
+from minicpm4_jax.argtypes import DefaultsHelpFormatter, int_range
 from minicpm4_jax.config import load_config
 from minicpm4_jax.infer.cache import KVCache, cache_capacity, init_cache
 from minicpm4_jax.infer.engine import InferenceEngine, decode_mode, with_attention
@@ -303,7 +303,7 @@ def generate_loop(cfg, batches: list[int], prompt_len: int, gen_len: int, rounds
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--config", default="cpu_tiny", help="preset or YAML whose model architecture is used")
     ap.add_argument("--lengths", type=int_range(1), nargs="*", default=[4096, 16384, 32768],
                     help="context lengths (none: with --checkpoint, only the trained-length measurement)")

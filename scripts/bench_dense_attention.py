@@ -23,7 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from minicpm4_jax.argtypes import int_range  # noqa: E402
+from minicpm4_jax.argtypes import DefaultsHelpFormatter, int_range  # noqa: E402
+
+
+class _Formatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the module docstring (the epilog) as written."""
 from minicpm4_jax.ops.attention_ref import dense_attention  # noqa: E402
 from minicpm4_jax.ops.flash_xla import flash_attention  # noqa: E402
 
@@ -76,12 +80,13 @@ def bench(shape, repeats: int, block_q: int, block_k: int, dtype) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--shape", type=_shape, action="append", help="batch,T,heads,kv_heads,head_dim (repeatable)")
+                                formatter_class=_Formatter, epilog=__doc__)
+    p.add_argument("--shape", type=_shape, action="append",
+                   help="batch,T,heads,kv_heads,head_dim (repeatable; default: " + " ".join(DEFAULT_SHAPES) + ")")
     p.add_argument("--repeats", type=int_range(1), default=3, help="timed calls per program (best kept; default 3)")
-    p.add_argument("--block-q", type=int_range(1), default=64)
-    p.add_argument("--block-k", type=int_range(1), default=128)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--block-q", type=int_range(1), default=64, help="query tokens per block of the blockwise attention")
+    p.add_argument("--block-k", type=int_range(1), default=128, help="key tokens per block of the blockwise attention")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dtype of q, k, v")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     shapes = args.shape or [_shape(s) for s in DEFAULT_SHAPES]

@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minicpm4_jax.argtypes import int_range
+from minicpm4_jax.argtypes import DefaultsHelpFormatter, int_range
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -186,7 +186,7 @@ def _gib(x: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     p.add_argument("--config", default="cpu_tiny", help="preset name in configs/ or a YAML path")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="dotted config overrides")
     p.add_argument("--steps", type=int_range(1), default=10, help="timed steps per framework")

@@ -30,13 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main(argv=None) -> int:
-    from minicpm4_jax.argtypes import int_range
+    from minicpm4_jax.argtypes import DefaultsHelpFormatter, int_range
     from minicpm4_jax.config import ConfigError, DataConfig, config_from_dict
     from minicpm4_jax.infer.spec import build_frequency_ranking, save_frequency_ranking
     from minicpm4_jax.tokenizer import load_tokenizer
     from minicpm4_jax.train.data import read_corpus
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a run folder (holding tokenizer/ and config.json)")
     ap.add_argument("--sources", nargs="+", default=None, help="corpus paths (default: the run's data.sources)")
     ap.add_argument("--size", type=int_range(1), default=8192, help="V', the draft vocabulary size (default 8192)")

@@ -50,9 +50,9 @@ def _overrides(width: int, base: int, mup: bool, lr: float, a: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minicpm4_jax.argtypes import float_range, int_range
+    from minicpm4_jax.argtypes import DefaultsHelpFormatter, float_range, int_range
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--widths", type=int_range(64), nargs="+", default=[64, 256],
                     help="hidden sizes, multiples of 64; the smallest is μP's base width (default 64 256)")
     ap.add_argument("--lrs", type=float_range(0, lo_open=True), nargs="+",
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="learning rates to sweep (default 2^-9 ... 2^-4)")
     ap.add_argument("--steps", type=int_range(1), default=150, help="steps per run (default 150)")
     ap.add_argument("--layers", type=int_range(1), default=4, help="decoder layers (default 4)")
-    ap.add_argument("--seq-len", type=int_range(1), default=128)
-    ap.add_argument("--batch-size", type=int_range(1), default=16)
-    ap.add_argument("--seed", type=int_range(0), default=0)
+    ap.add_argument("--seq-len", type=int_range(1), default=128, help="tokens per training sequence")
+    ap.add_argument("--batch-size", type=int_range(1), default=16, help="sequences per step")
+    ap.add_argument("--seed", type=int_range(0), default=0, help="initialisation and data seed of every run")
     ap.add_argument("--out", default="runs/mup_transfer", help="folder of the runs and results.json")
     ap.add_argument("--plot", default="docs/img/mup_transfer.png", help="plot file ('' for none)")
     ap.add_argument("--fresh", action="store_true", help="retrain runs even if a finished one exists")

@@ -174,9 +174,11 @@ def plot(grid: np.ndarray, out: str, *, title: str, block_size: int) -> None:
 
 
 def main(argv=None) -> None:
-    from minicpm4_jax.argtypes import int_range
+    from minicpm4_jax.argtypes import DefaultsHelpFormatter, int_range
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    GEOMETRY = "geometry for --random / --npz (a --checkpoint uses its own sparse_config, --config a preset's)"
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--npz", help="file with arrays q [T, heads, d] and k [T, kv_heads, d] of one layer")
     src.add_argument("--random", type=int_range(1), metavar="T", help="synthetic inputs of T tokens")
@@ -184,20 +186,20 @@ def main(argv=None) -> None:
     ap.add_argument("--text", help="with --checkpoint: the input text file")
     ap.add_argument("--layer", type=int_range(0), default=0, help="with --checkpoint: decoder layer (0-based)")
     ap.add_argument("--tokens", type=int_range(1), default=1536, help="with --checkpoint: tokens of --text to use")
-    ap.add_argument("--out", default="infllm_selection.png")
+    ap.add_argument("--out", default="infllm_selection.png", help="PNG file to write")
     ap.add_argument("--config", help="YAML preset whose model.sparse_config is used")
-    ap.add_argument("--variant", default="gen2", choices=["gen1", "gen2"])
-    ap.add_argument("--topk", type=int_range(1), default=64)
-    ap.add_argument("--window", type=int_range(0), default=2048)
-    ap.add_argument("--block-size", type=int_range(1), default=64)
-    ap.add_argument("--kernel-size", type=int_range(1), default=32)
-    ap.add_argument("--kernel-stride", type=int_range(1), default=16)
-    ap.add_argument("--init-blocks", type=int_range(0), default=1)
+    ap.add_argument("--variant", default="gen2", choices=["gen1", "gen2"], help="InfLLM v2 generation; " + GEOMETRY)
+    ap.add_argument("--topk", type=int_range(1), default=64, help="selected blocks per query; " + GEOMETRY)
+    ap.add_argument("--window", type=int_range(0), default=2048, help="local window (tokens); " + GEOMETRY)
+    ap.add_argument("--block-size", type=int_range(1), default=64, help="selection block (tokens); " + GEOMETRY)
+    ap.add_argument("--kernel-size", type=int_range(1), default=32, help="compression kernel (tokens); " + GEOMETRY)
+    ap.add_argument("--kernel-stride", type=int_range(1), default=16, help="compression stride (tokens); " + GEOMETRY)
+    ap.add_argument("--init-blocks", type=int_range(0), default=1, help="initial blocks always selected; " + GEOMETRY)
     ap.add_argument("--quirk", action="store_true", help="official stage-1 off-by-one (spec §5.2)")
-    ap.add_argument("--heads", type=int_range(1), default=8)
-    ap.add_argument("--kv-heads", type=int_range(1), default=2)
-    ap.add_argument("--head-dim", type=int_range(1), default=64)
-    ap.add_argument("--seed", type=int_range(0), default=0)
+    ap.add_argument("--heads", type=int_range(1), default=8, help="with --random: query heads")
+    ap.add_argument("--kv-heads", type=int_range(1), default=2, help="with --random: KV heads (divides --heads)")
+    ap.add_argument("--head-dim", type=int_range(1), default=64, help="with --random: head dimension")
+    ap.add_argument("--seed", type=int_range(0), default=0, help="with --random: seed of the inputs")
     args = ap.parse_args(argv)
     if args.random and args.heads % args.kv_heads:
         ap.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")

@@ -31,11 +31,13 @@ def load_summary(run: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from minicpm4_jax.argtypes import DefaultsHelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run folders (out_dir) or summary.json files; the first is the baseline")
     ap.add_argument("--labels", nargs="+", help="one label per run (default: folder names)")
-    ap.add_argument("--out", default="train_curves.png")
-    ap.add_argument("--title", default="")
+    ap.add_argument("--out", default="train_curves.png", help="PNG file to write")
+    ap.add_argument("--title", default="", help="figure title (default: none)")
     a = ap.parse_args(argv)
     labels = a.labels or [Path(r).name for r in a.runs]
     if len(labels) != len(a.runs):

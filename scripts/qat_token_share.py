@@ -64,9 +64,9 @@ def _split_shares(ap: argparse.ArgumentParser, a: argparse.Namespace, argv: list
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minicpm4_jax.argtypes import float_range, int_range
+    from minicpm4_jax.argtypes import DefaultsHelpFormatter, float_range, int_range
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--config", default="cpu_tiny_qat", help="preset name or YAML path (default cpu_tiny_qat)")
     ap.add_argument("--steps", type=int_range(1), default=None,
                     help="N, the steps of every run (default: the preset's)")
