@@ -2039,3 +2039,15 @@ def test_a_sweep_resumes_an_interrupted_run_instead_of_removing_it(corpus, cache
     assert sweep.train_or_reuse("a", dataclasses.replace(cfg, seed=1), root) == {"val_loss": 1.0}
     assert calls[-1].get("resume", False) is False and not (root / "a").exists()
     assert "== a: training 4 steps into" in capsys.readouterr().out
+
+
+def test_run_training_validates_a_config_built_in_python(corpus, cache_dir, tmp_path):
+    """Only ``load_config`` validated: ``run_training(dataclasses.replace(cfg, steps=0))`` (the Python entry point)
+    trained nothing, saved a step-0 checkpoint and wrote a summary, where ``steps=0`` on the command line is one
+    ConfigError line. It is now the same error, before anything is written."""
+    cfg = tiny_cfg(corpus, cache_dir, tmp_path / "run")
+    for bad in (dataclasses.replace(cfg, steps=0),
+                dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=4096))):
+        with pytest.raises(ConfigError, match=r"steps=0 must be|data.seq_len=4096 is above"):
+            run_training(bad, log=lambda m: None, progress=False, handle_signals=False)
+    assert not (tmp_path / "run").exists()

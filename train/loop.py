@@ -80,7 +80,7 @@ import jax
 import numpy as np
 
 from minicpm4_jax.config import (ConfigError, TrainConfig, check_training_selection, config_to_dict,
-                                 inactive_draft_options, inactive_qat_options, qat_warmup_warning)
+                                 inactive_draft_options, inactive_qat_options, qat_warmup_warning, validate)
 from minicpm4_jax.quant import checkpoint_is_ternary, ternarize, ternary_spec, ternary_stats
 from minicpm4_jax.train.checkpoint import (Checkpointer, CheckpointWriteError, checkpoint_dir_of,
                                            checkpoint_write_error, holds_checkpoint_steps, is_checkpoint_step,
@@ -740,7 +740,9 @@ def run_training(
     """Train ``cfg`` (see the module docstring) and return the summary dict also written to ``summary.json``.
 
     Args:
-        cfg: a validated :class:`TrainConfig`.
+        cfg: the run's :class:`TrainConfig`; checked with :func:`~minicpm4_jax.config.validate` first, so a config
+            built in Python (``dataclasses.replace`` of a loaded one) gets the same one-line errors as
+            :func:`~minicpm4_jax.config.load_config` gives.
         resume: continue from the latest checkpoint in the checkpoint directory (train state and
             data iterator); without it, an existing checkpoint there is an error (nothing is
             overwritten). ``"auto"`` (``--auto-resume``): resume when the checkpoint directory holds a
@@ -761,8 +763,8 @@ def run_training(
         window's means) and ``last_step_loss``, ``sample`` and paths.
 
     Raises:
-        ConfigError: unwritable output directory / too little disk / data problems / checkpoints
-            present without ``--resume`` / ``--resume`` without a checkpoint / ``--resume`` with a
+        ConfigError: an invalid ``cfg`` (:func:`~minicpm4_jax.config.validate`) / unwritable output directory /
+            too little disk / data problems / checkpoints present without ``--resume`` / ``--resume`` without a checkpoint / ``--resume`` with a
             config that differs from the checkpoint's outside the fields a resume may change /
             ``--resume`` when the files under ``data.sources`` changed since the run started
             (:func:`check_run_data`) / a damaged checkpoint step / an ``out_dir`` that is a file, an
@@ -775,6 +777,8 @@ def run_training(
         RunFileWriteError: writing ``tokenizer/``, ``config.json`` or ``data.json`` (before training) or
             ``summary.json`` (after the final checkpoint) failed; the message says what the checkpoints hold.
     """
+    # (was: only load_config validated, and a replaced steps=0 "trained" into a step-0 checkpoint)
+    validate(cfg)
     t_start = time.perf_counter()
     from minicpm4_jax.train import distributed as dist
 
