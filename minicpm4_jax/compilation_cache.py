@@ -31,6 +31,10 @@ written on some runs and not on others (18 entries after four runs at 0.1 s, gro
 depended on the machine's load. ``minicpm4 train`` on ``cpu_tiny``: 58 programs, 30.9 s, 34 of them under 0.1 s
 (1.2 s). A cache on a slow network file system may want a higher threshold: set the variable.
 
+Entries are written whole or not at all, and a damaged one is replaced (:class:`_SafeFileCache`): JAX itself
+writes an entry in place and never replaces one that exists, so a run killed mid-write or a full disk left a
+truncated entry that every later run failed to read (two warning lines per program) and compiled again.
+
 Multi-device CPU programs are kept out of the cache (they compile in the process, as without a cache): with jax
 0.12.0.1, an XLA:CPU executable with collectives loaded back from the persistent cache deadlocked in 12 of 13 runs
 of the 8-device MTP + QAT train step (README, "Persistent compilation cache and multi-device CPU programs";
@@ -41,8 +45,10 @@ cached. Several processes of one distributed run may share a folder: JAX writes 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -52,6 +58,7 @@ __all__ = ["cache_root", "configure_compilation_cache", "MIN_COMPILE_TIME_SECS"]
 MIN_COMPILE_TIME_SECS = 0.0
 _OFF = ("0", "false", "off", "no")
 _ON = ("", "1", "true", "on", "yes")
+_state: dict = {"warn": None}  # where _SafeFileCache's warnings go (configure_compilation_cache's ``warn``)
 
 
 def cache_root() -> Path:
@@ -71,27 +78,143 @@ def _writable(folder: Path) -> str | None:
     return None
 
 
-def _keep_cpu_collectives_out() -> bool:
-    """Wrap JAX's cache-key function so that a CPU program over more than one device gets no key (JAX then compiles
-    it and neither reads nor writes the cache); idempotent. ``False`` when this jax lacks the function."""
+def _wrap_jax(module: str, name: str, make: Callable) -> bool:
+    """Replace the function ``name`` of JAX's private module ``module`` by ``make(original)`` (idempotent: a
+    function already wrapped by ``make`` is kept); ``False`` when this jax lacks the module or the function."""
+    import importlib
+
     try:
-        from jax._src import compiler
+        mod = importlib.import_module(module)
     except ImportError:  # pragma: no cover - private module moved
         return False
-    orig = getattr(compiler, "_get_cache_key", None)
+    orig = getattr(mod, name, None)
     if orig is None:  # pragma: no cover
         return False
-    if getattr(orig, "_minicpm4_cpu_collectives_out", False):
+    if getattr(orig, "_minicpm4_wrapper", None) is make:
         return True
+    wrapped = make(orig)
+    wrapped._minicpm4_wrapper = make
+    setattr(mod, name, wrapped)
+    return True
 
+
+def _cpu_collectives_out(orig: Callable) -> Callable:
     def cache_key(options, backend, computation, devices, *args, **kwargs):
         if getattr(backend, "platform", "") == "cpu" and getattr(devices, "size", 1) > 1:
             return None
         return orig(options, backend, computation, devices, *args, **kwargs)
 
-    cache_key._minicpm4_cpu_collectives_out = True
-    compiler._get_cache_key = cache_key
-    return True
+    return cache_key
+
+
+def _keep_cpu_collectives_out() -> bool:
+    """Wrap JAX's cache-key function so that a CPU program over more than one device gets no key (JAX then compiles
+    it and neither reads nor writes the cache); idempotent. ``False`` when this jax lacks the function."""
+    return _wrap_jax("jax._src.compiler", "_get_cache_key", _cpu_collectives_out)
+
+
+class _SafeFileCache:
+    """JAX's file cache (``jax._src.lru_cache.LRUCache``, wrapped) with entries that are written atomically and a
+    damaged entry that is replaced instead of read again on every run.
+
+    JAX writes an entry with ``Path.write_bytes`` and never replaces one that exists: a run killed mid-write or
+    a full disk left a truncated (or empty) ``*-cache`` file, and every later run warned twice per such program
+    (``Error reading persistent compilation cache entry ...: incomplete or truncated stream``) and compiled it,
+    for ever, even after space was freed (measured: 15 programs of ``minicpm4 generate``, 30 warning lines per
+    run, with the cache on a full 80 KiB tmpfs). Here:
+
+    * ``put`` writes a temporary file in the folder (its name does not end in ``-cache``, so JAX never reads it)
+      and renames it over the entry, so a reader sees a whole entry or none; a failed write (``ENOSPC``,
+      ``EACCES``) removes the temporary file and is one ``warning:`` line per process, the program runs
+      uncached;
+    * ``get`` checks that the entry decompresses (zlib's Adler-32, or a complete zstd frame) and treats one
+      that does not as missing: it is removed, JAX compiles the program and ``put`` writes the entry again (one
+      ``warning:`` line per process, naming the first such file). An entry that decompresses but does not deserialize is warned about by JAX and
+      replaced by the same ``put``.
+    """
+
+    def __init__(self, base, warn: Callable[[str], None]):
+        self._base, self._warn, self._warned = base, warn, set()
+        self._path = base._path
+
+    def _once(self, what: str, line: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            self._warn(line)
+
+    def get(self, key: str) -> bytes | None:
+        """The entry of ``key`` (bytes as JAX wrote them), or ``None``: missing, or damaged (then removed)."""
+        value = self._base.get(key)
+        if value is None:
+            return None
+        from jax._src import compilation_cache as jcc
+
+        try:
+            jcc.decompress_executable(value)
+        except Exception as e:  # noqa: BLE001 (zlib.error, zstd's errors: the entry is damaged)
+            path = Path(self._path) / f"{key}-cache"
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            self._once("read", f"warning: compilation cache entry {path} is damaged ({len(value)} bytes; "
+                       f"{type(e).__name__}: {e}); removed: its program compiles again and is rewritten (other "
+                       "damaged entries of this run are replaced without a warning)")
+            return None
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        """Write the entry of ``key`` atomically (replacing a damaged one); a failed write is one warning line."""
+        base = self._base
+        if getattr(base, "eviction_enabled", False) and len(value) > base.max_size:
+            return base.put(key, value)  # JAX's own warning that the entry exceeds the size limit
+        path = Path(self._path) / f"{key}-cache"
+        if getattr(base, "eviction_enabled", False):
+            base.lock.acquire(timeout=base.lock_timeout_secs)
+        tmp = None
+        try:
+            if getattr(base, "eviction_enabled", False):
+                base._evict_if_needed(additional_size=len(value))
+            # not mkstemp: its mode 0600 would hide the entry from the other users of a shared folder
+            tmp = path.parent / f".{key[:80]}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+                f.write(value)
+            os.replace(tmp, path)
+            tmp = None
+            if getattr(base, "eviction_enabled", False):
+                (path.parent / f"{key}-atime").write_bytes(time.time_ns().to_bytes(8, "little"))
+        except OSError as e:
+            self._once("write", f"warning: cannot write to the compilation cache folder {path.parent} "
+                       f"({e.strerror or type(e).__name__}); programs that are not cached yet compile again on "
+                       "the next run: free space, or set MINICPM4_JAX_CACHE to another folder")
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            if getattr(base, "eviction_enabled", False):
+                base.lock.release()
+
+    def clear(self) -> None:  # pragma: no cover - JAX's tests only
+        self._base.clear()
+
+
+def _use_safe_file_cache(warn: Callable[[str], None]) -> bool:
+    """Make JAX open its local file cache through :class:`_SafeFileCache` when it opens it, at the first
+    compilation (idempotent; a cache JAX opened before stays as it is); ``False`` when this jax lacks the hook."""
+    _state["warn"] = warn
+    return _wrap_jax("jax._src.compilation_cache", "get_file_cache", _safe_file_cache)
+
+
+def _safe_file_cache(orig: Callable) -> Callable:
+    def get_file_cache(path: str):
+        opened = orig(path)
+        if opened is None or "://" in str(path) or type(opened[0]).__name__ != "LRUCache":
+            return opened  # a remote folder, or JAX's content verification: as JAX opens it
+        return _SafeFileCache(opened[0], _state["warn"]), opened[1]
+
+    return get_file_cache
 
 
 def configure_compilation_cache(warn: Callable[[str], None] | None = None) -> str | None:
@@ -145,6 +268,7 @@ def configure_compilation_cache(warn: Callable[[str], None] | None = None) -> st
             (warn or _stderr)(f"warning: jax {jax.__version__} has no jax._src.compiler._get_cache_key to keep "
                               "multi-device CPU programs out of the compilation cache; running without the cache")
             return None
+    _use_safe_file_cache(warn or _stderr)
     if user:
         return str(user)
     jax.config.update("jax_compilation_cache_dir", str(folder))

@@ -220,3 +220,58 @@ def test_multi_device_cpu_programs_stay_out(tmp_path):
     second, _ = _probe(env)
     assert (second["keyed"], second["hits"]) == (1, 1)
     assert second["sharded"] == first["sharded"] and not _entries(root / "xla", "all_devices")
+
+
+def _damage(entry: Path, how: str) -> None:
+    import zlib
+
+    if how == "empty":  # a full disk: JAX created the file, then the write failed
+        entry.write_bytes(b"")
+    elif how == "truncated":  # a run killed mid-write
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])
+    else:  # decompresses, but is no executable (JAX's own read warning, then a compile)
+        entry.write_bytes(zlib.compress(b"\0" * 8 + b"not an executable"))
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "unparsable"])
+def test_damaged_entry_is_replaced(tmp_path, how):
+    """A damaged entry (JAX never replaced one that exists: every later run warned and compiled again) is
+    compiled again and rewritten by the next run, with one warning line for a broken file; the run after reads
+    it."""
+    root = tmp_path / "root"
+    env = _env(root)
+    _probe(env)
+    (entry,) = (root / "xla" / name for name in _entries(root / "xla", "one_device"))
+    _damage(entry, how)
+    res, err = _probe(env)
+    assert res["single"] == 12.0 and res["hits"] == 0, res
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if how != "unparsable":
+        assert len(lines) == 1 and lines[0].startswith(f"warning: compilation cache entry {entry} is damaged ("), err
+    again, err = _probe(env)
+    assert (again["single"], again["hits"]) == (12.0, 1) and not err.strip(), err
+
+
+def test_failed_write_leaves_no_entry(tmp_path):
+    """A write that fails midway (here a 1000-byte file size limit, as a full disk): one warning line, no partial
+    entry (JAX wrote the first 1000 bytes, which every later run failed to read); a later run writes it."""
+    import resource
+    import signal
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    root = tmp_path / "root"
+    env = _env(root)
+    r = subprocess.run([PY, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+                       preexec_fn=small_files)
+    assert r.returncode == 0 and '"single": 12.0' in r.stdout, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"warning: cannot write to the compilation cache folder {root / 'xla'} "
+                                                   "(File too large)"), r.stderr
+    assert not _entries(root / "xla") and not list((root / "xla").iterdir())
+    res, err = _probe(env)
+    assert (res["single"], res["hits"]) == (12.0, 0) and not err.strip(), err
+    again, _ = _probe(env)
+    assert again["hits"] == 1
