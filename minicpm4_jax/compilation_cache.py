@@ -62,8 +62,12 @@ _state: dict = {"warn": None}  # where _SafeFileCache's warnings go (configure_c
 
 
 def cache_root() -> Path:
-    """The project's cache root: ``$MINICPM4_JAX_CACHE``, default ``~/.cache/minicpm4_jax`` (a path; not created)."""
-    return Path(os.environ.get("MINICPM4_JAX_CACHE") or Path.home() / ".cache" / "minicpm4_jax")
+    """The project's cache root: ``$MINICPM4_JAX_CACHE``, default ``~/.cache/minicpm4_jax`` (an absolute path; not
+    created). A leading ``~`` is the home folder, as in a shell (a value from a systemd unit, a Dockerfile ``ENV``
+    or a quoted ``'~/x'`` reaches the process unexpanded: it made a folder named ``~`` in the current one); a
+    relative path is taken from the current folder; an empty or blank value is the default."""
+    value = os.environ.get("MINICPM4_JAX_CACHE", "")
+    return (Path(value).expanduser() if value.strip() else Path.home() / ".cache" / "minicpm4_jax").absolute()
 
 
 def _writable(folder: Path) -> str | None:

@@ -275,3 +275,27 @@ def test_failed_write_leaves_no_entry(tmp_path):
     assert (res["single"], res["hits"]) == (12.0, 0) and not err.strip(), err
     again, _ = _probe(env)
     assert again["hits"] == 1
+
+
+@pytest.mark.parametrize("value", ["~/my cache", "rel/cache", " "])
+def test_cache_root_as_a_shell_reads_it(tmp_path, monkeypatch, value):
+    """``MINICPM4_JAX_CACHE='~/my cache'`` unexpanded (a systemd unit, a Dockerfile ENV): the home folder, not a
+    folder named ``~`` in the current one, for the XLA cache and the native kernel alike; a relative path from the
+    current folder, made absolute; a blank value is the default."""
+    from minicpm4_jax.compilation_cache import cache_root
+    from minicpm4_jax.ops.native import library_path
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    want = {"~/my cache": home / "my cache", "rel/cache": cwd / "rel" / "cache",
+            " ": home / ".cache" / "minicpm4_jax"}[value]
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MINICPM4_JAX_CACHE", value)
+    monkeypatch.chdir(cwd)
+    assert cache_root() == want and library_path().parent == want / "native"
+    env = _env(tmp_path, HOME=str(home), MINICPM4_JAX_CACHE=value)
+    r = subprocess.run([PY, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert res["folder"] == str(want / "xla") and _entries(want / "xla", "one_device")
+    assert not (cwd / "~").exists() and not (cwd / " ").exists()

@@ -73,8 +73,9 @@ def library_path() -> Path:
         version = "missing"
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(cxx), version, " ".join(_FLAGS),
                                     jax.ffi.include_dir(), jax.__version__, _cpu_id()]).encode()).hexdigest()[:20]
-    root = Path(os.environ.get("MINICPM4_JAX_CACHE") or Path.home() / ".cache" / "minicpm4_jax")
-    return root / "native" / f"infllm_cpu_{key}.so"
+    from minicpm4_jax.compilation_cache import cache_root
+
+    return cache_root() / "native" / f"infllm_cpu_{key}.so"
 
 
 def _digest(path: Path) -> str:
