@@ -128,7 +128,8 @@ class _SafeFileCache:
     run, with the cache on a full 80 KiB tmpfs). Here:
 
     * ``put`` writes a temporary file in the folder (its name does not end in ``-cache``, so JAX never reads it)
-      and renames it over the entry, so a reader sees a whole entry or none; a failed write (``ENOSPC``,
+      and renames it over the entry, so a reader sees a whole entry or none (a temporary file that a killed
+      process left is removed by the first run an hour later); a failed write (``ENOSPC``,
       ``EACCES``) removes the temporary file and is one ``warning:`` line per process, the program runs
       uncached;
     * ``get`` checks that the entry decompresses (zlib's Adler-32, or a complete zstd frame) and treats one
@@ -137,9 +138,19 @@ class _SafeFileCache:
       replaced by the same ``put``.
     """
 
+    #: a temporary file older than this (seconds) is left over from a process killed mid-write: removed
+    STALE_TMP_SECS = 3600.0
+
     def __init__(self, base, warn: Callable[[str], None]):
         self._base, self._warn, self._warned = base, warn, set()
         self._path = base._path
+        cutoff = time.time() - self.STALE_TMP_SECS
+        for tmp in Path(self._path).glob(".*.tmp"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+            except OSError:  # removed by another process meanwhile, or a read-only folder
+                pass
 
     def _once(self, what: str, line: str) -> None:
         if what not in self._warned:

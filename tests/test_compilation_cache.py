@@ -299,3 +299,16 @@ def test_cache_root_as_a_shell_reads_it(tmp_path, monkeypatch, value):
     res = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
     assert res["folder"] == str(want / "xla") and _entries(want / "xla", "one_device")
     assert not (cwd / "~").exists() and not (cwd / " ").exists()
+
+
+def test_stale_temporary_file_is_removed(tmp_path):
+    """A temporary entry file of a process killed between its write and its rename is removed when it is over an
+    hour old (a fresh one may be another process's write in progress: kept)."""
+    root = tmp_path / "root"
+    (root / "xla").mkdir(parents=True)
+    old, fresh = root / "xla" / ".jit_f-1-aa.tmp", root / "xla" / ".jit_f-2-bb.tmp"
+    for p in (old, fresh):
+        p.write_bytes(b"partial")
+    os.utime(old, (1e9, 1e9))
+    res, _ = _probe(_env(root))
+    assert res["single"] == 12.0 and not old.exists() and fresh.exists()
