@@ -134,7 +134,9 @@ class _SafeFileCache:
       uncached;
     * ``get`` checks that the entry decompresses (zlib's Adler-32, or a complete zstd frame) and treats one
       that does not as missing: it is removed, JAX compiles the program and ``put`` writes the entry again (one
-      ``warning:`` line per process, naming the first such file). An entry that decompresses but does not deserialize is warned about by JAX and
+      ``warning:`` line per process, naming the first such file). The check decompresses every entry read once
+      more than JAX does: 3.4 ms for the 40 entries (790 KB decompressed, ~230 MB/s) of a 4-step tiny model's
+      ``minicpm4 generate`` on the 2-core CPU VM, whose warm load took 270-300 ms. An entry that decompresses but does not deserialize is warned about by JAX and
       replaced by the same ``put``.
     """
 
