@@ -44,6 +44,7 @@ cached. Several processes of one distributed run may share a folder: JAX writes 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import sys
@@ -132,12 +133,14 @@ class _SafeFileCache:
       process left is removed by the first run an hour later); a failed write (``ENOSPC``,
       ``EACCES``) removes the temporary file and is one ``warning:`` line per process, the program runs
       uncached;
-    * ``get`` checks that the entry decompresses (zlib's Adler-32, or a complete zstd frame) and treats one
-      that does not as missing: it is removed, JAX compiles the program and ``put`` writes the entry again (one
-      ``warning:`` line per process, naming the first such file). The check decompresses every entry read once
-      more than JAX does: 3.4 ms for the 40 entries (790 KB decompressed, ~230 MB/s) of a 4-step tiny model's
-      ``minicpm4 generate`` on the 2-core CPU VM, whose warm load took 270-300 ms. An entry that decompresses but does not deserialize is warned about by JAX and
-      replaced by the same ``put``.
+    * ``put`` also writes the entry's SHA-256 beside it (``<key>-sha256``), and ``get`` treats an entry that
+      does not match it as missing: it is removed, JAX compiles the program and ``put`` writes the entry again
+      (one ``warning:`` line per process, naming the first such file). JAX's zlib has its own check, its zstd
+      (Python 3.14's ``compression.zstd``, or ``zstandard`` installed) has none: an entry with flipped bytes
+      that still decompressed was loaded and killed the process (SIGILL, ``minicpm4 generate`` with every entry
+      of a warm cache so damaged and recompressed). An entry without a digest (written by JAX itself) must
+      decompress instead. A digest whose entry is gone (JAX's eviction removes entries only) is removed after an
+      hour. An entry that passes but does not deserialize is warned about by JAX and replaced by ``put``.
     """
 
     #: a temporary file older than this (seconds) is left over from a process killed mid-write: removed
@@ -146,8 +149,10 @@ class _SafeFileCache:
     def __init__(self, base, warn: Callable[[str], None]):
         self._base, self._warn, self._warned = base, warn, set()
         self._path = base._path
-        cutoff = time.time() - self.STALE_TMP_SECS
-        for tmp in Path(self._path).glob(".*.tmp"):
+        cutoff, folder = time.time() - self.STALE_TMP_SECS, Path(self._path)
+        left = [*folder.glob(".*.tmp"), *(p for p in folder.glob("*-sha256")
+                                          if not p.with_name(p.name[: -len("sha256")] + "cache").exists())]
+        for tmp in left:
             try:
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
@@ -164,21 +169,46 @@ class _SafeFileCache:
         value = self._base.get(key)
         if value is None:
             return None
-        from jax._src import compilation_cache as jcc
-
+        path, digest = Path(self._path) / f"{key}-cache", Path(self._path) / f"{key}-sha256"
         try:
-            jcc.decompress_executable(value)
-        except Exception as e:  # noqa: BLE001 (zlib.error, zstd's errors: the entry is damaged)
-            path = Path(self._path) / f"{key}-cache"
+            want = digest.read_text().strip()
+        except OSError:  # none: an entry JAX itself wrote
+            want = None
+        if want is not None:
+            if hashlib.sha256(value).hexdigest() == want:
+                return value
+            reason = f"its SHA-256 is not the {want[:12]}... written with it"
+        else:
+            from jax._src import compilation_cache as jcc
+
             try:
-                path.unlink()
+                jcc.decompress_executable(value)
+                return value
+            except Exception as e:  # noqa: BLE001 (zlib.error, zstd's errors: the entry is damaged)
+                reason = f"{type(e).__name__}: {e}"
+        for damaged in (path, digest):
+            try:
+                damaged.unlink()
             except OSError:
                 pass
-            self._once("read", f"warning: compilation cache entry {path} is damaged ({len(value)} bytes; "
-                       f"{type(e).__name__}: {e}); removed: its program compiles again and is rewritten (other "
-                       "damaged entries of this run are replaced without a warning)")
-            return None
-        return value
+        self._once("read", f"warning: compilation cache entry {path} is damaged ({len(value)} bytes; {reason}); "
+                   "removed: its program compiles again and is rewritten (other damaged entries of this run are "
+                   "replaced without a warning)")
+        return None
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """Write ``path`` by a temporary file in its folder and a rename (a reader sees all of it or none)."""
+        # not mkstemp: its mode 0600 would hide the file from the other users of a shared folder
+        tmp = path.parent / f".{path.name[:80]}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        try:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:  # renamed (the usual case), or never created
+                pass
 
     def put(self, key: str, value: bytes) -> None:
         """Write the entry of ``key`` atomically (replacing a damaged one); a failed write is one warning line."""
@@ -188,28 +218,22 @@ class _SafeFileCache:
         path = Path(self._path) / f"{key}-cache"
         if getattr(base, "eviction_enabled", False):
             base.lock.acquire(timeout=base.lock_timeout_secs)
-        tmp = None
         try:
             if getattr(base, "eviction_enabled", False):
                 base._evict_if_needed(additional_size=len(value))
-            # not mkstemp: its mode 0600 would hide the entry from the other users of a shared folder
-            tmp = path.parent / f".{key[:80]}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-                f.write(value)
-            os.replace(tmp, path)
-            tmp = None
+            self._write(path.with_name(f"{key}-sha256"), hashlib.sha256(value).hexdigest().encode())
+            self._write(path, value)
             if getattr(base, "eviction_enabled", False):
                 (path.parent / f"{key}-atime").write_bytes(time.time_ns().to_bytes(8, "little"))
         except OSError as e:
+            try:  # a digest without its entry
+                path.with_name(f"{key}-sha256").unlink()
+            except OSError:
+                pass
             self._once("write", f"warning: cannot write to the compilation cache folder {path.parent} "
                        f"({e.strerror or type(e).__name__}); programs that are not cached yet compile again on "
                        "the next run: free space, or set MINICPM4_JAX_CACHE to another folder")
         finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
             if getattr(base, "eviction_enabled", False):
                 base.lock.release()
 
