@@ -310,12 +310,17 @@ def test_cache_root_as_a_shell_reads_it(tmp_path, monkeypatch, value):
 
 def test_stale_temporary_file_is_removed(tmp_path):
     """A temporary entry file of a process killed between its write and its rename is removed when it is over an
-    hour old (a fresh one may be another process's write in progress: kept)."""
+    hour old (a fresh one may be another process's write in progress: kept); so is a digest whose entry JAX's
+    eviction removed."""
     root = tmp_path / "root"
     (root / "xla").mkdir(parents=True)
     old, fresh = root / "xla" / ".jit_f-1-aa.tmp", root / "xla" / ".jit_f-2-bb.tmp"
-    for p in (old, fresh):
+    orphan, kept = root / "xla" / "jit_g-00-sha256", root / "xla" / "jit_h-00-sha256"  # a digest JAX evicted
+    (root / "xla" / "jit_h-00-cache").write_bytes(b"an entry")
+    for p in (old, fresh, orphan, kept):
         p.write_bytes(b"partial")
-    os.utime(old, (1e9, 1e9))
+    for p in (old, orphan, kept):
+        os.utime(p, (1e9, 1e9))
     res, _ = _probe(_env(root))
     assert res["single"] == 12.0 and not old.exists() and fresh.exists()
+    assert not orphan.exists() and kept.exists()
