@@ -44,6 +44,7 @@ cached. Several processes of one distributed run may share a folder: JAX writes 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import secrets
@@ -164,16 +165,37 @@ class _SafeFileCache:
             self._warned.add(what)
             self._warn(line)
 
+    @contextlib.contextmanager
+    def _locked(self, exclusive: bool):
+        """Hold the folder's ``.minicpm4-lock`` (shared to read an entry and its digest, exclusive to write them):
+        without it, processes writing one key at once left one's entry beside another's digest (3 parallel
+        ``minicpm4 generate`` on a fresh folder: the next run found a mismatch; serialized executables are not
+        byte-identical across processes). Without ``fcntl`` or where the lock cannot be made: no lock."""
+        fd = None
+        try:
+            import fcntl
+
+            fd = os.open(Path(self._path) / ".minicpm4-lock", os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        except (ImportError, OSError):
+            pass
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the lock
+
     def get(self, key: str) -> bytes | None:
         """The entry of ``key`` (bytes as JAX wrote them), or ``None``: missing, or damaged (then removed)."""
-        value = self._base.get(key)
-        if value is None:
-            return None
         path, digest = Path(self._path) / f"{key}-cache", Path(self._path) / f"{key}-sha256"
-        try:
-            want = digest.read_text().strip()
-        except OSError:  # none: an entry JAX itself wrote
-            want = None
+        with self._locked(exclusive=False):
+            value = self._base.get(key)
+            if value is None:
+                return None
+            try:
+                want = digest.read_text().strip()
+            except OSError:  # none: an entry JAX itself wrote
+                want = None
         if want is not None:
             if hashlib.sha256(value).hexdigest() == want:
                 return value
@@ -186,11 +208,12 @@ class _SafeFileCache:
                 return value
             except Exception as e:  # noqa: BLE001 (zlib.error, zstd's errors: the entry is damaged)
                 reason = f"{type(e).__name__}: {e}"
-        for damaged in (path, digest):
-            try:
-                damaged.unlink()
-            except OSError:
-                pass
+        with self._locked(exclusive=True):
+            for damaged in (path, digest):
+                try:
+                    damaged.unlink()
+                except OSError:
+                    pass
         self._once("read", f"warning: compilation cache entry {path} is damaged ({len(value)} bytes; {reason}); "
                    "removed: its program compiles again and is rewritten (other damaged entries of this run are "
                    "replaced without a warning)")
@@ -221,8 +244,9 @@ class _SafeFileCache:
         try:
             if getattr(base, "eviction_enabled", False):
                 base._evict_if_needed(additional_size=len(value))
-            self._write(path.with_name(f"{key}-sha256"), hashlib.sha256(value).hexdigest().encode())
-            self._write(path, value)
+            with self._locked(exclusive=True):
+                self._write(path.with_name(f"{key}-sha256"), hashlib.sha256(value).hexdigest().encode())
+                self._write(path, value)
             if getattr(base, "eviction_enabled", False):
                 (path.parent / f"{key}-atime").write_bytes(time.time_ns().to_bytes(8, "little"))
         except OSError as e:

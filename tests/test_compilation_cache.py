@@ -277,7 +277,7 @@ def test_failed_write_leaves_no_entry(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"warning: cannot write to the compilation cache folder {root / 'xla'} "
                                                    "(File too large)"), r.stderr
-    assert not _entries(root / "xla") and not list((root / "xla").iterdir())
+    assert not _entries(root / "xla") and [p.name for p in (root / "xla").iterdir()] == [".minicpm4-lock"]
     res, err = _probe(env)
     assert (res["single"], res["hits"]) == (12.0, 0) and not err.strip(), err
     again, _ = _probe(env)
@@ -324,3 +324,34 @@ def test_stale_temporary_file_is_removed(tmp_path):
     res, _ = _probe(_env(root))
     assert res["single"] == 12.0 and not old.exists() and fresh.exists()
     assert not orphan.exists() and kept.exists()
+
+
+def test_two_writers_of_one_key_leave_a_matching_digest(tmp_path):
+    """Two processes writing one key at once (executables are not byte-identical across processes): without the
+    folder lock one's entry ended beside the other's digest, and the next run called it damaged (seen with 3
+    parallel ``minicpm4 generate`` on a fresh folder). Here writer B starts between A's digest and A's entry."""
+    import threading
+    import time as _time
+
+    from jax._src.lru_cache import LRUCache
+
+    import minicpm4_jax.compilation_cache as cc
+
+    folder = tmp_path / "xla"
+    warned = []
+    a, b = (cc._SafeFileCache(LRUCache(str(folder), max_size=-1), warned.append) for _ in range(2))
+    threads = []
+    write = a._write
+
+    def a_write(path, data):
+        write(path, data)
+        if path.name.endswith("-sha256") and not threads:  # A wrote its digest: B writes now
+            threads.append(threading.Thread(target=b.put, args=("jit_f-1", b"executable of B")))
+            threads[0].start()
+            _time.sleep(0.5)
+
+    a._write = a_write
+    a.put("jit_f-1", b"executable of A")
+    threads[0].join(timeout=30)
+    fresh = cc._SafeFileCache(LRUCache(str(folder), max_size=-1), warned.append)
+    assert fresh.get("jit_f-1") in (b"executable of A", b"executable of B") and not warned, warned
