@@ -38,7 +38,7 @@ print("hypothesis>=6,<7")
 EOF
 )
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${DEPS[@]}" 2>&1 | { grep -v "^WARNING: Location" || true; }
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # absolute: tests run subprocesses from other folders
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR_JAX_MIN:-$PWD/.cache/jax_compilation_jax_min}
 "$VENV/bin/python" - "$JAX_MIN" <<'EOF'
 import sys
