@@ -431,3 +431,64 @@ def test_native_selection_keeps_future_kernels_out_of_each_heads_normaliser(vari
     ref_idx = np.asarray(sel.topk_idx)
     assert np.all(np.any(ref_idx == 3, axis=-1)) and not np.any(ref_idx == 5)  # the reference picks P, never Q
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
+
+
+def test_concurrent_pool_sized_calls_equal_their_serial_results():
+    """Several pool-sized calls in flight at once (three Python threads dispatching different shapes): the helper
+    that lingers after one call takes the items of whichever call was posted last, and a caller whose helper is
+    busy elsewhere finishes alone. Every output must equal, bit for bit, the same call made alone."""
+    import threading
+
+    import jax
+
+    rng = np.random.default_rng(77)
+    jobs = []
+    for j, (b, nkv, g, cap) in enumerate([(1, 2, 2, 4096), (2, 2, 4, 2048), (1, 4, 1, 4096)]):
+        d, bs = 64, 64
+        q = jnp.asarray(rng.standard_normal((b, 1, nkv * g, d)), jnp.float32)
+        kc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+        vc = jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+        pos = jnp.asarray(rng.integers(cap // 2, cap, size=(b, 1)), jnp.int32)
+        idx = jnp.asarray(np.sort(rng.choice(cap // bs, size=(b, nkv, 1, 6)), axis=-1), jnp.int32)
+        if j % 2:
+            fn = jax.jit(lambda q, kc, vc, idx, pos: native.dense_decode_attention(q, kc, vc, q_positions=pos,
+                                                                                   block_size=64))
+        else:
+            fn = jax.jit(lambda q, kc, vc, idx, pos: native.decode_attention(
+                q, kc, vc, idx, q_positions=pos, block_size=64, window_blocks=4, init_blocks=1, gather_width=6))
+        args = (q, kc, vc, idx, pos)
+        jobs.append((fn, args, np.asarray(fn(*args))))
+    failures = []
+
+    def hammer(fn, args, want):
+        for _ in range(40):
+            got = np.asarray(fn(*args))
+            if not np.array_equal(got, want):
+                failures.append(float(np.max(np.abs(got - want))))
+
+    threads = [threading.Thread(target=hammer, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, f"{len(failures)} concurrent outputs differ from the serial ones (max |diff| {max(failures)})"
+
+
+def test_calls_without_a_lingering_helper_equal_reference(tmp_path):
+    """MINICPM4_JAX_NATIVE_LINGER_US=0 (every call wakes a pool thread, none stays): the pool-sized test passes in
+    a process of its own (the setting is read once per process)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_native_decode as t
+for b in (1, 2):
+    t.test_calls_large_enough_for_the_thread_pool_equal_reference(b)
+t.test_concurrent_pool_sized_calls_equal_their_serial_results()
+print("ok")
+"""
+    env = {**os.environ, "MINICPM4_JAX_NATIVE_LINGER_US": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]

@@ -15,6 +15,13 @@ The source is compiled at first use with the system C++ compiler (``$CXX``, else
 the source, the compiler, the flags, the XLA FFI headers of the installed jaxlib and the CPU. Without a
 compiler, on a non-CPU backend, or with ``MINICPM4_JAX_NATIVE=0`` :func:`available` is ``False`` and the
 engine keeps the XLA references (:func:`minicpm4_jax.ops.dispatch.native_decode`).
+
+Threads: a call that reads enough of the cache runs its items on the caller and on XLA's intra-op pool. The pool
+thread that helped a call then lingers for ``MINICPM4_JAX_NATIVE_LINGER_US`` microseconds (default 1000; ``0``
+= never), yielding its core to any other runnable thread, and takes the items of the next call posted meanwhile:
+a batch-1 decode step calls the kernel once per layer every 0.2-0.5 ms, and waking a parked pool thread took
+~0.1 ms on the development VMs (the same idea as OpenMP runtimes' spin-wait, e.g. ``KMP_BLOCKTIME``). At most
+one helper lingers per process. Outputs do not depend on the setting (each item is computed by one thread).
 """
 
 from __future__ import annotations

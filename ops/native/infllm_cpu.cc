@@ -25,12 +25,18 @@
 // per KV head, each row masked after its own position, reading the cache once per group (DecodeCommon).
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
+
+#include <sched.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -752,14 +758,93 @@ int64_t select_blocks(const float* q, int64_t g, int64_t d, const float* ck1, in
   return n;
 }
 
-struct Shared {
+// One parallel_for call: items claimed by index; the caller waits until every claimed item is finished.
+struct Job {
+  std::function<void(int64_t, Work&)> run;
+  int64_t items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
+  Job(std::function<void(int64_t, Work&)> r, int64_t n) : run(std::move(r)), items(n) {}
 };
 
-// run(item, work) for item in [0, items) on the caller and up to num_threads - 1 pool threads. Helpers claim
-// items until none is left; the caller works too and then waits only for claimed items, so a helper that
-// starts late (a busy pool) finds nothing to do and never blocks the call.
+inline void work_on(Job& job, Work& w) {
+  for (int64_t i; (i = job.next.fetch_add(1)) < job.items;) {
+    job.run(i, w);
+    job.finished.fetch_add(1, std::memory_order_release);
+  }
+}
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The latest multi-threaded call, for a lingering helper. Waking a parked pool thread took ~0.1 ms on the
+// development VM, and a batch-1 decode step calls the kernel every 0.2-0.5 ms (one call per layer, the
+// layer's matrix products between), so the caller worked alone for the first ~0.1 ms of each call (the
+// tiny model's 32K sparse step: 0.30 ms per call, the helper starting 0.10 ms in). Instead, the pool thread
+// that helped a call stays for linger_ns (MINICPM4_JAX_NATIVE_LINGER_US, default 1000; 0 = never) and takes
+// the items of any call posted meanwhile, spinning on sched_yield so that any other runnable thread (XLA's
+// own work) gets the core first. At most one helper lingers: batch-1 decode splits into one item per KV
+// head, and the other pool threads stay free for XLA.
+struct Mailbox {
+  std::mutex mu;
+  std::shared_ptr<Job> job;      // the call in progress (reset by its caller at the end)
+  std::atomic<int64_t> seq{0};   // bumped at each post
+  std::atomic<int64_t> lingering{0};
+  int64_t linger_ns = 0;
+};
+
+Mailbox& mailbox() {
+  static Mailbox* mb = [] {
+    auto* m = new Mailbox;  // never destroyed: a lingering pool thread may still read it while the process exits
+    const char* env = std::getenv("MINICPM4_JAX_NATIVE_LINGER_US");
+    m->linger_ns = env != nullptr && env[0] != '\0' ? std::max<int64_t>(0, std::atoll(env)) * 1000 : 1000000;
+    return m;
+  }();
+  return *mb;
+}
+
+// Called by a pool thread after its items: serve posted calls until none came for linger_ns.
+void linger(Mailbox& mb, Work& w) {
+  if (mb.linger_ns <= 0 || mb.lingering.fetch_add(1) >= 1) {
+    if (mb.linger_ns > 0) mb.lingering.fetch_sub(1);
+    return;
+  }
+  int64_t seen = -1;
+  int64_t deadline = now_ns() + mb.linger_ns;
+  while (true) {
+    const int64_t s = mb.seq.load(std::memory_order_acquire);
+    if (s != seen) {
+      seen = s;
+      std::shared_ptr<Job> job;
+      {
+        std::lock_guard<std::mutex> lock(mb.mu);
+        job = mb.job;
+      }
+      if (job && job->next.load(std::memory_order_relaxed) < job->items) {
+        work_on(*job, w);
+        deadline = now_ns() + mb.linger_ns;
+        continue;
+      }
+    }
+    if (now_ns() > deadline) break;
+    sched_yield();
+  }
+  mb.lingering.fetch_sub(1);
+  // a call posted just before the decrement counted on this helper and scheduled none: serve it
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mb.mu);
+    job = mb.job;
+  }
+  if (job) work_on(*job, w);
+}
+
+// run(item, work) for item in [0, items) on the caller and up to num_threads - 1 pool threads (a lingering
+// helper counts as one). Helpers claim items until none is left; the caller works too and then waits only for
+// claimed items, so a helper that starts late (a busy pool) finds nothing to do and never blocks the call, and
+// a call whose helper is serving another call's items (several devices' calls at once) finishes alone.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t cache_floats, const F& run) {
   // a call that reads little of the cache (e.g. a 4-token verify at a short context) runs on the caller:
@@ -771,18 +856,26 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t cache_floats, co
     for (int64_t i = 0; i < items; ++i) run(i, w);
     return;
   }
-  auto shared = std::make_shared<Shared>();
-  auto worker = [shared, run, items]() {
-    Work w;
-    for (int64_t i; (i = shared->next.fetch_add(1)) < items;) {
-      run(i, w);
-      shared->finished.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule([worker]() { worker(); });
-  worker();
-  while (shared->finished.load(std::memory_order_acquire) < items) {
+  Mailbox& mb = mailbox();
+  auto job = std::make_shared<Job>(run, items);
+  {
+    std::lock_guard<std::mutex> lock(mb.mu);
+    mb.job = job;
   }
+  mb.seq.fetch_add(1, std::memory_order_release);
+  const int64_t helpers = threads - 1 - std::min<int64_t>(threads - 1, mb.lingering.load());
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([job, &mb]() {
+      Work w;
+      work_on(*job, w);
+      linger(mb, w);
+    });
+  Work w;
+  work_on(*job, w);
+  while (job->finished.load(std::memory_order_acquire) < items) {
+  }
+  std::lock_guard<std::mutex> lock(mb.mu);
+  if (mb.job == job) mb.job.reset();
 }
 
 // Stage 2 of every (sequence, KV head, token); lse (nullable) [batch, T, num_heads] receives each head's
