@@ -492,3 +492,38 @@ print("ok")
     env = {**os.environ, "MINICPM4_JAX_NATIVE_LINGER_US": "0"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("nope", [False, True])
+def test_verify_chunk_rows_attend_only_their_own_tokens_blocks(nope):
+    """A verify chunk (T = 4 tokens of one sequence, plus an inactive sequence) goes through the grouped path: one
+    pass over the union of the tokens' blocks, each row masked to its own token's blocks and slots. The tokens'
+    selections must differ (else the masks are never exercised), and every row must equal the reference, which
+    attends each token's own blocks."""
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+
+    rng = np.random.default_rng(91)
+    b, t, nkv, g, d, bs, cap = 2, 4, 2, 2, 64, 64, 4096
+    p = select_params(SparseConfig(kernel_size=32, kernel_stride=16, block_size=bs, window_size=256, topk=12,
+                                   init_blocks=1, variant="gen2", dense_len=-1))
+    init_b, win_b, width = stage2_forced_split(p, p.topk_cfg)
+    k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
+    kc, vc = k.transpose(0, 2, 1, 3), jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+    ck1, ck2 = compress_keys(k, 32, 16), compress_keys(k, *coarse_geometry(32, 16))
+    q = jnp.asarray(3 * rng.standard_normal((b, t, nkv * g, d)), jnp.float32)  # sharp, token-specific selections
+    q_sel = jnp.asarray(3 * rng.standard_normal((b, t, nkv * g, d)), jnp.float32) if nope else q
+    pos = jnp.asarray([[cap - 70 + i for i in range(t)], [-1] * t], jnp.int32)  # the chunk crosses a block edge
+    sel = select_blocks_compressed(q_sel, ck1, ck2, q_positions=pos, params=p, num_blocks=cap // bs,
+                                   kv_len=jnp.max(pos, axis=1) + 1, q_tile=t)
+    out, idx = native.select_decode_attention(q, kc, vc, ck1, ck2, q_positions=pos, params=p, init_blocks=init_b,
+                                              window_blocks=win_b, gather_width=width, q_sel=q_sel if nope else None)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx))
+    picks = [{tuple(np.asarray(idx)[0, h, i]) for i in range(t)} for h in range(nkv)]
+    assert all(len(s) > 1 for s in picks), "the tokens' selections should differ"
+    ref = sparse_decode_attention(q, kc, vc, sel.topk_idx, q_positions=pos, block_size=bs, window_blocks=win_b,
+                                  init_blocks=init_b, gather_width=width)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    assert np.all(np.asarray(out)[1] == 0.0)

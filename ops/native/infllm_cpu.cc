@@ -147,6 +147,9 @@ struct Work {
   std::vector<float> z, score, pooled;
   std::vector<float> qg, og;            // dense_tokens: the group's query rows and outputs, [rows, head_dim]
   std::vector<int64_t> head_pos, tokens;
+  std::vector<int32_t> lists, merged;   // grouped selection: each token's block list, their sorted union
+  std::vector<int64_t> list_end;        // end of token j's list in `lists`
+  std::vector<uint8_t> member;          // [union block, row]: 1 = the row's token attends the block
 };
 
 // Prefetch rows [r0, r1) of a block's keys and values (base pointers kb / vb, nullptr = none): spread over a
@@ -496,7 +499,7 @@ inline void softmax_keys_inner(float* s, int64_t bs, int64_t n, float* m, float*
 template <int G, int D>
 void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* vc, const int32_t* blocks,
             int64_t nblk, int64_t pos, const Geometry& geo, float* out, float* lse, Work& w,
-            const int64_t* head_pos) {
+            const int64_t* head_pos, const uint8_t* member) {
   const int64_t bs = geo.block_size;
   w.acc.assign(g * d, 0.0f);
   w.m.assign(g, -INFINITY);
@@ -543,6 +546,10 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
       for (int64_t i = 0; i < n; ++i)
         for (int64_t h = 0; h < g; ++h)
           if (lo + i > head_pos[h]) s[kSmall ? h * bs + i : i * g + h] = -INFINITY;
+    if (member != nullptr)  // rows whose token did not select this block
+      for (int64_t h = 0; h < g; ++h)
+        if (member[j * g + h] == 0)
+          for (int64_t i = 0; i < n; ++i) s[kSmall ? h * bs + i : i * g + h] = -INFINITY;
     if constexpr (kSmall) {
       softmax_keys_inner<G, D>(s, bs, n, w.m.data(), w.l.data(), acc, vb);
     } else if constexpr (G > 0 && D > 0) {
@@ -575,8 +582,9 @@ void attend(const float* q, int64_t g, int64_t d, const float* kc, const float* 
 
 // head_pos (nullable) [g]: each head's own last visible slot (<= pos), for the
 // rows of several tokens attended as one group (dense_tokens); nullptr = every head sees the slots up to pos.
+// member (nullable) [nblk, g]: 0 = the row does not attend that block (the grouped sparse rows of a verify chunk).
 using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, const Geometry&, float*, float*, Work&, const int64_t*);
+                          int64_t, const Geometry&, float*, float*, Work&, const int64_t*, const uint8_t*);
 
 // Specialisations: scores over heads for groups of 8 / 16 (the MiniCPM4-8B layout), compile-time
 // head_dim 64 / 128 for the value products; anything else runs the generic loops.
@@ -919,7 +927,8 @@ ffi::Error DecodeCommon(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     w.list.resize(max_list);
     const int64_t n = block_list(tp + ((bi * nkv + h) * t + ti) * kk, kk, pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, lse, w, nullptr);
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, lse, w, nullptr,
+              nullptr);
   };
 
   // Dense decoding of several tokens per sequence (a speculative verify chunk): the active tokens of one
@@ -955,7 +964,7 @@ ffi::Error DecodeCommon(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buf
     const int64_t n = block_list(tp, 0, max_pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
     pick_attend(rows, d)(w.qg.data(), rows, d, kp + kvoff, vp + kvoff, w.list.data(), n, max_pos, geo, w.og.data(),
-                         nullptr, w, w.head_pos.data());
+                         nullptr, w, w.head_pos.data(), nullptr);
     for (size_t j = 0; j < w.tokens.size(); ++j)
       std::memcpy(op + ((bi * t + w.tokens[j]) * nq + h * g) * d, w.og.data() + j * g * d, sizeof(float) * g * d);
   };
@@ -1028,8 +1037,9 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   int32_t* tp = topk_out->typed_data();
   const int64_t max_list = std::min(init_blocks, nb) + std::min(window_blocks, nb) + topk_cfg;
   const AttendFn attend_fn = pick_attend(g, d);
-  auto run = [=](int64_t it, Work& w) {
-    const int64_t ti = it % t, h = (it / t) % nkv, bi = it / (t * nkv);
+  // Selection of token ti of sequence bi for KV head h (its topk_idx row written); returns the length of its
+  // block list in w.list, or -1 for an inactive row (its output zeroed).
+  auto select_token = [=](int64_t bi, int64_t h, int64_t ti, Work& w) -> int64_t {
     const int64_t pos = pp[bi * t + ti];
     const int64_t qoff = ((bi * t + ti) * nq + h * g) * d;
     int32_t* row = tp + ((bi * nkv + h) * t + ti) * topk_cfg;
@@ -1037,18 +1047,71 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                   nkv * d, pos, nb, sg, row, w);
     if (pos < 0) {
       std::memset(op + qoff, 0, sizeof(float) * g * d);
-      return;
+      return -1;
     }
     w.list.resize(max_list);
-    const int64_t n = block_list(row, topk_cfg, pos, nb, geo, w.list.data(), w.picks);
+    return block_list(row, topk_cfg, pos, nb, geo, w.list.data(), w.picks);
+  };
+  auto run = [=](int64_t it, Work& w) {
+    const int64_t ti = it % t, h = (it / t) % nkv, bi = it / (t * nkv);
+    const int64_t n = select_token(bi, h, ti, w);
+    if (n < 0) return;
+    const int64_t qoff = ((bi * t + ti) * nq + h * g) * d;
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pos, geo, op + qoff, nullptr, w, nullptr);
+    attend_fn(qp + qoff, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, pp[bi * t + ti], geo, op + qoff, nullptr,
+              w, nullptr, nullptr);
+  };
+  // Several tokens of a sequence (a speculative verify chunk): each token's selection as above, then one pass over
+  // the union of their blocks for all tokens x heads rows, each row masked to its own token's blocks and slots,
+  // so that a block picked by several tokens (the window, most picks) is read once instead of once per token.
+  auto run_tokens = [=](int64_t it, Work& w) {
+    const int64_t h = it % nkv, bi = it / nkv;
+    w.tokens.clear();
+    w.lists.clear();
+    w.list_end.clear();
+    int64_t max_pos = -1;
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const int64_t n = select_token(bi, h, ti, w);
+      if (n < 0) continue;
+      w.lists.insert(w.lists.end(), w.list.begin(), w.list.begin() + n);
+      w.list_end.push_back(static_cast<int64_t>(w.lists.size()));
+      w.tokens.push_back(ti);
+      max_pos = std::max<int64_t>(max_pos, pp[bi * t + ti]);
+    }
+    if (w.tokens.empty()) return;
+    w.merged.assign(w.lists.begin(), w.lists.end());
+    std::sort(w.merged.begin(), w.merged.end());
+    w.merged.erase(std::unique(w.merged.begin(), w.merged.end()), w.merged.end());
+    const int64_t ntok = static_cast<int64_t>(w.tokens.size()), rows = ntok * g;
+    const int64_t nu = static_cast<int64_t>(w.merged.size());
+    w.member.assign(nu * rows, 0);
+    for (int64_t j = 0, start = 0; j < ntok; start = w.list_end[j++])
+      for (int64_t e = start; e < w.list_end[j]; ++e) {
+        const int64_t u = std::lower_bound(w.merged.begin(), w.merged.end(), w.lists[e]) - w.merged.begin();
+        std::fill(w.member.begin() + u * rows + j * g, w.member.begin() + u * rows + (j + 1) * g, 1);
+      }
+    w.qg.resize(rows * d);
+    w.og.resize(rows * d);
+    w.head_pos.resize(rows);
+    for (int64_t j = 0; j < ntok; ++j) {
+      const int64_t ti = w.tokens[j];
+      std::memcpy(w.qg.data() + j * g * d, qp + ((bi * t + ti) * nq + h * g) * d, sizeof(float) * g * d);
+      std::fill(w.head_pos.begin() + j * g, w.head_pos.begin() + (j + 1) * g, pp[bi * t + ti]);
+    }
+    const int64_t kvoff = (bi * nkv + h) * cap * d;
+    pick_attend(rows, d)(w.qg.data(), rows, d, kp + kvoff, vp + kvoff, w.merged.data(), nu, max_pos, geo,
+                         w.og.data(), nullptr, w, w.head_pos.data(), w.member.data());
+    for (int64_t j = 0; j < ntok; ++j)
+      std::memcpy(op + ((bi * t + w.tokens[j]) * nq + h * g) * d, w.og.data() + j * g * d, sizeof(float) * g * d);
   };
   int64_t cache_floats = 0;  // compressed keys and the selected blocks, K and V, per item
   for (int64_t i = 0; i < b * t; ++i)
     if (pp[i] >= 0)
       cache_floats += nkv * d * (nc1 + nc2 + 2 * block_size * std::min(max_list, pp[i] / block_size + 1));
-  parallel_for(pool, b * nkv * t, cache_floats, run);
+  if (t > 1)
+    parallel_for(pool, b * nkv, cache_floats, run_tokens);
+  else
+    parallel_for(pool, b * nkv * t, cache_floats, run);
   return ffi::Error::Success();
 }
 
