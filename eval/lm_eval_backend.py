@@ -406,6 +406,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         from minicpm4_jax.compilation_cache import configure_compilation_cache
 
         configure_compilation_cache()  # as the `minicpm4` command: a re-run loads the compiled programs
+        from minicpm4_jax.ops import native
+
+        native.check_settings()
         cli_evaluate()
     except ConfigError as e:  # this backend's own input errors (model_args, checkpoint): one line, status 2
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -527,6 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from minicpm4_jax.compilation_cache import configure_compilation_cache
 
         configure_compilation_cache()  # before anything compiles: a rerun loads the programs (README)
+        from minicpm4_jax.ops import native
+
+        native.check_settings()  # a bad MINICPM4_JAX_NATIVE_LINGER_US stops here, not mid-output
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "generate":

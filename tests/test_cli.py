@@ -254,3 +254,14 @@ def test_a_closed_output_pipe_ends_the_command_quietly():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and err == "", err
+
+
+def test_bad_native_linger_setting_stops_the_command_before_any_output(monkeypatch, tmp_path, capsys):
+    # the kernel reads MINICPM4_JAX_NATIVE_LINGER_US with atoll ('abc' -> 0); the command refuses it up front
+    monkeypatch.setenv("MINICPM4_JAX_NATIVE_LINGER_US", "1e3")
+    assert main(["generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.strip().splitlines() == [
+        "error: MINICPM4_JAX_NATIVE_LINGER_US='1e3' must be a whole number of microseconds from 0 (no lingering pool "
+        "thread) to 1000000; unset it for the default 1000"]

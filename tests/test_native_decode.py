@@ -527,3 +527,17 @@ def test_verify_chunk_rows_attend_only_their_own_tokens_blocks(nope):
                                   init_blocks=init_b, gather_width=width)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
     assert np.all(np.asarray(out)[1] == 0.0)
+
+
+@pytest.mark.parametrize("raw", ["abc", "-5", "1e3", "2000000", "0.5"])
+def test_bad_linger_setting_is_one_line_error(monkeypatch, raw):
+    """A MINICPM4_JAX_NATIVE_LINGER_US the kernel would misread (atoll: 'abc' -> 0, '1e3' -> 1) is refused by name."""
+    from minicpm4_jax.config import ConfigError
+
+    monkeypatch.setenv("MINICPM4_JAX_NATIVE_LINGER_US", raw)
+    with pytest.raises(ConfigError, match=r"MINICPM4_JAX_NATIVE_LINGER_US=.*whole number of microseconds") as e:
+        native.available()
+    assert "\n" not in str(e.value) and repr(raw) in str(e.value)
+    for ok in ("0", " 250 ", ""):
+        monkeypatch.setenv("MINICPM4_JAX_NATIVE_LINGER_US", ok)
+        assert native.available()

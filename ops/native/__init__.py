@@ -162,7 +162,31 @@ def _intact(path: Path) -> bool:
         return False
 
 
+_LINGER_MAX_US = 1_000_000
+
+
+def check_settings() -> None:
+    """Refuse a ``MINICPM4_JAX_NATIVE_LINGER_US`` the kernel could not use (it reads the value with ``atoll``).
+
+    Called by :func:`available` and, so that a bad value stops a command before it prints anything, at the start
+    of the ``minicpm4`` and ``minicpm4-lm-eval`` commands.
+
+    Raises:
+        ConfigError: the value is not a whole number of microseconds from 0 to 1000000.
+    """
+    raw = os.environ.get("MINICPM4_JAX_NATIVE_LINGER_US")
+    if raw is None or raw.strip() == "":
+        return
+    value = raw.strip()
+    if not value.isdigit() or int(value) > _LINGER_MAX_US:
+        from minicpm4_jax.config import ConfigError  # noqa: PLC0415 (ops imports no config at module level)
+
+        raise ConfigError(f"MINICPM4_JAX_NATIVE_LINGER_US={raw!r} must be a whole number of microseconds from 0 (no "
+                          f"lingering pool thread) to {_LINGER_MAX_US}; unset it for the default 1000")
+
+
 def _load() -> bool:
+    check_settings()
     with _lock:
         if "ok" in _state:
             return _state["ok"]
@@ -194,7 +218,11 @@ def _load() -> bool:
 
 
 def available() -> bool:
-    """Whether the native decode kernel is built and registered (builds it on the first call, ~5 s)."""
+    """Whether the native decode kernel is built and registered (builds it on the first call, ~5 s).
+
+    Raises:
+        ConfigError: ``MINICPM4_JAX_NATIVE_LINGER_US`` set to anything but a whole number from 0 to 1000000.
+    """
     return _load()
 
 
