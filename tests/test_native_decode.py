@@ -541,3 +541,44 @@ def test_bad_linger_setting_is_one_line_error(monkeypatch, raw):
     for ok in ("0", " 250 ", ""):
         monkeypatch.setenv("MINICPM4_JAX_NATIVE_LINGER_US", ok)
         assert native.available()
+
+
+def test_grouped_verify_rows_equal_reference_over_random_layouts():
+    """The grouped path (T > 1) over random layouts: chunks of 2-6 consecutive positions anywhere in the cache (the
+    reference's contract for several tokens), inactive tokens anywhere in the chunk, both selection variants, NoPE
+    queries, groups of 1-4 heads, narrow gather widths. Selections equal the reference's and every row equals the reference's attention."""
+    from minicpm4_jax.config import SparseConfig
+    from minicpm4_jax.infllm.attention import stage2_forced_split
+    from minicpm4_jax.infllm.compress import coarse_geometry, compress_keys
+    from minicpm4_jax.infllm.select import select_blocks_compressed, select_params
+
+    rng = np.random.default_rng(123)
+    for trial in range(8):
+        variant = ("gen1", "gen2")[trial % 2]
+        b, t, nkv, g = int(rng.integers(1, 3)), int(rng.integers(2, 7)), int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
+        d, bs, nb = 64, 32, int(rng.integers(8, 20))
+        cap = nb * bs
+        p = select_params(SparseConfig(kernel_size=32, kernel_stride=16, block_size=bs, window_size=64,
+                                       topk=int(rng.integers(3, 7)), init_blocks=int(rng.integers(0, 2)),
+                                       variant=variant, dense_len=-1))
+        init_b, win_b, width = stage2_forced_split(p, min(p.topk_cfg, nb))
+        width = int(rng.integers(0, width + 1))  # narrower gathers drop picks (compact_topk keeps the smallest)
+        k = jnp.asarray(rng.standard_normal((b, cap, nkv, d)), jnp.float32)
+        kc, vc = k.transpose(0, 2, 1, 3), jnp.asarray(rng.standard_normal((b, nkv, cap, d)), jnp.float32)
+        ck1 = compress_keys(k, 32, 16)
+        ck2 = compress_keys(k, *coarse_geometry(32, 16)) if variant == "gen2" else None
+        q = jnp.asarray(2 * rng.standard_normal((b, t, nkv * g, d)), jnp.float32)
+        nope = bool(trial % 3 == 0)
+        q_sel = jnp.asarray(2 * rng.standard_normal((b, t, nkv * g, d)), jnp.float32) if nope else q
+        pos = rng.integers(0, cap - t + 1, size=(b, 1)) + np.arange(t)[None]  # consecutive, as a verify chunk
+        pos[rng.random((b, t)) < 0.25] = -1
+        pos = jnp.asarray(pos, jnp.int32)
+        sel = select_blocks_compressed(q_sel, ck1, ck2, q_positions=pos, params=p, num_blocks=nb,
+                                       kv_len=jnp.maximum(jnp.max(pos, axis=1) + 1, 1), q_tile=t)
+        out, idx = native.select_decode_attention(q, kc, vc, ck1, ck2, q_positions=pos, params=p, init_blocks=init_b,
+                                                  window_blocks=win_b, gather_width=width,
+                                                  q_sel=q_sel if nope else None)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(sel.topk_idx), err_msg=f"trial {trial}")
+        ref = sparse_decode_attention(q, kc, vc, sel.topk_idx, q_positions=pos, block_size=bs, window_blocks=win_b,
+                                      init_blocks=init_b, gather_width=width)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5, err_msg=f"trial {trial}")
