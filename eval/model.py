@@ -207,6 +207,9 @@ class EvalModel:
         #: ``(prompt index, position)`` of every generation prompt whose logits went non-finite (:meth:`generate`)
         self.nonfinite_prompts: list[tuple[int, int]] = []
         self._finite_seen = False  # a generation prompt decoded with finite logits throughout
+        #: index of every log-likelihood request (of its call) whose score came out NaN/Inf (:meth:`loglikelihood`)
+        self.nonfinite_requests: list[int] = []
+        self._finite_score_seen = False  # a log-likelihood request scored finite
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, *, step: int | None = None, attention: str | None = None,
@@ -394,8 +397,13 @@ class EvalModel:
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
         """``(log P(continuation | context), continuation is greedy)`` per ``(context, continuation)`` pair.
 
+        A NaN/Inf score (non-finite logits) is returned as it is, with a ``warning: ... request i`` line on stderr
+        and ``i`` appended to ``nonfinite_requests``; while no request has yet scored finite, a batch whose every
+        score is NaN/Inf raises instead (broken weights fail on the first batch).
+
         Raises:
-            ConfigError: an empty continuation, or one that alone exceeds ``max_length``.
+            ConfigError: an empty continuation, or one that alone exceeds ``max_length``; every score of the first
+                batch NaN/Inf.
         """
         return self.loglikelihood_tokens([self.encode_pair(c, x) for c, x in requests])
 
@@ -489,5 +497,21 @@ class EvalModel:
                 total, greedy = np.asarray(total), np.asarray(greedy)
                 for r, i in enumerate(idx):
                     results[i] = (float(total[r]), bool(greedy[r]))
+                self._check_finite_scores(idx, total[:len(idx)], desc)
                 bar.update(len(idx))
         return results
+
+    def _check_finite_scores(self, idx: list[int], total: np.ndarray, desc: str) -> None:
+        """:meth:`generate`'s non-finite policy for one batch of log-likelihood scores (``idx``: request indices):
+        while no request has scored finite, a batch of only NaN/Inf scores raises; otherwise each one is a warning
+        line and an entry of ``nonfinite_requests``, its score returned as it is."""
+        bad = [i for i, v in zip(idx, total) if not np.isfinite(v)]
+        if bad and len(bad) == len(idx) and not self._finite_score_seen:
+            raise ConfigError(f"{desc}: every request of the first batch ({len(idx)}, e.g. request {bad[0]}) scored "
+                              "NaN/Inf: the weights or the activations hold NaN/Inf (check the checkpoint; bf16 "
+                              "overflow: try dtype=float32)")
+        self._finite_score_seen = self._finite_score_seen or len(bad) < len(idx)
+        for i in bad:
+            self.nonfinite_requests.append(i)
+            print(f"warning: {desc} request {i}: the score is {total[idx.index(i)]} (non-finite logits: the weights "
+                  "or the activations hold NaN/Inf; bf16 overflow: try dtype=float32)", file=sys.stderr, flush=True)

@@ -179,3 +179,28 @@ def test_eval_generate_keeps_the_other_prompts_and_refuses_broken_weights(capsys
     with pytest.raises(NonFiniteLogitsError, match=r"^non-finite logits for prompt 1 at position 11 \(new token 0\) "
                                                    r"\(and prompt 2\): "):  # longest first
         EvalModel(model, _Tok(), batch_size=2, prefix="bos", progress=False).generate(prompts, max_new_tokens=6)
+
+
+def test_eval_loglikelihood_flags_nan_scores_and_refuses_broken_weights(capsys):
+    """EvalModel.loglikelihood: a request whose logits go non-finite keeps its NaN score but is named on stderr and in
+    ``nonfinite_requests`` (a NaN among a question's choices would otherwise decide an accuracy silently); the
+    other scores are unchanged; a first batch in which every score is NaN/Inf (broken weights) raises at once."""
+    from minicpm4_jax.eval.model import EvalModel
+
+    model, _ = _models()
+    reqs = [("abc", " d"), ("hello there", " friend"), ("xyz", " !")]
+    healthy = EvalModel(model, _Tok(), batch_size=2, prefix="bos", progress=False).loglikelihood(reqs)
+    assert all(np.isfinite(s) for s, _ in healthy)
+    capsys.readouterr()
+    _set_row(model, _Tok().encode("!")[0], jnp.nan)  # only request 2 holds "!"; as the last target it is never an input
+    _set_row(model, _Tok().encode("z")[0], jnp.nan)
+    em = EvalModel(model, _Tok(), batch_size=2, prefix="bos", progress=False)
+    got = em.loglikelihood(reqs)
+    assert got[:2] == healthy[:2] and np.isnan(got[2][0])
+    assert em.nonfinite_requests == [2]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: loglikelihood request 2: the score is nan"), err
+    model.lm_head[...] = model.lm_head[...].at[:, 40].set(jnp.nan)  # every request now
+    with pytest.raises(ConfigError, match=r"^loglikelihood: every request of the first batch \(2, e\.g\. request 1\) "
+                                          r"scored NaN/Inf: "):  # longest first
+        EvalModel(model, _Tok(), batch_size=2, prefix="bos", progress=False).loglikelihood(reqs)
