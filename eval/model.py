@@ -505,13 +505,14 @@ class EvalModel:
         """:meth:`generate`'s non-finite policy for one batch of log-likelihood scores (``idx``: request indices):
         while no request has scored finite, a batch of only NaN/Inf scores raises; otherwise each one is a warning
         line and an entry of ``nonfinite_requests``, its score returned as it is."""
-        bad = [i for i, v in zip(idx, total) if not np.isfinite(v)]
+        bad = [(i, float(v)) for i, v in zip(idx, total) if not np.isfinite(v)]
         if bad and len(bad) == len(idx) and not self._finite_score_seen:
-            raise ConfigError(f"{desc}: every request of the first batch ({len(idx)}, e.g. request {bad[0]}) scored "
+            first = bad[0][0]
+            raise ConfigError(f"{desc}: every request of the first batch ({len(idx)}, e.g. request {first}) scored "
                               "NaN/Inf: the weights or the activations hold NaN/Inf (check the checkpoint; bf16 "
                               "overflow: try dtype=float32)")
         self._finite_score_seen = self._finite_score_seen or len(bad) < len(idx)
-        for i in bad:
+        for i, v in bad:
             self.nonfinite_requests.append(i)
-            print(f"warning: {desc} request {i}: the score is {total[idx.index(i)]} (non-finite logits: the weights "
+            print(f"warning: {desc} request {i}: the score is {v} (non-finite logits: the weights "
                   "or the activations hold NaN/Inf; bf16 overflow: try dtype=float32)", file=sys.stderr, flush=True)

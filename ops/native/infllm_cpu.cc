@@ -886,6 +886,28 @@ void parallel_for(ffi::ThreadPool& pool, int64_t items, int64_t cache_floats, co
   if (mb.job == job) mb.job.reset();
 }
 
+// The active tokens w.tokens (ascending) of sequence bi for KV head h, attended as one group: the g query heads of
+// each token become rows of one attend call, each row masked after its own position (and, with member [nblk,
+// rows], to its own token's blocks), so the listed blocks are read once for all of them. q / out: [batch, t, nq,
+// d]; positions [batch, t]; max_pos: the latest active position.
+void attend_token_group(const float* qp, const int32_t* pp, float* op, int64_t bi, int64_t h, int64_t t, int64_t nq,
+                        int64_t g, int64_t d, const float* kc, const float* vc, const int32_t* blocks, int64_t nblk,
+                        int64_t max_pos, const Geometry& geo, const uint8_t* member, Work& w) {
+  const int64_t ntok = static_cast<int64_t>(w.tokens.size()), rows = ntok * g;
+  w.qg.resize(rows * d);
+  w.og.resize(rows * d);
+  w.head_pos.resize(rows);
+  for (int64_t j = 0; j < ntok; ++j) {
+    const int64_t ti = w.tokens[j];
+    std::memcpy(w.qg.data() + j * g * d, qp + ((bi * t + ti) * nq + h * g) * d, sizeof(float) * g * d);
+    std::fill(w.head_pos.begin() + j * g, w.head_pos.begin() + (j + 1) * g, pp[bi * t + ti]);
+  }
+  pick_attend(rows, d)(w.qg.data(), rows, d, kc, vc, blocks, nblk, max_pos, geo, w.og.data(), nullptr, w,
+                       w.head_pos.data(), member);
+  for (int64_t j = 0; j < ntok; ++j)
+    std::memcpy(op + ((bi * t + w.tokens[j]) * nq + h * g) * d, w.og.data() + j * g * d, sizeof(float) * g * d);
+}
+
 // Stage 2 of every (sequence, KV head, token); lse (nullable) [batch, T, num_heads] receives each head's
 // logsumexp over its attended keys (-inf for none), for merging with another part of the attention.
 ffi::Error DecodeCommon(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
@@ -951,22 +973,11 @@ ffi::Error DecodeCommon(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       }
     }
     if (w.tokens.empty()) return;
-    const int64_t rows = static_cast<int64_t>(w.tokens.size()) * g;
-    w.qg.resize(rows * d);
-    w.og.resize(rows * d);
-    w.head_pos.resize(rows);
-    for (size_t j = 0; j < w.tokens.size(); ++j) {
-      const int64_t ti = w.tokens[j];
-      std::memcpy(w.qg.data() + j * g * d, qp + ((bi * t + ti) * nq + h * g) * d, sizeof(float) * g * d);
-      std::fill(w.head_pos.begin() + j * g, w.head_pos.begin() + (j + 1) * g, pp[bi * t + ti]);
-    }
     w.list.resize(max_list);
     const int64_t n = block_list(tp, 0, max_pos, nb, geo, w.list.data(), w.picks);
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    pick_attend(rows, d)(w.qg.data(), rows, d, kp + kvoff, vp + kvoff, w.list.data(), n, max_pos, geo, w.og.data(),
-                         nullptr, w, w.head_pos.data(), nullptr);
-    for (size_t j = 0; j < w.tokens.size(); ++j)
-      std::memcpy(op + ((bi * t + w.tokens[j]) * nq + h * g) * d, w.og.data() + j * g * d, sizeof(float) * g * d);
+    attend_token_group(qp, pp, op, bi, h, t, nq, g, d, kp + kvoff, vp + kvoff, w.list.data(), n, max_pos, geo, nullptr,
+                       w);
   };
 
   int64_t cache_floats = 0;  // cache values the call can read: visible slots per item, K and V
@@ -1090,19 +1101,9 @@ ffi::Error SelectDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         const int64_t u = std::lower_bound(w.merged.begin(), w.merged.end(), w.lists[e]) - w.merged.begin();
         std::fill(w.member.begin() + u * rows + j * g, w.member.begin() + u * rows + (j + 1) * g, 1);
       }
-    w.qg.resize(rows * d);
-    w.og.resize(rows * d);
-    w.head_pos.resize(rows);
-    for (int64_t j = 0; j < ntok; ++j) {
-      const int64_t ti = w.tokens[j];
-      std::memcpy(w.qg.data() + j * g * d, qp + ((bi * t + ti) * nq + h * g) * d, sizeof(float) * g * d);
-      std::fill(w.head_pos.begin() + j * g, w.head_pos.begin() + (j + 1) * g, pp[bi * t + ti]);
-    }
     const int64_t kvoff = (bi * nkv + h) * cap * d;
-    pick_attend(rows, d)(w.qg.data(), rows, d, kp + kvoff, vp + kvoff, w.merged.data(), nu, max_pos, geo,
-                         w.og.data(), nullptr, w, w.head_pos.data(), w.member.data());
-    for (int64_t j = 0; j < ntok; ++j)
-      std::memcpy(op + ((bi * t + w.tokens[j]) * nq + h * g) * d, w.og.data() + j * g * d, sizeof(float) * g * d);
+    attend_token_group(qp, pp, op, bi, h, t, nq, g, d, kp + kvoff, vp + kvoff, w.merged.data(), nu, max_pos, geo,
+                       w.member.data(), w);
   };
   int64_t cache_floats = 0;  // compressed keys and the selected blocks, K and V, per item
   for (int64_t i = 0; i < b * t; ++i)
